@@ -1,0 +1,28 @@
+//! Events: wire decoding, validation and identity (DESIGN §2–§4).
+//!
+//! Pure: no I/O, no clock (callers pass `now_ms`). The path of one record:
+//!
+//! ```text
+//! bytes ─► wire::decode ─► Validator::validate ─► UsageEvent ─► id_hash / payload_hash
+//!            (JSON shape)     (reason codes)        (normalised)   (identity)
+//! ```
+
+mod canonical;
+mod identity;
+mod model;
+mod position;
+mod quantity;
+mod reason;
+mod validate;
+pub mod wire;
+
+pub use canonical::{format_timestamp_ms, push_json_str, to_canonical_json, write_canonical_json};
+pub use identity::{
+    id_hash, payload_hash, payload_hash_with, CanonicalPayload, IdDeriver, IdHash, PayloadHash, BINCODE_CONFIG,
+    DERIVED_ID_PREFIX,
+};
+pub use model::{CorrectionRef, EventKind, UsageEvent};
+pub use position::Position;
+pub use quantity::{parse_decimal, QuantityError};
+pub use reason::{RejectReason, Rejection};
+pub use validate::{parse_timestamp, ClosedPeriod, Limits, Validator, DAY_MS};

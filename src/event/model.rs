@@ -1,0 +1,90 @@
+//! The validated usage event: what every later stage works on.
+//!
+//! A `UsageEvent` exists only after validation succeeded, so its fields hold
+//! the invariants of DESIGN §2/§4: strings are non-empty and within their
+//! limits, the quantity is an exact, normalised decimal, the timestamp is epoch
+//! milliseconds, dimensions are sorted by key and unique.
+
+use rust_decimal::Decimal;
+
+/// What an event does to a customer's usage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum EventKind {
+    /// Ordinary usage; its quantity must be >= 0.
+    Usage,
+    /// Adjusts an earlier event; may be negative; needs `correction_ref`.
+    Correction,
+    /// Withdraws an earlier event; may be negative; needs `correction_ref`.
+    Retraction,
+}
+
+impl EventKind {
+    /// The wire spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::Usage => "usage",
+            EventKind::Correction => "correction",
+            EventKind::Retraction => "retraction",
+        }
+    }
+
+    /// Parses the wire spelling.
+    pub fn parse(s: &str) -> Option<EventKind> {
+        match s {
+            "usage" => Some(EventKind::Usage),
+            "correction" => Some(EventKind::Correction),
+            "retraction" => Some(EventKind::Retraction),
+            _ => None,
+        }
+    }
+
+    /// A stable small number, used by binary encodings (canonical hash, segments).
+    pub fn code(self) -> u8 {
+        match self {
+            EventKind::Usage => 0,
+            EventKind::Correction => 1,
+            EventKind::Retraction => 2,
+        }
+    }
+
+    /// Inverse of [`EventKind::code`].
+    pub fn from_code(code: u8) -> Option<EventKind> {
+        match code {
+            0 => Some(EventKind::Usage),
+            1 => Some(EventKind::Correction),
+            2 => Some(EventKind::Retraction),
+            _ => None,
+        }
+    }
+}
+
+/// The event a correction or retraction refers to.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct CorrectionRef {
+    pub original_event_id: String,
+    pub reason: Option<String>,
+}
+
+/// A validated, normalised usage event.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct UsageEvent {
+    /// As sent, or derived from the business tuple when absent (DESIGN §3).
+    pub event_id: String,
+    /// True when dedupd derived `event_id`; visible in the output.
+    pub event_id_derived: bool,
+    pub tenant_id: String,
+    /// The billed entity.
+    pub customer_id: String,
+    pub meter: String,
+    /// Exact decimal, normalised (no trailing zeros, no negative zero).
+    pub quantity: Decimal,
+    /// Event time, epoch milliseconds UTC.
+    pub timestamp_ms: i64,
+    pub kind: EventKind,
+    pub correction_ref: Option<CorrectionRef>,
+    pub resource_id: Option<String>,
+    pub unit: Option<String>,
+    pub source: Option<String>,
+    /// Sorted by key, keys unique.
+    pub dimensions: Vec<(String, String)>,
+}

@@ -1,0 +1,89 @@
+//! Why a record was rejected: the reason codes of DESIGN §4.
+//!
+//! The strings are a contract with operators (metric labels, the rejected
+//! topic, alerts): never rename one.
+
+/// The reason a record landed in the rejected bucket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RejectReason {
+    MalformedJson,
+    UnknownField,
+    MissingField,
+    EmptyField,
+    FieldTooLong,
+    TooManyDimensions,
+    InvalidQuantity,
+    NegativeQuantity,
+    InvalidTimestamp,
+    TimestampInFuture,
+    TimestampTooOld,
+    MissingCorrectionRef,
+    ClosedPeriod,
+    RecordTooLarge,
+}
+
+impl RejectReason {
+    /// Every reason, for metrics pre-registration and documentation tests.
+    pub const ALL: [RejectReason; 14] = [
+        RejectReason::MalformedJson,
+        RejectReason::UnknownField,
+        RejectReason::MissingField,
+        RejectReason::EmptyField,
+        RejectReason::FieldTooLong,
+        RejectReason::TooManyDimensions,
+        RejectReason::InvalidQuantity,
+        RejectReason::NegativeQuantity,
+        RejectReason::InvalidTimestamp,
+        RejectReason::TimestampInFuture,
+        RejectReason::TimestampTooOld,
+        RejectReason::MissingCorrectionRef,
+        RejectReason::ClosedPeriod,
+        RejectReason::RecordTooLarge,
+    ];
+
+    /// The exact reason code.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectReason::MalformedJson => "malformed_json",
+            RejectReason::UnknownField => "unknown_field",
+            RejectReason::MissingField => "missing_field",
+            RejectReason::EmptyField => "empty_field",
+            RejectReason::FieldTooLong => "field_too_long",
+            RejectReason::TooManyDimensions => "too_many_dimensions",
+            RejectReason::InvalidQuantity => "invalid_quantity",
+            RejectReason::NegativeQuantity => "negative_quantity",
+            RejectReason::InvalidTimestamp => "invalid_timestamp",
+            RejectReason::TimestampInFuture => "timestamp_in_future",
+            RejectReason::TimestampTooOld => "timestamp_too_old",
+            RejectReason::MissingCorrectionRef => "missing_correction_ref",
+            RejectReason::ClosedPeriod => "closed_period",
+            RejectReason::RecordTooLarge => "record_too_large",
+        }
+    }
+}
+
+impl std::fmt::Display for RejectReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A rejected record's reason and a human-readable detail (which field, what
+/// limit). The detail is for people; the reason is for machines.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rejection {
+    pub reason: RejectReason,
+    pub detail: String,
+}
+
+impl Rejection {
+    pub fn new(reason: RejectReason, detail: impl Into<String>) -> Rejection {
+        Rejection { reason, detail: detail.into() }
+    }
+}
+
+impl std::fmt::Display for Rejection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.reason, self.detail)
+    }
+}

@@ -1,0 +1,411 @@
+//! Validation: from a [`WireEvent`] to a [`UsageEvent`], or a [`Rejection`]
+//! with exactly one reason code (DESIGN §4).
+//!
+//! Rules apply in a fixed order, so a record breaking several gets the first:
+//! size, JSON shape, unknown fields, field types, missing fields, empty fields,
+//! lengths, dimension count, quantity, timestamp, correction reference, closed
+//! period.
+
+use rust_decimal::Decimal;
+
+use super::identity::IdDeriver;
+use super::model::{CorrectionRef, EventKind, UsageEvent};
+use super::quantity::{parse_decimal, QuantityError};
+use super::reason::{RejectReason, Rejection};
+use super::wire::{self, Scalar, WireEvent, WireField};
+
+/// Validation limits. Every one is configurable; the defaults are documented
+/// in the README.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest record accepted, in bytes, before any parsing.
+    pub max_record_bytes: usize,
+    /// Longest identifier (`event_id`, `tenant_id`, `customer_id`, `meter`,
+    /// `resource_id`, `correction_ref.original_event_id`, dimension keys), in bytes.
+    pub max_id_bytes: usize,
+    /// Longest free-text field (`unit`, `source`, `correction_ref.reason`,
+    /// dimension values), in bytes.
+    pub max_field_bytes: usize,
+    /// Most dimensions per event.
+    pub max_dimensions: usize,
+    /// How far in the future an event time may be.
+    pub max_future_skew_ms: i64,
+    /// How far in the past an event time may be.
+    pub max_event_age_ms: i64,
+}
+
+pub const DAY_MS: i64 = 24 * 60 * 60 * 1000;
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            max_record_bytes: 64 * 1024,
+            max_id_bytes: 256,
+            max_field_bytes: 1024,
+            max_dimensions: 16,
+            max_future_skew_ms: 60 * 60 * 1000,
+            max_event_age_ms: 35 * DAY_MS,
+        }
+    }
+}
+
+/// A (tenant, calendar month UTC) closed for usage: invoices for it are final.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ClosedPeriod {
+    pub tenant_id: String,
+    pub year: i32,
+    pub month: u8,
+}
+
+impl ClosedPeriod {
+    /// Parses `tenant:YYYY-MM`. The tenant may itself contain `:`; the month
+    /// is after the last one.
+    pub fn parse(s: &str) -> Result<ClosedPeriod, String> {
+        let (tenant, ym) = s.rsplit_once(':').ok_or_else(|| format!("{s:?} is not tenant:YYYY-MM"))?;
+        let (y, m) = ym.split_once('-').ok_or_else(|| format!("{s:?} is not tenant:YYYY-MM"))?;
+        let year: i32 = y.parse().map_err(|_| format!("{s:?}: bad year"))?;
+        let month: u8 = m.parse().map_err(|_| format!("{s:?}: bad month"))?;
+        if tenant.is_empty() || y.len() != 4 || m.len() != 2 || !(1..=12).contains(&month) {
+            return Err(format!("{s:?} is not tenant:YYYY-MM"));
+        }
+        Ok(ClosedPeriod { tenant_id: tenant.to_owned(), year, month })
+    }
+}
+
+/// Turns record bytes into validated events. Holds everything validation
+/// needs besides the current time, which each call passes in (the clock seam).
+#[derive(Clone, Debug)]
+pub struct Validator {
+    limits: Limits,
+    closed: Vec<ClosedPeriod>,
+    deriver: IdDeriver,
+}
+
+impl Validator {
+    pub fn new(limits: Limits, closed: Vec<ClosedPeriod>, derive_salt: &str) -> Validator {
+        Validator { limits, closed, deriver: IdDeriver::new(derive_salt) }
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Validates one input record at time `now_ms`.
+    pub fn validate(&self, bytes: &[u8], now_ms: i64) -> Result<UsageEvent, Rejection> {
+        self.validate_with(bytes, now_ms, false, true)
+    }
+
+    /// Reads back one of dedupd's own output records (canonical JSON). Time
+    /// windows are not applied: the event was valid when it was accepted.
+    pub fn read_output(&self, bytes: &[u8]) -> Result<UsageEvent, Rejection> {
+        self.validate_with(bytes, 0, true, false)
+    }
+
+    fn validate_with(
+        &self,
+        bytes: &[u8],
+        now_ms: i64,
+        server_stamps: bool,
+        time_windows: bool,
+    ) -> Result<UsageEvent, Rejection> {
+        use RejectReason::*;
+        if bytes.len() > self.limits.max_record_bytes {
+            return Err(Rejection::new(
+                RecordTooLarge,
+                format!("{} bytes, limit {}", bytes.len(), self.limits.max_record_bytes),
+            ));
+        }
+        let w = wire::decode(bytes, server_stamps).map_err(|e| Rejection::new(MalformedJson, e.0))?;
+        if let Some(f) = &w.unknown_field {
+            return Err(Rejection::new(UnknownField, format!("`{f}` is not a field of schema v1")));
+        }
+        if let WireField::Value(c) = &w.correction_ref {
+            if let Some(f) = &c.unknown_field {
+                return Err(Rejection::new(UnknownField, format!("`{f}` is not a field of schema v1")));
+            }
+        }
+        check_types(&w)?;
+
+        let tenant_id = required_str(&w.tenant_id, "tenant_id")?;
+        let customer_id = required_str(&w.customer_id, "customer_id")?;
+        let meter = required_str(&w.meter, "meter")?;
+        let quantity = match &w.quantity {
+            WireField::Value(q) => q,
+            _ => return Err(Rejection::new(MissingField, "`quantity` is required")),
+        };
+        let timestamp = match &w.timestamp {
+            WireField::Value(t) => t,
+            _ => return Err(Rejection::new(MissingField, "`timestamp` is required")),
+        };
+        let event_id = optional_str(&w.event_id);
+        let resource_id = optional_str(&w.resource_id);
+        let unit = optional_str(&w.unit);
+        let source = optional_str(&w.source);
+        let kind_text = optional_str(&w.kind);
+        let correction = match &w.correction_ref {
+            WireField::Value(c) => Some(c),
+            _ => None,
+        };
+        let original_event_id = match correction {
+            Some(c) => Some(required_str(&c.original_event_id, "correction_ref.original_event_id")?),
+            None => None,
+        };
+        let correction_reason = correction.and_then(|c| optional_str(&c.reason));
+        let dims: &[(String, WireField<String>)] = match &w.dimensions {
+            WireField::Value(d) => d,
+            _ => &[],
+        };
+
+        // Empty strings: an empty id would make "absent" and "empty" two
+        // spellings of one thing, so every present string must have content.
+        // Dimension values may be empty (a legitimate "none" value).
+        let ids = [
+            ("event_id", event_id),
+            ("tenant_id", Some(tenant_id)),
+            ("customer_id", Some(customer_id)),
+            ("meter", Some(meter)),
+            ("resource_id", resource_id),
+            ("correction_ref.original_event_id", original_event_id),
+        ];
+        let texts = [("unit", unit), ("source", source), ("kind", kind_text), ("correction_ref.reason", correction_reason)];
+        for (name, v) in ids.iter().chain(texts.iter()) {
+            if v.is_some_and(str::is_empty) {
+                return Err(Rejection::new(EmptyField, format!("`{name}` is empty")));
+            }
+        }
+        for (k, _) in dims {
+            if k.is_empty() {
+                return Err(Rejection::new(EmptyField, "a dimension key is empty"));
+            }
+        }
+
+        for (name, v) in ids {
+            check_len(name, v, self.limits.max_id_bytes)?;
+        }
+        for (name, v) in texts {
+            check_len(name, v, self.limits.max_field_bytes)?;
+        }
+        for (k, v) in dims {
+            check_len("dimension key", Some(k), self.limits.max_id_bytes)?;
+            if let WireField::Value(v) = v {
+                check_len(&format!("dimensions.{k}"), Some(v), self.limits.max_field_bytes)?;
+            }
+        }
+        if dims.len() > self.limits.max_dimensions {
+            return Err(Rejection::new(
+                TooManyDimensions,
+                format!("{} dimensions, limit {}", dims.len(), self.limits.max_dimensions),
+            ));
+        }
+
+        let kind = match kind_text {
+            None => EventKind::Usage,
+            Some(k) => EventKind::parse(k).ok_or_else(|| {
+                Rejection::new(MalformedJson, format!("`kind` must be usage, correction or retraction, not {k:?}"))
+            })?,
+        };
+
+        let quantity = parse_quantity(quantity)?;
+        if kind == EventKind::Usage && quantity.is_sign_negative() && !quantity.is_zero() {
+            return Err(Rejection::new(NegativeQuantity, format!("usage quantity {quantity} is below 0")));
+        }
+
+        let timestamp_ms = parse_timestamp(timestamp)?;
+        if time_windows {
+            if timestamp_ms > now_ms.saturating_add(self.limits.max_future_skew_ms) {
+                return Err(Rejection::new(
+                    TimestampInFuture,
+                    format!("{} ms ahead of now, skew limit {} ms", timestamp_ms - now_ms, self.limits.max_future_skew_ms),
+                ));
+            }
+            if timestamp_ms < now_ms.saturating_sub(self.limits.max_event_age_ms) {
+                return Err(Rejection::new(
+                    TimestampTooOld,
+                    format!("{} ms old, age limit {} ms", now_ms.saturating_sub(timestamp_ms), self.limits.max_event_age_ms),
+                ));
+            }
+        }
+
+        if kind != EventKind::Usage && original_event_id.is_none() {
+            return Err(Rejection::new(
+                MissingCorrectionRef,
+                format!("a {} needs `correction_ref.original_event_id`", kind.as_str()),
+            ));
+        }
+        if kind == EventKind::Usage && time_windows {
+            if let Some(p) = self.closed_period_of(tenant_id, timestamp_ms) {
+                return Err(Rejection::new(
+                    ClosedPeriod,
+                    format!("{}-{:02} is closed for tenant {:?}; send a correction instead", p.year, p.month, p.tenant_id),
+                ));
+            }
+        }
+
+        let mut dimensions: Vec<(String, String)> = dims
+            .iter()
+            .map(|(k, v)| {
+                let v = match v {
+                    WireField::Value(s) => s.clone(),
+                    _ => String::new(),
+                };
+                (k.clone(), v)
+            })
+            .collect();
+        // Wire order carries no meaning; the canonical order is by key.
+        dimensions.sort_unstable();
+
+        let derived_flag = matches!(w.event_id_derived, WireField::Value(true));
+        let (event_id, event_id_derived) = match event_id {
+            Some(id) => (id.to_owned(), derived_flag),
+            None => (self.deriver.derive(tenant_id, customer_id, meter, resource_id, timestamp_ms), true),
+        };
+        Ok(UsageEvent {
+            event_id,
+            event_id_derived,
+            tenant_id: tenant_id.to_owned(),
+            customer_id: customer_id.to_owned(),
+            meter: meter.to_owned(),
+            quantity,
+            timestamp_ms,
+            kind,
+            correction_ref: original_event_id.map(|o| CorrectionRef {
+                original_event_id: o.to_owned(),
+                reason: correction_reason.map(str::to_owned),
+            }),
+            resource_id: resource_id.map(str::to_owned),
+            unit: unit.map(str::to_owned),
+            source: source.map(str::to_owned),
+            dimensions,
+        })
+    }
+
+    fn closed_period_of(&self, tenant_id: &str, timestamp_ms: i64) -> Option<&ClosedPeriod> {
+        if self.closed.is_empty() {
+            return None;
+        }
+        let t = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(timestamp_ms) * 1_000_000).ok()?;
+        self.closed
+            .iter()
+            .find(|p| p.tenant_id == tenant_id && p.year == t.year() && p.month == u8::from(t.month()))
+    }
+}
+
+/// Wrong JSON types are a malformed record: the bytes are JSON, but not an
+/// event. Quantity and timestamp have their own reasons.
+fn check_types(w: &WireEvent) -> Result<(), Rejection> {
+    let strings = [
+        ("event_id", &w.event_id),
+        ("tenant_id", &w.tenant_id),
+        ("customer_id", &w.customer_id),
+        ("meter", &w.meter),
+        ("kind", &w.kind),
+        ("resource_id", &w.resource_id),
+        ("unit", &w.unit),
+        ("source", &w.source),
+    ];
+    for (name, f) in strings {
+        if let WireField::WrongType(t) = f {
+            return Err(wrong_type(name, t, "a string"));
+        }
+    }
+    if let WireField::WrongType(t) = &w.quantity {
+        return Err(Rejection::new(
+            RejectReason::InvalidQuantity,
+            format!("`quantity` must be a number or a decimal string, not {t}"),
+        ));
+    }
+    if let WireField::WrongType(t) = &w.timestamp {
+        return Err(Rejection::new(
+            RejectReason::InvalidTimestamp,
+            format!("`timestamp` must be an RFC 3339 string or epoch milliseconds, not {t}"),
+        ));
+    }
+    match &w.correction_ref {
+        WireField::WrongType(t) => return Err(wrong_type("correction_ref", t, "an object")),
+        WireField::Value(c) => {
+            if let WireField::WrongType(t) = &c.original_event_id {
+                return Err(wrong_type("correction_ref.original_event_id", t, "a string"));
+            }
+            if let WireField::WrongType(t) = &c.reason {
+                return Err(wrong_type("correction_ref.reason", t, "a string"));
+            }
+        }
+        _ => {}
+    }
+    match &w.dimensions {
+        WireField::WrongType(t) => return Err(wrong_type("dimensions", t, "an object of strings")),
+        WireField::Value(d) => {
+            for (k, v) in d {
+                match v {
+                    WireField::WrongType(t) => return Err(wrong_type(&format!("dimensions.{k}"), t, "a string")),
+                    WireField::Null => return Err(wrong_type(&format!("dimensions.{k}"), "null", "a string")),
+                    _ => {}
+                }
+            }
+        }
+        _ => {}
+    }
+    if let WireField::WrongType(t) = &w.event_id_derived {
+        return Err(wrong_type("event_id_derived", t, "a boolean"));
+    }
+    Ok(())
+}
+
+fn wrong_type(name: &str, got: &str, want: &str) -> Rejection {
+    Rejection::new(RejectReason::MalformedJson, format!("`{name}` must be {want}, not {got}"))
+}
+
+fn required_str<'a>(f: &'a WireField<String>, name: &str) -> Result<&'a str, Rejection> {
+    match f {
+        WireField::Value(s) => Ok(s),
+        _ => Err(Rejection::new(RejectReason::MissingField, format!("`{name}` is required"))),
+    }
+}
+
+fn optional_str(f: &WireField<String>) -> Option<&str> {
+    match f {
+        WireField::Value(s) => Some(s),
+        _ => None,
+    }
+}
+
+fn check_len(name: &str, v: Option<&str>, limit: usize) -> Result<(), Rejection> {
+    match v {
+        Some(s) if s.len() > limit => Err(Rejection::new(
+            RejectReason::FieldTooLong,
+            format!("`{name}` is {} bytes, limit {limit}", s.len()),
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn parse_quantity(q: &Scalar) -> Result<Decimal, Rejection> {
+    let text = match q {
+        Scalar::Str(s) | Scalar::Number(s) => s,
+    };
+    parse_decimal(text).map_err(|e| {
+        let detail = match e {
+            QuantityError::Syntax(_) => format!("`quantity` {e}"),
+            QuantityError::OutOfRange(_) => format!("`quantity` {e}"),
+        };
+        Rejection::new(RejectReason::InvalidQuantity, detail)
+    })
+}
+
+/// RFC 3339 text or integer epoch milliseconds, to epoch milliseconds.
+/// Precision below the millisecond is truncated toward the past: the canonical
+/// form (and so the payload hash) holds milliseconds (DESIGN §3).
+pub fn parse_timestamp(t: &Scalar) -> Result<i64, Rejection> {
+    let invalid = |why: String| Rejection::new(RejectReason::InvalidTimestamp, why);
+    match t {
+        Scalar::Number(n) => n
+            .parse::<i64>()
+            .map_err(|_| invalid(format!("`timestamp` number {n:?} is not integer epoch milliseconds"))),
+        Scalar::Str(s) => {
+            let dt = time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339)
+                .map_err(|e| invalid(format!("`timestamp` {:?} is not RFC 3339: {e}", s.chars().take(64).collect::<String>())))?;
+            let ns = dt.unix_timestamp_nanos();
+            i64::try_from(ns.div_euclid(1_000_000)).map_err(|_| invalid(format!("`timestamp` {s:?} is out of range")))
+        }
+    }
+}

@@ -1,0 +1,400 @@
+//! Wire decoding: JSON bytes to a loosely typed [`WireEvent`].
+//!
+//! Decoding is deliberately separate from validation: this layer only knows
+//! JSON and the field names of schema v1, and records per field whether it was
+//! absent, null, a string, or something else. Validation then applies the
+//! rules in a fixed order so every record gets exactly one reason.
+//!
+//! Duplicate keys are malformed: with two `quantity` keys, which one a
+//! downstream JSON reader keeps is implementation-defined, so the record has no
+//! single meaning.
+
+use std::fmt;
+
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+/// A field as it appeared on the wire.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub enum WireField<T> {
+    #[default]
+    Absent,
+    Null,
+    Value(T),
+    /// Present with the wrong JSON type; holds the type's name.
+    WrongType(&'static str),
+}
+
+impl<T> WireField<T> {
+    pub fn is_absent_or_null(&self) -> bool {
+        matches!(self, WireField::Absent | WireField::Null)
+    }
+}
+
+/// Raw text of a JSON scalar whose spelling matters (numbers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scalar {
+    /// A JSON string's decoded content.
+    Str(String),
+    /// A JSON number's literal text, exactly as sent.
+    Number(String),
+}
+
+/// The `correction_ref` object as sent.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct WireCorrectionRef {
+    pub original_event_id: WireField<String>,
+    pub reason: WireField<String>,
+    pub unknown_field: Option<String>,
+}
+
+/// A top-level event as sent: schema v1 field names, values not yet checked.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct WireEvent {
+    pub event_id: WireField<String>,
+    pub tenant_id: WireField<String>,
+    pub customer_id: WireField<String>,
+    pub meter: WireField<String>,
+    pub quantity: WireField<Scalar>,
+    pub timestamp: WireField<Scalar>,
+    pub kind: WireField<String>,
+    pub correction_ref: WireField<WireCorrectionRef>,
+    pub resource_id: WireField<String>,
+    pub unit: WireField<String>,
+    pub source: WireField<String>,
+    /// In wire order; duplicates are a decode error.
+    pub dimensions: WireField<Vec<(String, WireField<String>)>>,
+    /// Server-side stamp accepted only when decoding dedupd's own output.
+    pub event_id_derived: WireField<bool>,
+    /// The first field name that is not part of the schema.
+    pub unknown_field: Option<String>,
+}
+
+/// Why the bytes are not a JSON object of the right shape.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct MalformedJson(pub String);
+
+/// Decodes one record. `accept_server_stamps` admits the fields dedupd itself
+/// adds to its output (`event_id_derived`), for reading the output back.
+pub fn decode(bytes: &[u8], accept_server_stamps: bool) -> Result<WireEvent, MalformedJson> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let ev = de
+        .deserialize_map(EventVisitor { accept_server_stamps })
+        .map_err(|e| MalformedJson(describe(&e)))?;
+    de.end().map_err(|e| MalformedJson(describe(&e)))?;
+    Ok(ev)
+}
+
+fn describe(e: &serde_json::Error) -> String {
+    let s = e.to_string();
+    // serde_json's message for UTF-8 errors is terse; name the cause.
+    if s.contains("invalid unicode") || s.contains("UTF-8") {
+        format!("not valid UTF-8 JSON ({s})")
+    } else {
+        s
+    }
+}
+
+struct EventVisitor {
+    accept_server_stamps: bool,
+}
+
+fn json_type_name(raw: &RawValue) -> &'static str {
+    match raw.get().as_bytes().first() {
+        Some(b'{') => "object",
+        Some(b'[') => "array",
+        Some(b'"') => "string",
+        Some(b't') | Some(b'f') => "boolean",
+        Some(b'n') => "null",
+        _ => "number",
+    }
+}
+
+fn set_once<T, E: de::Error>(slot: &mut WireField<T>, name: &str, value: WireField<T>) -> Result<(), E> {
+    if !matches!(slot, WireField::Absent) {
+        return Err(E::custom(format_args!("duplicate field `{name}`")));
+    }
+    *slot = value;
+    Ok(())
+}
+
+/// Reads a value that should be a string.
+fn string_field<'de, A: MapAccess<'de>>(map: &mut A) -> Result<WireField<String>, A::Error> {
+    let raw: &RawValue = map.next_value()?;
+    let text = raw.get();
+    match text.as_bytes().first() {
+        Some(b'"') => serde_json::from_str::<String>(text).map(WireField::Value).map_err(de::Error::custom),
+        Some(b'n') => Ok(WireField::Null),
+        _ => Ok(WireField::WrongType(json_type_name(raw))),
+    }
+}
+
+/// Reads a value that should be a string or a number, keeping the number's text.
+fn scalar_field<'de, A: MapAccess<'de>>(map: &mut A) -> Result<WireField<Scalar>, A::Error> {
+    let raw: &RawValue = map.next_value()?;
+    let text = raw.get();
+    match text.as_bytes().first() {
+        Some(b'"') => serde_json::from_str::<String>(text)
+            .map(|s| WireField::Value(Scalar::Str(s)))
+            .map_err(de::Error::custom),
+        Some(b'n') => Ok(WireField::Null),
+        Some(c) if *c == b'-' || c.is_ascii_digit() => Ok(WireField::Value(Scalar::Number(text.to_owned()))),
+        _ => Ok(WireField::WrongType(json_type_name(raw))),
+    }
+}
+
+impl<'de> Visitor<'de> for EventVisitor {
+    type Value = WireEvent;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object (a usage event)")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<WireEvent, A::Error> {
+        let mut ev = WireEvent::default();
+        while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+            match key.as_ref() {
+                "event_id" => {
+                    let v = string_field(&mut map)?;
+                    set_once(&mut ev.event_id, "event_id", v)?
+                }
+                "tenant_id" => {
+                    let v = string_field(&mut map)?;
+                    set_once(&mut ev.tenant_id, "tenant_id", v)?
+                }
+                "customer_id" => {
+                    let v = string_field(&mut map)?;
+                    set_once(&mut ev.customer_id, "customer_id", v)?
+                }
+                "meter" => {
+                    let v = string_field(&mut map)?;
+                    set_once(&mut ev.meter, "meter", v)?
+                }
+                "quantity" => {
+                    let v = scalar_field(&mut map)?;
+                    set_once(&mut ev.quantity, "quantity", v)?
+                }
+                "timestamp" => {
+                    let v = scalar_field(&mut map)?;
+                    set_once(&mut ev.timestamp, "timestamp", v)?
+                }
+                "kind" => {
+                    let v = string_field(&mut map)?;
+                    set_once(&mut ev.kind, "kind", v)?
+                }
+                "resource_id" => {
+                    let v = string_field(&mut map)?;
+                    set_once(&mut ev.resource_id, "resource_id", v)?
+                }
+                "unit" => {
+                    let v = string_field(&mut map)?;
+                    set_once(&mut ev.unit, "unit", v)?
+                }
+                "source" => {
+                    let v = string_field(&mut map)?;
+                    set_once(&mut ev.source, "source", v)?
+                }
+                "correction_ref" => {
+                    let v = map.next_value::<Nullable<WireCorrectionRef>>()?.0;
+                    set_once(&mut ev.correction_ref, "correction_ref", v)?
+                }
+                "dimensions" => {
+                    let v = map.next_value::<Nullable<Dimensions>>()?.0;
+                    let v = match v {
+                        WireField::Value(d) => WireField::Value(d.0),
+                        WireField::Absent => WireField::Absent,
+                        WireField::Null => WireField::Null,
+                        WireField::WrongType(t) => WireField::WrongType(t),
+                    };
+                    set_once(&mut ev.dimensions, "dimensions", v)?
+                }
+                "event_id_derived" if self.accept_server_stamps => {
+                    let raw: &RawValue = map.next_value()?;
+                    let v = match raw.get() {
+                        "true" => WireField::Value(true),
+                        "false" => WireField::Value(false),
+                        "null" => WireField::Null,
+                        _ => WireField::WrongType(json_type_name(raw)),
+                    };
+                    set_once(&mut ev.event_id_derived, "event_id_derived", v)?
+                }
+                other => {
+                    map.next_value::<IgnoredAny>()?;
+                    if ev.unknown_field.is_none() {
+                        ev.unknown_field = Some(other.to_owned());
+                    }
+                }
+            }
+        }
+        Ok(ev)
+    }
+}
+
+/// A value that may be an object of the expected shape, null, or another type.
+struct Nullable<T>(WireField<T>);
+
+impl<'de> Deserialize<'de> for Nullable<WireCorrectionRef> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ObjectOrOther(CorrectionRefVisitor))
+    }
+}
+
+/// Dimensions in wire order.
+struct Dimensions(Vec<(String, WireField<String>)>);
+
+impl<'de> Deserialize<'de> for Nullable<Dimensions> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ObjectOrOther(DimensionsVisitor))
+    }
+}
+
+/// Visits any JSON value: objects go to the inner visitor, null is `Null`,
+/// everything else is consumed and reported as `WrongType`.
+struct ObjectOrOther<V>(V);
+
+impl<'de, V, T> Visitor<'de> for ObjectOrOther<V>
+where
+    V: Visitor<'de, Value = T>,
+{
+    type Value = Nullable<T>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object or null")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        self.0.visit_map(map).map(|v| Nullable(WireField::Value(v)))
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(Nullable(WireField::Null))
+    }
+    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(Nullable(WireField::Null))
+    }
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(Nullable(WireField::WrongType("boolean")))
+    }
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(Nullable(WireField::WrongType("number")))
+    }
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(Nullable(WireField::WrongType("number")))
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(Nullable(WireField::WrongType("number")))
+    }
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+        Ok(Nullable(WireField::WrongType("string")))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(Nullable(WireField::WrongType("array")))
+    }
+}
+
+struct CorrectionRefVisitor;
+
+impl<'de> Visitor<'de> for CorrectionRefVisitor {
+    type Value = WireCorrectionRef;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a correction_ref object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<WireCorrectionRef, A::Error> {
+        let mut r = WireCorrectionRef::default();
+        while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+            match key.as_ref() {
+                "original_event_id" => {
+                    let v = string_field(&mut map)?;
+                    set_once(&mut r.original_event_id, "correction_ref.original_event_id", v)?
+                }
+                "reason" => {
+                    let v = string_field(&mut map)?;
+                    set_once(&mut r.reason, "correction_ref.reason", v)?
+                }
+                other => {
+                    map.next_value::<IgnoredAny>()?;
+                    if r.unknown_field.is_none() {
+                        r.unknown_field = Some(format!("correction_ref.{other}"));
+                    }
+                }
+            }
+        }
+        Ok(r)
+    }
+}
+
+struct DimensionsVisitor;
+
+impl<'de> Visitor<'de> for DimensionsVisitor {
+    type Value = Dimensions;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a dimensions object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Dimensions, A::Error> {
+        let mut dims: Vec<(String, WireField<String>)> = Vec::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if dims.iter().any(|(k, _)| *k == key) {
+                return Err(de::Error::custom(format_args!("duplicate dimension `{key}`")));
+            }
+            let v = string_field(&mut map)?;
+            dims.push((key, v));
+        }
+        Ok(Dimensions(dims))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_every_field() {
+        let ev = decode(
+            br#"{"event_id":"e","tenant_id":"t","customer_id":"c","meter":"m","quantity":1.50,
+                 "timestamp":"2026-11-21T10:00:00Z","kind":"correction",
+                 "correction_ref":{"original_event_id":"o","reason":"r"},
+                 "resource_id":"res","unit":"u","source":"s","dimensions":{"b":"2","a":"1"}}"#,
+            false,
+        )
+        .expect("decodes");
+        assert_eq!(ev.quantity, WireField::Value(Scalar::Number("1.50".into())));
+        assert_eq!(ev.timestamp, WireField::Value(Scalar::Str("2026-11-21T10:00:00Z".into())));
+        assert!(matches!(ev.correction_ref, WireField::Value(ref c) if c.original_event_id == WireField::Value("o".into())));
+        assert!(matches!(ev.dimensions, WireField::Value(ref d) if d.len() == 2 && d[0].0 == "b"));
+        assert_eq!(ev.unknown_field, None);
+    }
+
+    #[test]
+    fn unknown_and_wrong_types_are_recorded_not_fatal() {
+        let ev = decode(br#"{"tenant_id":5,"zzz":{"deep":[1,2]},"meter":null}"#, false).expect("decodes");
+        assert_eq!(ev.tenant_id, WireField::WrongType("number"));
+        assert_eq!(ev.meter, WireField::Null);
+        assert_eq!(ev.unknown_field.as_deref(), Some("zzz"));
+    }
+
+    #[test]
+    fn duplicate_keys_are_malformed() {
+        assert!(decode(br#"{"quantity":1,"quantity":2}"#, false).is_err());
+        assert!(decode(br#"{"dimensions":{"a":"1","a":"2"}}"#, false).is_err());
+    }
+
+    #[test]
+    fn non_objects_and_trailing_bytes_are_malformed() {
+        for bad in [&b"[]"[..], b"1", b"\"x\"", b"null", b"{} {}", b"{", b"", b"\xff\xfe", b"{\"a\":\"\xff\"}"] {
+            assert!(decode(bad, false).is_err(), "{:?}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn server_stamps_only_when_asked() {
+        let line = br#"{"event_id_derived":true}"#;
+        assert_eq!(decode(line, false).expect("decodes").unknown_field.as_deref(), Some("event_id_derived"));
+        assert_eq!(decode(line, true).expect("decodes").event_id_derived, WireField::Value(true));
+    }
+}
