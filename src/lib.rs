@@ -10,6 +10,11 @@
 //!   (pure, no I/O).
 //! - [`classify`]: the four-bucket classifier and the in-memory hot cache
 //!   (pure, no I/O; time comes from a [`classify::Clock`]).
+//! - [`kafka`]: the worker (`dedupd run`, `dedupd demo`): consumer group,
+//!   publishing, repair (async).
+//! - [`metrics`]: the Prometheus registry and the HTTP endpoint.
 
 pub mod classify;
 pub mod event;
+pub mod kafka;
+pub mod metrics;

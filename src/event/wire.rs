@@ -80,9 +80,7 @@ pub struct MalformedJson(pub String);
 /// adds to its output (`event_id_derived`), for reading the output back.
 pub fn decode(bytes: &[u8], accept_server_stamps: bool) -> Result<WireEvent, MalformedJson> {
     let mut de = serde_json::Deserializer::from_slice(bytes);
-    let ev = de
-        .deserialize_map(EventVisitor { accept_server_stamps })
-        .map_err(|e| MalformedJson(describe(&e)))?;
+    let ev = de.deserialize_map(EventVisitor { accept_server_stamps }).map_err(|e| MalformedJson(describe(&e)))?;
     de.end().map_err(|e| MalformedJson(describe(&e)))?;
     Ok(ev)
 }
@@ -136,9 +134,9 @@ fn scalar_field<'de, A: MapAccess<'de>>(map: &mut A) -> Result<WireField<Scalar>
     let raw: &RawValue = map.next_value()?;
     let text = raw.get();
     match text.as_bytes().first() {
-        Some(b'"') => serde_json::from_str::<String>(text)
-            .map(|s| WireField::Value(Scalar::Str(s)))
-            .map_err(de::Error::custom),
+        Some(b'"') => {
+            serde_json::from_str::<String>(text).map(|s| WireField::Value(Scalar::Str(s))).map_err(de::Error::custom)
+        }
         Some(b'n') => Ok(WireField::Null),
         Some(c) if *c == b'-' || c.is_ascii_digit() => Ok(WireField::Value(Scalar::Number(text.to_owned()))),
         _ => Ok(WireField::WrongType(json_type_name(raw))),
@@ -365,7 +363,9 @@ mod tests {
         .expect("decodes");
         assert_eq!(ev.quantity, WireField::Value(Scalar::Number("1.50".into())));
         assert_eq!(ev.timestamp, WireField::Value(Scalar::Str("2026-11-21T10:00:00Z".into())));
-        assert!(matches!(ev.correction_ref, WireField::Value(ref c) if c.original_event_id == WireField::Value("o".into())));
+        assert!(
+            matches!(ev.correction_ref, WireField::Value(ref c) if c.original_event_id == WireField::Value("o".into()))
+        );
         assert!(matches!(ev.dimensions, WireField::Value(ref d) if d.len() == 2 && d[0].0 == "b"));
         assert_eq!(ev.unknown_field, None);
     }
