@@ -68,6 +68,12 @@ async fn pipeline(
     shared.partition_repaired();
 
     let limits = shared.settings.batch;
+    let at_least_once = shared.settings.delivery == DeliveryMode::AtLeastOnce;
+    // At-least-once: the next input offset published and applied but not yet
+    // committed (the last commit failed, e.g. mid-rebalance). Retried when
+    // the partition is idle and before the task ends, so an idle partition
+    // does not leave its offset behind forever.
+    let mut uncommitted: Option<i64> = None;
     loop {
         let mut batch: Vec<OwnedMessage> = Vec::new();
         // Messages librdkafka delivered to the main queue before this
@@ -79,7 +85,7 @@ async fn pipeline(
             tokio::select! {
                 // Biased, stop first: a revoke must not wait for input.
                 biased;
-                _ = stop.changed() => return Ok(()),
+                _ = stop.changed() => break,
                 m = queue.recv() => match m {
                     Ok(m) => batch.push(m.detach()),
                     Err(e) => {
@@ -88,16 +94,28 @@ async fn pipeline(
                         continue;
                     }
                 },
+                _ = tokio::time::sleep(Duration::from_secs(1)), if uncommitted.is_some() => {
+                    if let Some(next) = uncommitted {
+                        if commit_input(shared, partition, next).await {
+                            uncommitted = None;
+                        }
+                    }
+                    continue;
+                }
             }
         }
         let deadline = tokio::time::Instant::now() + limits.max_wait;
+        let mut stopping = false;
         while batch.len() < limits.max_records {
             tokio::select! {
                 biased;
                 // Stopping while collecting: abandon the unpublished batch.
                 // Nothing of it was published or committed, so the next
                 // owner consumes it from the committed offset.
-                _ = stop.changed() => return Ok(()),
+                _ = stop.changed() => {
+                    stopping = true;
+                    break;
+                }
                 m = queue.recv() => match m {
                     Ok(m) => batch.push(m.detach()),
                     Err(e) => {
@@ -108,11 +126,26 @@ async fn pipeline(
                 _ = tokio::time::sleep_until(deadline) => break,
             }
         }
-        process_batch(shared, partition, batch).await?;
+        if stopping {
+            break;
+        }
+        let next = process_batch(shared, partition, batch).await?;
+        if at_least_once {
+            let started = Instant::now();
+            uncommitted = Some(next);
+            if commit_input(shared, partition, next).await {
+                uncommitted = None;
+            }
+            StageTimed { stage: Stage::commit, duration: started.elapsed() }.emit(&shared.metrics);
+        }
         if *stop.borrow() {
-            return Ok(());
+            break;
         }
     }
+    if let Some(next) = uncommitted {
+        commit_input(shared, partition, next).await;
+    }
+    Ok(())
 }
 
 fn join_error(e: tokio::task::JoinError) -> KafkaError {
@@ -136,8 +169,11 @@ async fn repair(shared: &Arc<Shared>, partition: i32) -> Result<(), KafkaError> 
 /// Classifies, publishes, applies and (at-least-once) commits one batch.
 /// Finishes it even when a revoke arrives meanwhile: the rebalance callback
 /// waits for this, so two owners never publish the same record.
-async fn process_batch(shared: &Arc<Shared>, partition: i32, batch: Vec<OwnedMessage>) -> Result<(), KafkaError> {
-    let Some(last_offset) = batch.last().map(|m| m.offset()) else { return Ok(()) };
+/// Returns the next input offset to consume (to commit, at-least-once).
+async fn process_batch(shared: &Arc<Shared>, partition: i32, batch: Vec<OwnedMessage>) -> Result<i64, KafkaError> {
+    let Some(last_offset) = batch.iter().map(|m| m.offset()).max() else {
+        return Err(KafkaError::Task { detail: "empty batch".into() });
+    };
     let batch = Arc::new(batch);
     let mut backoff = Duration::from_millis(100);
     loop {
@@ -182,34 +218,33 @@ async fn process_batch(shared: &Arc<Shared>, partition: i32, batch: Vec<OwnedMes
             .map_err(join_error)??;
         StageTimed { stage: Stage::apply, duration: started.elapsed() }.emit(&shared.metrics);
 
-        if shared.settings.delivery == DeliveryMode::AtLeastOnce {
-            let started = Instant::now();
-            commit_input(shared, partition, last_offset + 1, CommitMode::Async)?;
-            StageTimed { stage: Stage::commit, duration: started.elapsed() }.emit(&shared.metrics);
-        }
-        shared
-            .last_committed
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(partition, last_offset + 1);
         prepared.summary.emit(&shared.metrics);
-        return Ok(());
+        return Ok(last_offset + 1);
     }
 }
 
-/// Commits the next input offset of `partition` (at-least-once mode).
-pub(crate) fn commit_input(shared: &Shared, partition: i32, next: i64, mode: CommitMode) -> Result<(), KafkaError> {
-    let Some(consumer) = shared.consumer() else { return Ok(()) };
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(&shared.settings.topics.input, partition, Offset::Offset(next))
-        .map_err(KafkaError::client("building the offset commit"))?;
-    match consumer.commit(&tpl, mode) {
-        Ok(()) => Ok(()),
-        Err(e) => {
+/// Commits the next input offset of `partition` (at-least-once mode),
+/// synchronously on a blocking thread. Returns whether it was committed.
+async fn commit_input(shared: &Arc<Shared>, partition: i32, next: i64) -> bool {
+    let Some(consumer) = shared.consumer() else { return false };
+    let topic = shared.settings.topics.input.clone();
+    let result = tokio::task::spawn_blocking(move || {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&topic, partition, Offset::Offset(next))?;
+        consumer.commit(&tpl, CommitMode::Sync)
+    })
+    .await;
+    match result {
+        Ok(Ok(())) => true,
+        Ok(Err(e)) => {
             // A failed commit leaves the offset behind, never ahead: the
-            // records replay and are recognised. Not worth stopping for.
-            tracing::warn!(partition, error = %e, "input offset commit failed");
-            Ok(())
+            // records replay and are recognised as replays. Retried later.
+            tracing::warn!(partition, next, error = %e, "input offset commit failed");
+            false
+        }
+        Err(e) => {
+            tracing::warn!(partition, error = %e, "input offset commit task failed");
+            false
         }
     }
 }

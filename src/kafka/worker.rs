@@ -21,7 +21,7 @@ use std::time::Duration;
 use hashbrown::HashMap;
 use rdkafka::client::ClientContext;
 use rdkafka::consumer::stream_consumer::StreamPartitionQueue;
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::producer::{FutureProducer, Producer};
@@ -34,7 +34,7 @@ use crate::event::Validator;
 use crate::kafka::clients::{self, TopicLayout};
 use crate::kafka::engine::Engine;
 use crate::kafka::error::KafkaError;
-use crate::kafka::partition::{commit_input, run_partition};
+use crate::kafka::partition::run_partition;
 use crate::kafka::publisher::{self, Publisher};
 use crate::kafka::repair::{lock_engine, Repairer};
 use crate::kafka::settings::{DeliveryMode, RunSettings};
@@ -86,9 +86,6 @@ pub(crate) struct Shared {
     pending_repairs: AtomicUsize,
     assignment_seen: AtomicBool,
     pub batches: AtomicU64,
-    /// Next input offset per partition, as last committed (or sent in a
-    /// transaction); for the final synchronous commit at shutdown.
-    pub last_committed: Mutex<HashMap<i32, i64>>,
 }
 
 impl Shared {
@@ -375,7 +372,6 @@ pub async fn run(
         pending_repairs: AtomicUsize::new(0),
         assignment_seen: AtomicBool::new(false),
         batches: AtomicU64::new(0),
-        last_committed: Mutex::new(HashMap::new()),
     });
     let context =
         WorkerContext { shared: shared.clone(), tasks: Mutex::new(HashMap::new()), runtime: Handle::current() };
@@ -444,22 +440,6 @@ pub async fn run(
     let ctx_consumer = consumer.clone();
     blocking(move || ctx_consumer.context().revoke(&owned)).await?;
 
-    if settings.delivery == DeliveryMode::AtLeastOnce && fatal.is_none() {
-        let offsets: Vec<(i32, i64)> = shared
-            .last_committed
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .iter()
-            .map(|(p, o)| (*p, *o))
-            .collect();
-        let s = shared.clone();
-        blocking(move || {
-            for (p, next) in offsets {
-                let _ = commit_input(&s, p, next, CommitMode::Sync);
-            }
-        })
-        .await?;
-    }
     let p = producer.clone();
     if let Err(e) = blocking(move || p.flush(timeout)).await? {
         tracing::warn!(error = %e, "producer flush at shutdown failed");

@@ -18,6 +18,17 @@ use rdkafka::error::KafkaError as RdError;
 use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
+/// Logs to the test's captured output; `RUST_LOG=dedupd=debug` to see more.
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("dedupd=info")),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
 pub fn topics(prefix: &str) -> Topics {
     Topics {
         input: format!("{prefix}-in"),
@@ -41,6 +52,7 @@ pub fn classifier_settings() -> ClassifierSettings {
 }
 
 pub fn parts() -> (WorkerParts, Arc<Metrics>) {
+    init_tracing();
     let metrics = Arc::new(Metrics::new());
     let parts = WorkerParts {
         validator: validator(),
