@@ -8,8 +8,17 @@
 //!
 //! - [`event`]: wire decoding, validation with reason codes, identity hashing
 //!   (pure, no I/O).
-//! - [`classify`]: the four-bucket classifier and the in-memory hot cache
-//!   (pure, no I/O; time comes from a [`classify::Clock`]).
+//! - [`classify`]: the four-bucket classifier, the in-memory hot cache, and
+//!   `classify_records`, the pure part of the pipeline (pure, no I/O; time
+//!   comes from a [`classify::Clock`]).
+//! - [`config`]: flags, `DEDUPD_*` environment and the TOML file, validated
+//!   before any I/O.
+//! - [`state`]: local state, the materialised view of the output topic; ties
+//!   the classifier to the durable tiers (sync).
+//! - [`offline`]: `dedupd dedupe`, the engine over NDJSON files (sync).
 
 pub mod classify;
+pub mod config;
 pub mod event;
+pub mod offline;
+pub mod state;

@@ -91,12 +91,7 @@ pub struct HorizonError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
 pub trait LongHorizon {
     /// For each id, the remembered key or `None`. `out` is cleared and filled
     /// with exactly `ids.len()` answers, in order.
-    fn lookup_many(
-        &self,
-        partition: i32,
-        ids: &[IdHash],
-        out: &mut Vec<Option<SeenKey>>,
-    ) -> Result<(), HorizonError>;
+    fn lookup_many(&self, partition: i32, ids: &[IdHash], out: &mut Vec<Option<SeenKey>>) -> Result<(), HorizonError>;
 }
 
 /// No long-horizon tier: the hot cache is all there is (offline mode without a
@@ -136,10 +131,7 @@ pub struct PartitionClassifier {
 
 impl PartitionClassifier {
     pub fn new(partition: i32, settings: ClassifierSettings) -> PartitionClassifier {
-        PartitionClassifier {
-            settings,
-            hot: HotCache::new(partition, settings.hot_ttl_ms, settings.hot_capacity),
-        }
+        PartitionClassifier { settings, hot: HotCache::new(partition, settings.hot_ttl_ms, settings.hot_capacity) }
     }
 
     pub fn partition(&self) -> i32 {

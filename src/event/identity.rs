@@ -19,10 +19,7 @@ pub const BINCODE_CONFIG: bincode::config::Configuration<
     bincode::config::LittleEndian,
     bincode::config::Fixint,
     bincode::config::NoLimit,
-> = bincode::config::standard()
-    .with_little_endian()
-    .with_fixed_int_encoding()
-    .with_no_limit();
+> = bincode::config::standard().with_little_endian().with_fixed_int_encoding().with_no_limit();
 
 const ID_DOMAIN: &[u8] = b"dedupd/id/v1\0";
 const PAYLOAD_DOMAIN: &[u8] = b"dedupd/payload/v1\0";

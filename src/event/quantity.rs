@@ -90,10 +90,7 @@ pub fn parse_decimal(text: &str) -> Result<Decimal, QuantityError> {
     }
     let mut mantissa: i128 = 0;
     for d in digits.bytes() {
-        mantissa = mantissa
-            .checked_mul(10)
-            .and_then(|m| m.checked_add(i128::from(d - b'0')))
-            .ok_or_else(range)?;
+        mantissa = mantissa.checked_mul(10).and_then(|m| m.checked_add(i128::from(d - b'0'))).ok_or_else(range)?;
     }
     while scale < 0 {
         mantissa = mantissa.checked_mul(10).ok_or_else(range)?;
@@ -150,7 +147,8 @@ mod tests {
 
     #[test]
     fn bad_syntax_is_rejected() {
-        for s in ["", "-", "01", "1.", ".5", "1e", "1e+", "+1", "1,5", "NaN", "inf", "0x10", " 1", "1 ", "--1", "1.2.3"] {
+        for s in ["", "-", "01", "1.", ".5", "1e", "1e+", "+1", "1,5", "NaN", "inf", "0x10", " 1", "1 ", "--1", "1.2.3"]
+        {
             assert!(matches!(parse_decimal(s), Err(QuantityError::Syntax(_))), "{s:?}");
         }
     }

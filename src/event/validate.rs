@@ -167,7 +167,8 @@ impl Validator {
             ("resource_id", resource_id),
             ("correction_ref.original_event_id", original_event_id),
         ];
-        let texts = [("unit", unit), ("source", source), ("kind", kind_text), ("correction_ref.reason", correction_reason)];
+        let texts =
+            [("unit", unit), ("source", source), ("kind", kind_text), ("correction_ref.reason", correction_reason)];
         for (name, v) in ids.iter().chain(texts.iter()) {
             if v.is_some_and(str::is_empty) {
                 return Err(Rejection::new(EmptyField, format!("`{name}` is empty")));
@@ -215,13 +216,21 @@ impl Validator {
             if timestamp_ms > now_ms.saturating_add(self.limits.max_future_skew_ms) {
                 return Err(Rejection::new(
                     TimestampInFuture,
-                    format!("{} ms ahead of now, skew limit {} ms", timestamp_ms - now_ms, self.limits.max_future_skew_ms),
+                    format!(
+                        "{} ms ahead of now, skew limit {} ms",
+                        timestamp_ms - now_ms,
+                        self.limits.max_future_skew_ms
+                    ),
                 ));
             }
             if timestamp_ms < now_ms.saturating_sub(self.limits.max_event_age_ms) {
                 return Err(Rejection::new(
                     TimestampTooOld,
-                    format!("{} ms old, age limit {} ms", now_ms.saturating_sub(timestamp_ms), self.limits.max_event_age_ms),
+                    format!(
+                        "{} ms old, age limit {} ms",
+                        now_ms.saturating_sub(timestamp_ms),
+                        self.limits.max_event_age_ms
+                    ),
                 ));
             }
         }
@@ -236,7 +245,10 @@ impl Validator {
             if let Some(p) = self.closed_period_of(tenant_id, timestamp_ms) {
                 return Err(Rejection::new(
                     ClosedPeriod,
-                    format!("{}-{:02} is closed for tenant {:?}; send a correction instead", p.year, p.month, p.tenant_id),
+                    format!(
+                        "{}-{:02} is closed for tenant {:?}; send a correction instead",
+                        p.year, p.month, p.tenant_id
+                    ),
                 ));
             }
         }
@@ -284,9 +296,7 @@ impl Validator {
             return None;
         }
         let t = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(timestamp_ms) * 1_000_000).ok()?;
-        self.closed
-            .iter()
-            .find(|p| p.tenant_id == tenant_id && p.year == t.year() && p.month == u8::from(t.month()))
+        self.closed.iter().find(|p| p.tenant_id == tenant_id && p.year == t.year() && p.month == u8::from(t.month()))
     }
 }
 
@@ -371,10 +381,9 @@ fn optional_str(f: &WireField<String>) -> Option<&str> {
 
 fn check_len(name: &str, v: Option<&str>, limit: usize) -> Result<(), Rejection> {
     match v {
-        Some(s) if s.len() > limit => Err(Rejection::new(
-            RejectReason::FieldTooLong,
-            format!("`{name}` is {} bytes, limit {limit}", s.len()),
-        )),
+        Some(s) if s.len() > limit => {
+            Err(Rejection::new(RejectReason::FieldTooLong, format!("`{name}` is {} bytes, limit {limit}", s.len())))
+        }
         _ => Ok(()),
     }
 }
@@ -398,12 +407,13 @@ fn parse_quantity(q: &Scalar) -> Result<Decimal, Rejection> {
 pub fn parse_timestamp(t: &Scalar) -> Result<i64, Rejection> {
     let invalid = |why: String| Rejection::new(RejectReason::InvalidTimestamp, why);
     match t {
-        Scalar::Number(n) => n
-            .parse::<i64>()
-            .map_err(|_| invalid(format!("`timestamp` number {n:?} is not integer epoch milliseconds"))),
+        Scalar::Number(n) => {
+            n.parse::<i64>().map_err(|_| invalid(format!("`timestamp` number {n:?} is not integer epoch milliseconds")))
+        }
         Scalar::Str(s) => {
-            let dt = time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339)
-                .map_err(|e| invalid(format!("`timestamp` {:?} is not RFC 3339: {e}", s.chars().take(64).collect::<String>())))?;
+            let dt = time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339).map_err(|e| {
+                invalid(format!("`timestamp` {:?} is not RFC 3339: {e}", s.chars().take(64).collect::<String>()))
+            })?;
             let ns = dt.unix_timestamp_nanos();
             i64::try_from(ns.div_euclid(1_000_000)).map_err(|_| invalid(format!("`timestamp` {s:?} is out of range")))
         }
