@@ -175,7 +175,8 @@ fn conflicts_file_names_both_hashes_and_the_fields_that_differ() {
 fn bad_configuration_fails_before_any_io_and_names_the_key() {
     let dir = tempfile::tempdir().expect("tempdir");
     let output = dir.path().join("never-created.ndjson");
-    let cases: Vec<(Vec<&str>, Vec<(&str, &str)>, &str)> = vec![
+    type Case<'a> = (Vec<&'a str>, Vec<(&'a str, &'a str)>, &'a str);
+    let cases: Vec<Case> = vec![
         (vec!["--hot-ttl", "7 parsecs"], vec![], "hot_ttl"),
         (vec![], vec![("DEDUPD_FSYNC", "sometimes")], "fsync"),
         (vec!["--horizon", "1h"], vec![], "horizon"),
