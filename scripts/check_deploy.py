@@ -1017,6 +1017,11 @@ def check_scrape(ctx: Context) -> None:
                 extra = scrape.values.get((series, label), set()) - (allowed or set())
                 if allowed is not None and extra:
                     problems.append(f"{series}{{{label}}} has values {sorted(extra)} outside {sorted(allowed)}")
+    # The exposition itself must lint clean (issue #5: promtool check metrics passes).
+    lint = subprocess.run([ctx.tool("promtool"), "check", "metrics"], input=ctx.metrics_file.read_text(),
+                          capture_output=True, text=True)
+    if lint.returncode != 0:
+        problems.append("promtool check metrics:\n" + (lint.stdout + lint.stderr).strip())
     expect(not problems, f"{ctx.metrics_file}:\n" + "\n".join(problems))
 
 
@@ -1070,37 +1075,57 @@ MUTATIONS: list[tuple[str, str, Callable[[str], str], str]] = [
      "runbook: every docs/runbook.md#anchor"),
 ]
 
+# A conforming page in the text format 0.0.4 the binary serves (counter
+# families named with `_total`; a labelled family may have no sample yet).
 SCRAPE_OK = """\
-# HELP dedupd_events Input records by bucket.
-# TYPE dedupd_events counter
+# HELP dedupd_events_total Input records by bucket.
+# TYPE dedupd_events_total counter
 dedupd_events_total{bucket="accepted"} 10
-# TYPE dedupd_conflicts counter
-# TYPE dedupd_rejected counter
+dedupd_events_total{bucket="duplicate"} 2
+# HELP dedupd_conflicts_total Conflicts by tenant.
+# TYPE dedupd_conflicts_total counter
+# HELP dedupd_rejected_total Rejected records by reason code.
+# TYPE dedupd_rejected_total counter
+dedupd_rejected_total{reason="malformed_json"} 0
+# HELP dedupd_dedupe_window_seconds Age of the oldest key still remembered, by tier.
 # TYPE dedupd_dedupe_window_seconds gauge
-dedupd_dedupe_window_seconds{tier="keystore"} 100
+dedupd_dedupe_window_seconds{tier="keystore"} 100.0
+# HELP dedupd_dedupe_window_below_floor 1 when the key store window is below its floor.
 # TYPE dedupd_dedupe_window_below_floor gauge
 dedupd_dedupe_window_below_floor 0
+# HELP dedupd_hot_cache_entries Keys in the hot caches.
 # TYPE dedupd_hot_cache_entries gauge
 dedupd_hot_cache_entries 5
+# HELP dedupd_keystore_bytes Approximate size of the key store.
 # TYPE dedupd_keystore_bytes gauge
 dedupd_keystore_bytes 5
+# HELP dedupd_batch_duration_seconds Time per batch, by stage.
 # TYPE dedupd_batch_duration_seconds histogram
+dedupd_batch_duration_seconds_bucket{stage="publish",le="0.001"} 0
 dedupd_batch_duration_seconds_bucket{stage="publish",le="+Inf"} 1
 dedupd_batch_duration_seconds_sum{stage="publish"} 0.1
 dedupd_batch_duration_seconds_count{stage="publish"} 1
+# HELP dedupd_wal_fsync_duration_seconds WAL fsync time.
 # TYPE dedupd_wal_fsync_duration_seconds histogram
+dedupd_wal_fsync_duration_seconds_bucket{le="0.001"} 0
 dedupd_wal_fsync_duration_seconds_bucket{le="+Inf"} 1
 dedupd_wal_fsync_duration_seconds_sum 0.1
 dedupd_wal_fsync_duration_seconds_count 1
-# TYPE dedupd_repair_records counter
+# HELP dedupd_repair_records_total Output records read back by repair.
+# TYPE dedupd_repair_records_total counter
 dedupd_repair_records_total 0
-# TYPE dedupd_recovery_segments counter
+# HELP dedupd_recovery_segments_total Segments recovered at start, by path.
+# TYPE dedupd_recovery_segments_total counter
+dedupd_recovery_segments_total{path="sidecar"} 0
+dedupd_recovery_segments_total{path="fallback"} 0
+# HELP dedupd_consumer_lag_records Records behind, by input partition.
 # TYPE dedupd_consumer_lag_records gauge
+# HELP dedupd_assigned_partitions Input partitions owned.
 # TYPE dedupd_assigned_partitions gauge
 dedupd_assigned_partitions 3
-# TYPE dedupd_unkeyed_records counter
+# HELP dedupd_unkeyed_records_total Input records without a key.
+# TYPE dedupd_unkeyed_records_total counter
 dedupd_unkeyed_records_total 0
-# EOF
 """
 
 # The checks whose outcome depends on --metrics.
@@ -1108,7 +1133,12 @@ SCRAPE_CHECKS = ("scrape:", "alerts: every metric", "grafana: every metric")
 
 SCRAPE_MUTATIONS: list[tuple[str, Callable[[str], str], str]] = [
     ("a scrape missing a contract metric",
-     lambda s: s.replace("# TYPE dedupd_consumer_lag_records gauge\n", ""), "scrape: the binary exports"),
+     lambda s: s.replace("# TYPE dedupd_consumer_lag_records gauge\n", "").replace(
+         "# HELP dedupd_consumer_lag_records Records behind, by input partition.\n", ""),
+     "scrape: the binary exports"),
+    ("a scrape whose exposition does not lint",
+     lambda s: s.replace("# TYPE dedupd_assigned_partitions gauge", "# TYPE dedupd_assigned_partitions counter"),
+     "scrape: the binary exports"),
     ("a scrape with a bucket value outside the contract",
      lambda s: s.replace('bucket="accepted"', 'bucket="dropped"'), "scrape: the binary exports"),
     ("a scrape where a dashboard metric was renamed",
