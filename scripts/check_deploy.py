@@ -922,6 +922,60 @@ def check_k8s_semantics(ctx: Context) -> None:
     expect(not problems, "deploy/k8s:\n" + "\n".join(problems))
 
 
+# Memory model of one pod (docs/runbook.md#resource-sizing). Budgets, not
+# measurements: tests/deploy_sizing.rs checks the hot cache stays within its
+# budget; the key-store figures are its defaults (keystore options).
+HOT_CACHE_BYTES_PER_ENTRY = 96
+KEYSTORE_DISK_BYTES_PER_KEY = 64          # issue #4's ceiling; converts the byte cap into keys
+KEYSTORE_FILTER_INDEX_BYTES_PER_KEY = 1.3  # bloom (10 bits) + index, held outside the block cache
+KEYSTORE_FIXED_BYTES = (128 + 3 * 64 + 16) << 20  # block cache, 3 memtables, meta column family
+PROCESS_BASE_BYTES = 256 << 20             # runtime, batches in flight, allocator slack
+LIBRDKAFKA_DEFAULT_KBYTES = {"queued.max.messages.kbytes": 65536, "queue.buffering.max.kbytes": 1048576}
+QUANTITY_UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9,
+                  "T": 10**12, "": 1}
+
+
+def quantity_bytes(q: str) -> int:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T|)", str(q))
+    if not m:
+        raise CheckFailed(f"cannot read the quantity {q!r}")
+    return int(float(m.group(1)) * QUANTITY_UNITS[m.group(2)])
+
+
+def pod_memory_need(cfg: dict, partitions: int) -> dict[str, int]:
+    props = dict(p.split("=", 1) for p in cfg.get("kafka_property", []))
+    kbytes = {k: int(props.get(k, v)) for k, v in LIBRDKAFKA_DEFAULT_KBYTES.items()}
+    keys = int(cfg.get("keystore_max_bytes", 0)) // KEYSTORE_DISK_BYTES_PER_KEY
+    return {
+        "hot caches": partitions * int(cfg.get("hot_capacity", 0)) * HOT_CACHE_BYTES_PER_ENTRY,
+        "key store filters and indexes": int(keys * KEYSTORE_FILTER_INDEX_BYTES_PER_KEY),
+        "key store cache and memtables": KEYSTORE_FIXED_BYTES,
+        "librdkafka fetch queues": partitions * kbytes["queued.max.messages.kbytes"] * 1024,
+        "librdkafka producer queue": kbytes["queue.buffering.max.kbytes"] * 1024,
+        "process": PROCESS_BASE_BYTES,
+    }
+
+
+@check("k8s: the memory limit covers hot caches, key store and Kafka buffers at the sized partition count")
+def check_k8s_sizing(ctx: Context) -> None:
+    sts = k8s_kind(ctx, "StatefulSet")
+    cfg = k8s_toml(ctx)
+    per_pod = dig(sts, "metadata", "annotations", "dedupd/sized-for-partitions-per-pod")
+    expect(per_pod is not None and str(per_pod).isdigit(),
+           "statefulset.yaml: annotation dedupd/sized-for-partitions-per-pod must say what the pod is sized for")
+    expect("hot_capacity" in cfg and "keystore_max_bytes" in cfg,
+           "configmap.yaml: set hot_capacity and keystore_max_bytes explicitly: the memory limit depends on them")
+    c = next(c for c in dig(sts, "spec", "template", "spec", "containers") or [] if c.get("name") == "dedupd")
+    limit = quantity_bytes(dig(c, "resources", "limits", "memory") or "0")
+    request = quantity_bytes(dig(c, "resources", "requests", "memory") or "0")
+    need = pod_memory_need(cfg, int(per_pod))
+    total = sum(need.values())
+    detail = ", ".join(f"{k} {v / (1 << 30):.2f} GiB" for k, v in need.items())
+    expect(limit >= total, f"memory limit {limit / (1 << 30):.2f} GiB < {total / (1 << 30):.2f} GiB needed "
+                           f"at {per_pod} partitions per pod ({detail})")
+    expect(request == limit, "memory request must equal the limit (a hot cache is a fixed budget, not a burst)")
+
+
 # --------------------------------------------------------------------------
 # Dockerfile.
 
@@ -1058,6 +1112,9 @@ MUTATIONS: list[tuple[str, str, Callable[[str], str], str]] = [
     ("a readiness probe on the liveness path", "deploy/k8s/statefulset.yaml",
      lambda s: s.replace("path: /readyz", "path: /healthz", 1),
      "k8s: StatefulSet, headless Service"),
+    ("a hot cache too big for the pod's memory limit", "deploy/k8s/configmap.yaml",
+     lambda s: s.replace("hot_capacity = 2000000", "hot_capacity = 5000000", 1),
+     "k8s: the memory limit covers"),
     ("a TOML key that is not a flag", "deploy/k8s/configmap.yaml",
      lambda s: s.replace('horizon = "35d"', 'dedupe_horizon = "35d"', 1),
      "config: both TOML files"),
