@@ -644,9 +644,10 @@ def check_grafana_provisioning(ctx: Context) -> None:
     paths = [dig(p, "options", "path") for p in dig(prov, "providers") or []]
     compose = ctx.yaml("docker-compose.yml")
     mounts = dig(compose, "services", "grafana", "volumes") or []
-    expect(any(m.endswith(":/var/lib/grafana/dashboards/dedupd.json:ro") and m.startswith("./deploy/grafana/dedupd.json")
-               for m in mounts), "docker-compose.yml: grafana does not mount deploy/grafana/dedupd.json")
-    expect("/var/lib/grafana/dashboards" in paths, "dashboards/dedupd.yml: provider does not read /var/lib/grafana/dashboards")
+    dashboard_mount = "./deploy/grafana/dedupd.json:/var/lib/grafana/dashboards/dedupd.json:ro"
+    expect(dashboard_mount in mounts, "docker-compose.yml: grafana does not mount deploy/grafana/dedupd.json")
+    expect("/var/lib/grafana/dashboards" in paths,
+           "dashboards/dedupd.yml: provider does not read /var/lib/grafana/dashboards")
 
 
 # --------------------------------------------------------------------------
@@ -738,7 +739,8 @@ def check_configs(ctx: Context) -> None:
 
 @check("compose: docker-compose.yml matches the compose-spec schema")
 def check_compose_schema(ctx: Context) -> None:
-    ctx.run(ctx.tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(ctx.path("docker-compose.yml")))
+    compose = str(ctx.path("docker-compose.yml"))
+    ctx.run(ctx.tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", compose)
 
 
 @check("compose: KRaft broker, topic job, exactly-once dedupd, Prometheus with rules, Grafana with dashboard")
@@ -810,6 +812,66 @@ def check_compose_stack(ctx: Context) -> None:
         if not default or default.group(1) != cfg.get(key):
             problems.append(f"create-topics.sh: default {key.upper()} does not match {key} = {cfg.get(key)!r}")
     expect(not problems, "docker-compose.yml:\n" + "\n".join(problems))
+
+
+# A stand-in for kafka-topics.sh: remembers created topics (with their
+# partition count) in a directory and answers --describe like Kafka does.
+FAKE_KAFKA_TOPICS = r"""#!/bin/bash
+set -eu
+state="$FAKE_KAFKA_STATE"
+echo "$*" >>"$state/calls"
+topic=""; partitions=""; describe=0; create=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --topic) topic="$2"; shift ;;
+        --partitions) partitions="$2"; shift ;;
+        --describe) describe=1 ;;
+        --create) create=1 ;;
+    esac
+    shift
+done
+if [ "$create" = 1 ] && [ ! -f "$state/$topic" ]; then echo "$partitions" >"$state/$topic"; fi
+if [ "$describe" = 1 ]; then
+    printf 'Topic: %s\tTopicId: x\tPartitionCount: %s\tReplicationFactor: 1\tConfigs:\n' "$topic" "$(cat "$state/$topic")"
+    printf '\tTopic: %s\tPartition: 0\tLeader: 1\n' "$topic"
+fi
+"""
+
+
+@check("compose: create-topics.sh creates the four topics and refuses mismatched partition counts")
+def check_create_topics(ctx: Context) -> None:
+    script = ctx.path("deploy/compose/create-topics.sh")
+    cfg = compose_toml(ctx)
+    with tempfile.TemporaryDirectory() as tmp:
+        fake = Path(tmp, "kafka-topics.sh")
+        fake.write_text(FAKE_KAFKA_TOPICS)
+        fake.chmod(0o755)
+
+        def run(state: Path) -> subprocess.CompletedProcess:
+            state.mkdir(exist_ok=True)
+            env = {**os.environ, "KAFKA_TOPICS_SH": str(fake), "FAKE_KAFKA_STATE": str(state), "PARTITIONS": "6"}
+            return subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+
+        fresh = Path(tmp, "fresh")
+        proc = run(fresh)
+        expect(proc.returncode == 0, f"create-topics.sh failed on an empty broker:\n{proc.stdout}{proc.stderr}")
+        for key in TOPIC_KEYS:
+            topic = cfg[key]
+            expect((fresh / topic).exists(), f"create-topics.sh did not create {topic}")
+            expect((fresh / topic).read_text().strip() == "6", f"{topic} not created with PARTITIONS=6")
+        calls = (fresh / "calls").read_text()
+        output = f"--topic {cfg['output_topic']} "
+        out_create = next((c for c in calls.splitlines() if "--create" in c and output in c + " "), "")
+        expect("retention.ms=" in out_create and "message.timestamp.type=CreateTime" in out_create,
+               "the output topic must be created with retention.ms and message.timestamp.type=CreateTime")
+        again = run(fresh)
+        expect(again.returncode == 0, f"create-topics.sh is not idempotent:\n{again.stdout}{again.stderr}")
+        skewed = Path(tmp, "skewed")
+        skewed.mkdir()
+        (skewed / cfg["output_topic"]).write_text("4\n")
+        proc = run(skewed)
+        expect(proc.returncode != 0 and "must match" in proc.stderr,
+               f"create-topics.sh accepted input with 6 partitions and output with 4:\n{proc.stdout}{proc.stderr}")
 
 
 @check("shellcheck deploy/compose/create-topics.sh")
@@ -1115,6 +1177,9 @@ MUTATIONS: list[tuple[str, str, Callable[[str], str], str]] = [
     ("a hot cache too big for the pod's memory limit", "deploy/k8s/configmap.yaml",
      lambda s: s.replace("hot_capacity = 2000000", "hot_capacity = 5000000", 1),
      "k8s: the memory limit covers"),
+    ("a topic script that lets mismatched partition counts through", "deploy/compose/create-topics.sh",
+     lambda s: s.replace("    exit 1\n", "    true\n", 1),
+     "compose: create-topics.sh"),
     ("a TOML key that is not a flag", "deploy/k8s/configmap.yaml",
      lambda s: s.replace('horizon = "35d"', 'dedupe_horizon = "35d"', 1),
      "config: both TOML files"),

@@ -15,7 +15,8 @@ input_topic="${INPUT_TOPIC:-usage-events}"
 output_topic="${OUTPUT_TOPIC:-usage-events-deduped}"
 conflicts_topic="${CONFLICTS_TOPIC:-usage-events-conflicts}"
 rejected_topic="${REJECTED_TOPIC:-usage-events-rejected}"
-topics=/opt/kafka/bin/kafka-topics.sh
+# Overridable so scripts/check-deploy can run this script against a fake.
+topics="${KAFKA_TOPICS_SH:-/opt/kafka/bin/kafka-topics.sh}"
 
 partition_count() {
     "$topics" --bootstrap-server "$bootstrap" --describe --topic "$1" \
