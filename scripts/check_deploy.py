@@ -832,7 +832,8 @@ while [ $# -gt 0 ]; do
 done
 if [ "$create" = 1 ] && [ ! -f "$state/$topic" ]; then echo "$partitions" >"$state/$topic"; fi
 if [ "$describe" = 1 ]; then
-    printf 'Topic: %s\tTopicId: x\tPartitionCount: %s\tReplicationFactor: 1\tConfigs:\n' "$topic" "$(cat "$state/$topic")"
+    count="$(cat "$state/$topic")"
+    printf 'Topic: %s\tTopicId: x\tPartitionCount: %s\tReplicationFactor: 1\tConfigs:\n' "$topic" "$count"
     printf '\tTopic: %s\tPartition: 0\tLeader: 1\n' "$topic"
 fi
 """
