@@ -35,6 +35,7 @@ Exit status: 0 when every check passes. The last line is `N passed, N failed`.
 from __future__ import annotations
 
 import argparse
+import http.server
 import json
 import os
 import re
@@ -42,7 +43,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import tomllib
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -481,6 +485,83 @@ def check_prom_k8s_config(ctx: Context) -> None:
         Path(tmp, "prometheus.yml").write_text(yaml.safe_dump(doc))
         shutil.copy(ctx.path("deploy/prometheus/alerts.yml"), Path(tmp, "alerts.yml"))
         ctx.run(ctx.tool("promtool"), "check", "config", str(Path(tmp, "prometheus.yml")))
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@check("prometheus: the real server loads the compose config, scrapes a dedupd page and fires a conflict alert")
+def check_prometheus_server(ctx: Context) -> None:
+    # promtool parses; this runs Prometheus itself on loopback with the
+    # compose configuration (targets pointed at a local page, intervals
+    # shortened) and the rules file, against a page in the binary's format
+    # holding one conflict, and waits for DedupdConflictDetected to fire.
+    page = (SCRAPE_OK.replace("# TYPE dedupd_conflicts_total counter\n",
+                              "# TYPE dedupd_conflicts_total counter\ndedupd_conflicts_total{tenant=\"acme\"} 1\n"))
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            body = page.encode()
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    prom_port = free_port()
+    doc = ctx.yaml("deploy/prometheus/prometheus.yml")
+    doc["global"].update({"scrape_interval": "1s", "evaluation_interval": "1s"})
+    for job in doc["scrape_configs"]:
+        port = server.server_address[1] if job["job_name"] == "dedupd" else prom_port
+        for sc in job.get("static_configs", []):
+            sc["targets"] = [f"127.0.0.1:{port}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "prometheus.yml").write_text(yaml.safe_dump(doc))
+        shutil.copy(ctx.path("deploy/prometheus/alerts.yml"), Path(tmp, "alerts.yml"))
+        proc = subprocess.Popen(
+            [ctx.tool("prometheus"), f"--config.file={tmp}/prometheus.yml", f"--storage.tsdb.path={tmp}/data",
+             f"--web.listen-address=127.0.0.1:{prom_port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        api = f"http://127.0.0.1:{prom_port}/api/v1"
+        firing: list[dict] = []
+        rules: list[str] = []
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    with urllib.request.urlopen(f"{api}/rules", timeout=2) as r:
+                        groups = json.load(r)["data"]["groups"]
+                    rules = [rule["name"] for g in groups for rule in g["rules"]]
+                    with urllib.request.urlopen(f"{api}/alerts", timeout=2) as r:
+                        alerts = json.load(r)["data"]["alerts"]
+                    firing = [a for a in alerts if a["labels"].get("alertname") == "DedupdConflictDetected"
+                              and a["state"] == "firing"]
+                    if firing:
+                        break
+                except OSError:
+                    pass
+                time.sleep(0.5)
+        finally:
+            proc.terminate()
+            try:
+                _, err = proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            server.shutdown()
+        expect(set(r["alert"] for r in alert_rules(ctx)) <= set(rules),
+               f"Prometheus loaded rules {sorted(rules)}; log:\n{err[-2000:]}")
+        expect(bool(firing) and firing[0]["labels"].get("tenant") == "acme",
+               f"DedupdConflictDetected did not fire for tenant acme within 30 s; log:\n{err[-2000:]}")
 
 
 @check("alerts: severity, summary, description, runbook link and a unit test for every alert")
@@ -1162,6 +1243,9 @@ MUTATIONS: list[tuple[str, str, Callable[[str], str], str]] = [
      lambda s: s.replace("max by (job, instance) (dedupd_dedupe_window_below_floor",
                          "max by (job, tenant) (dedupd_dedupe_window_below_floor", 1),
      "alerts: every metric, label and label value"),
+    ("a Prometheus config whose dedupd job the alerts do not select", "deploy/prometheus/prometheus.yml",
+     lambda s: s.replace("  - job_name: dedupd\n", "  - job_name: dedupd-worker\n", 1),
+     "prometheus: the real server"),
     ("an alert whose runbook anchor does not exist", "deploy/prometheus/alerts.yml",
      lambda s: s.replace("#dedupdconsumerlaggrowing", "#consumer-lag", 1),
      "alerts: severity, summary"),
