@@ -1184,10 +1184,15 @@ def check_runbook_links(ctx: Context) -> None:
     anchors = runbook_anchors(ctx)
     problems = [f"docs/runbook.md has no section #{a}" for a in sorted(REQUIRED_RUNBOOK_ANCHORS - anchors)]
     files = [ctx.root / "docker-compose.yml", *[p for p in (ctx.root / "deploy").rglob("*") if p.is_file()]]
+    if (ctx.root / "README.md").exists():
+        files.append(ctx.root / "README.md")
     for f in files:
         for a in re.findall(r"docs/runbook\.md#([\w-]+)", f.read_text(errors="replace")):
             if a not in anchors:
                 problems.append(f"{f.relative_to(ctx.root)} links docs/runbook.md#{a}, which does not exist")
+    for a in re.findall(r"\]\(#([\w-]+)\)", ctx.path("docs/runbook.md").read_text()):
+        if a not in anchors:
+            problems.append(f"docs/runbook.md links #{a} inside itself, which does not exist")
     expect(not problems, "\n".join(sorted(set(problems))))
 
 
