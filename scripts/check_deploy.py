@@ -15,7 +15,9 @@ calls this file. What is checked, and against what:
   dashboard query uses must be exported by the binary. The reference is
   deploy/metrics.txt (DESIGN §8); with `--metrics FILE` (a `/metrics` scrape
   of the real binary) the scrape is the reference and deploy/metrics.txt is
-  checked against it too.
+  checked against it too; `--live BINARY` takes that scrape itself, running
+  `BINARY run` against a Tansu broker on loopback until /healthz and /readyz
+  answer.
 - docker-compose.yml: the compose-spec JSON schema, plus the keys that make
   the stack what it claims (KRaft broker, one-shot topic job, exactly-once
   dedupd, Prometheus with the rules, Grafana with the dashboard).
@@ -1438,14 +1440,93 @@ def self_test(root: Path, tools: Path) -> tuple[int, int]:
     return passed, failed
 
 
+def scrape_live_binary(binary: Path, tansu: str, out: Path) -> None:
+    """Runs `binary run` against a Tansu broker on loopback (DESIGN §11: the
+    sqlite engine, topics created first, at-least-once since Tansu has no
+    EndTxn) and saves its /metrics page to `out` once /readyz says ready."""
+    with tempfile.TemporaryDirectory() as tmp:
+        kport, mport = free_port(), free_port()
+        broker = f"127.0.0.1:{kport}"
+        tansu_proc = subprocess.Popen(
+            [tansu, "broker", f"--listener-url=tcp://{broker}", f"--advertised-listener-url=tcp://{broker}",
+             "--storage-engine=sqlite://tansu.db", "--silent"],
+            cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        dedupd = None
+        try:
+            topics = {"input": "deploy-check-in", "output": "deploy-check-out", "conflicts": "deploy-check-conflicts",
+                      "rejected": "deploy-check-rejected"}
+            for topic in topics.values():
+                deadline = time.monotonic() + 30
+                while True:
+                    made = subprocess.run([tansu, "topic", "create", topic, f"--broker=tcp://{broker}",
+                                           "--partitions=3"], capture_output=True, text=True)
+                    if made.returncode == 0:
+                        break
+                    if time.monotonic() > deadline or tansu_proc.poll() is not None:
+                        raise CheckFailed(f"tansu: cannot create {topic}: {made.stderr.strip()}")
+                    time.sleep(0.5)
+            dedupd = subprocess.Popen(
+                [str(binary), "run", f"--brokers={broker}", "--group=deploy-check",
+                 f"--input-topic={topics['input']}", f"--output-topic={topics['output']}",
+                 f"--conflicts-topic={topics['conflicts']}", f"--rejected-topic={topics['rejected']}",
+                 f"--state-dir={tmp}/state", f"--metrics-addr=127.0.0.1:{mport}", "--delivery=at-least-once",
+                 "--kafka-property=fetch.wait.max.ms=5"],
+                cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            base = f"http://127.0.0.1:{mport}"
+            deadline = time.monotonic() + 60
+            page = None
+            while time.monotonic() < deadline:
+                if dedupd.poll() is not None:
+                    raise CheckFailed(f"{binary} run exited with {dedupd.returncode} before it was ready:\n"
+                                      f"{dedupd.stderr.read()[-2000:] if dedupd.stderr else ''}")
+                try:
+                    with urllib.request.urlopen(f"{base}/healthz", timeout=2):
+                        pass
+                    with urllib.request.urlopen(f"{base}/readyz", timeout=2):
+                        pass
+                    with urllib.request.urlopen(f"{base}/metrics", timeout=2) as r:
+                        page = r.read().decode()
+                    break
+                except OSError:
+                    time.sleep(0.5)
+            if page is None:
+                raise CheckFailed(f"{binary} run did not answer /healthz, /readyz and /metrics within 60 s")
+            out.write_text(page)
+        finally:
+            for proc in (dedupd, tansu_proc):
+                if proc is None or proc.poll() is not None:
+                    continue
+                proc.terminate()
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent)
     ap.add_argument("--tools", type=Path, default=Path(sys.executable).parent,
                     help="directory holding the Python validators' executables")
     ap.add_argument("--metrics", type=Path, help="a /metrics scrape of the real binary to check names against")
+    ap.add_argument("--live", type=Path, metavar="BINARY",
+                    help="run BINARY (`dedupd run`) against a Tansu broker on loopback and check its live /metrics")
     ap.add_argument("--self-test", action="store_true", help="check that broken copies of the files are caught")
     args = ap.parse_args()
+    if args.live is not None:
+        tansu = shutil.which("tansu")
+        if tansu is None:
+            print("--live needs tansu (cargo install tansu --locked --features dynostore,libsql)", file=sys.stderr)
+            return 2
+        args.metrics = Path(tempfile.mkdtemp(prefix="dedupd-scrape-"), "metrics.txt")
+        try:
+            scrape_live_binary(args.live.resolve(), tansu, args.metrics)
+        except CheckFailed as e:
+            print(f"FAIL live scrape of {args.live}\n" + "\n".join("     " + ln for ln in str(e).splitlines()))
+            print("0 passed, 1 failed")
+            return 1
+        print(f"ok   live scrape of {args.live} saved to {args.metrics}")
     if args.self_test:
         passed, failed = self_test(args.root, args.tools)
     else:
