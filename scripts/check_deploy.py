@@ -58,15 +58,28 @@ import yaml
 # --------------------------------------------------------------------------
 # Facts the files must agree with.
 
-# `dedupd run` flags (DESIGN §9 and issue #5), as TOML keys.
+# The keys of dedupd's TOML file (src/config.rs `FileConfig`, which denies
+# unknown keys): DESIGN §9's flags with `-` -> `_`, the store tuning keys, and
+# `kafka_properties` (the list behind the repeatable `--kafka-property`).
 RUN_FLAGS = {
-    "brokers", "group", "input_topic", "output_topic", "conflicts_topic", "rejected_topic",
-    "state_dir", "metrics_addr", "delivery", "config", "instance_id", "kafka_property",
-    "hot_ttl", "hot_capacity", "horizon", "keystore_max_bytes", "fsync", "max_future_skew",
-    "max_event_age", "derive_salt",
+    "brokers", "group", "input_topic", "output_topic", "conflicts_topic", "rejected_topic", "state_dir",
+    "metrics_addr", "delivery", "instance_id", "batch_max_records", "batch_max_wait", "kafka_properties",
+    "hot_ttl", "hot_capacity", "horizon", "keystore_max_bytes", "keystore_window_floor", "keystore_block_cache",
+    "keystore_write_buffer", "keystore_background_jobs", "keep_revoked_partitions", "fsync", "wal_rotate_bytes",
+    "memtable_events", "retention", "max_future_skew", "max_event_age", "max_record_bytes", "max_id_bytes",
+    "max_field_bytes", "max_dimensions", "derive_salt", "closed_periods",
 }
-DURATION_KEYS = {"hot_ttl", "horizon", "max_future_skew", "max_event_age"}
-INTEGER_KEYS = {"hot_capacity", "keystore_max_bytes"}
+# Flags with no TOML key (DEDUPD_CONFIG names the file itself).
+ENV_ONLY_FLAGS = {"config", "kafka_property", "closed_periods"}
+DURATION_KEYS = {"hot_ttl", "horizon", "max_future_skew", "max_event_age", "keystore_window_floor", "retention",
+                 "batch_max_wait"}
+INTEGER_KEYS = {"hot_capacity", "keystore_background_jobs", "memtable_events", "max_id_bytes", "max_field_bytes",
+                "max_dimensions", "batch_max_records"}
+# A number of bytes, or a string like "64MiB" (src/config.rs parse_bytes).
+BYTES_KEYS = {"keystore_max_bytes", "keystore_block_cache", "keystore_write_buffer", "wal_rotate_bytes",
+              "max_record_bytes"}
+BYTE_UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40, "KB": 10**3,
+              "MB": 10**6, "GB": 10**9, "TB": 10**12}
 TOPIC_KEYS = ["input_topic", "output_topic", "conflicts_topic", "rejected_topic"]
 # humantime's units; a duration is one or more <number><unit> terms.
 DURATION_RE = re.compile(
@@ -745,22 +758,39 @@ def check_toml(cfg: dict, where: str) -> list[str]:
             problems.append(f"{where}: {key} = {value!r} is not a humantime duration")
         elif key in INTEGER_KEYS and not (isinstance(value, int) and value > 0):
             problems.append(f"{where}: {key} must be a positive integer")
+        elif key in BYTES_KEYS and config_bytes(value) is None:
+            problems.append(f"{where}: {key} = {value!r} is not a byte size like 67108864 or \"64MiB\"")
         elif key == "fsync" and not re.fullmatch(r"always|interval:\d+", str(value)):
             problems.append(f"{where}: fsync = {value!r} is not always|interval:<ms>")
         elif key == "delivery" and value not in ("exactly-once", "at-least-once"):
             problems.append(f"{where}: delivery = {value!r} is not exactly-once|at-least-once")
-        elif key == "kafka_property" and not (isinstance(value, list) and all(
+        elif key == "kafka_properties" and not (isinstance(value, list) and all(
                 isinstance(v, str) and re.fullmatch(r"[a-z0-9.]+=.+", v) for v in value)):
-            problems.append(f"{where}: kafka_property must be a list of \"key=value\"")
+            problems.append(f"{where}: kafka_properties must be a list of \"key=value\"")
         elif key == "metrics_addr" and not re.fullmatch(r"[\w.\[\]:-]+:\d+", str(value)):
             problems.append(f"{where}: metrics_addr = {value!r} is not host:port")
     for key in ["brokers", "group", "state_dir", "metrics_addr", "delivery", *TOPIC_KEYS]:
         if key not in cfg:
             problems.append(f"{where}: {key} is not set")
+    days = {k: duration_days(cfg[k]) for k in ("horizon", "retention") if isinstance(cfg.get(k), str)}
+    if "horizon" in days and "retention" in days and days["retention"] < days["horizon"]:
+        problems.append(f"{where}: retention must be at least the horizon")
     topics = [cfg.get(k) for k in TOPIC_KEYS]
     if len(set(topics)) != len(topics):
         problems.append(f"{where}: the four topics must be distinct, got {topics}")
     return problems
+
+
+def config_bytes(value: object) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if value > 0 else None
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGT]i?B|B)?\s*", str(value))
+    return int(m.group(1)) * BYTE_UNITS[m.group(2) or ""] if m else None
+
+
+def duration_days(value: str) -> float:
+    units = {"s": 1 / 86400, "m": 1 / 1440, "h": 1 / 24, "d": 1, "w": 7}
+    return sum(int(n) * units.get(u[0], 0) for n, u in re.findall(r"(\d+)\s*([a-zA-Z]+)", value))
 
 
 def parse_toml(text: str, where: str) -> dict:
@@ -812,7 +842,7 @@ def check_configs(ctx: Context) -> None:
     for rel in ("docker-compose.yml", "deploy/Dockerfile", "deploy/k8s/statefulset.yaml"):
         env_refs |= set(re.findall(r"\bDEDUPD_([A-Z_]+)\b", ctx.path(rel).read_text()))
     for name in sorted(env_refs - {"PARTITIONS"}):
-        if name.lower() not in RUN_FLAGS:
+        if name.lower() not in RUN_FLAGS | ENV_ONLY_FLAGS:
             problems.append(f"DEDUPD_{name} names no `dedupd run` flag")
     expect(not problems, "\n".join(problems))
 
@@ -1072,9 +1102,11 @@ def check_k8s_semantics(ctx: Context) -> None:
 # measurements: tests/deploy_sizing.rs checks the hot cache stays within its
 # budget; the key-store figures are its defaults (keystore options).
 HOT_CACHE_BYTES_PER_ENTRY = 96
-KEYSTORE_DISK_BYTES_PER_KEY = 64          # issue #4's ceiling; converts the byte cap into keys
+KEYSTORE_DISK_BYTES_PER_KEY = 64           # issue #4's ceiling; converts the byte cap into keys
 KEYSTORE_FILTER_INDEX_BYTES_PER_KEY = 1.3  # bloom (10 bits) + index, held outside the block cache
-KEYSTORE_FIXED_BYTES = (128 + 3 * 64 + 16) << 20  # block cache, 3 memtables, meta column family
+KEYSTORE_DEFAULTS = {"keystore_block_cache": 64 << 20, "keystore_write_buffer": 32 << 20}  # src/config.rs
+KEYSTORE_MEMTABLES = 3                     # max_write_buffer_number of the keys column family
+KEYSTORE_META_BYTES = 16 << 20             # the meta column family's memtables
 PROCESS_BASE_BYTES = 256 << 20             # runtime, batches in flight, allocator slack
 LIBRDKAFKA_DEFAULT_KBYTES = {"queued.max.messages.kbytes": 65536, "queue.buffering.max.kbytes": 1048576}
 QUANTITY_UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9,
@@ -1089,13 +1121,15 @@ def quantity_bytes(q: str) -> int:
 
 
 def pod_memory_need(cfg: dict, partitions: int) -> dict[str, int]:
-    props = dict(p.split("=", 1) for p in cfg.get("kafka_property", []))
+    props = dict(p.split("=", 1) for p in cfg.get("kafka_properties", []))
     kbytes = {k: int(props.get(k, v)) for k, v in LIBRDKAFKA_DEFAULT_KBYTES.items()}
-    keys = int(cfg.get("keystore_max_bytes", 0)) // KEYSTORE_DISK_BYTES_PER_KEY
+    keys = (config_bytes(cfg.get("keystore_max_bytes")) or 0) // KEYSTORE_DISK_BYTES_PER_KEY
+    rocks = {k: config_bytes(cfg[k]) if k in cfg else v for k, v in KEYSTORE_DEFAULTS.items()}
     return {
         "hot caches": partitions * int(cfg.get("hot_capacity", 0)) * HOT_CACHE_BYTES_PER_ENTRY,
         "key store filters and indexes": int(keys * KEYSTORE_FILTER_INDEX_BYTES_PER_KEY),
-        "key store cache and memtables": KEYSTORE_FIXED_BYTES,
+        "key store cache and memtables": (rocks["keystore_block_cache"] or 0)
+        + KEYSTORE_MEMTABLES * (rocks["keystore_write_buffer"] or 0) + KEYSTORE_META_BYTES,
         "librdkafka fetch queues": partitions * kbytes["queued.max.messages.kbytes"] * 1024,
         "librdkafka producer queue": kbytes["queue.buffering.max.kbytes"] * 1024,
         "process": PROCESS_BASE_BYTES,
