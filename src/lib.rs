@@ -10,6 +10,9 @@
 //!   (pure, no I/O).
 //! - [`classify`]: the four-bucket classifier and the in-memory hot cache
 //!   (pure, no I/O; time comes from a [`classify::Clock`]).
+//! - [`storage`]: the durable usage store: WAL, columnar segments, sidecar
+//!   index, manifest, recovery (sync, no async runtime).
 
 pub mod classify;
 pub mod event;
+pub mod storage;
