@@ -303,6 +303,12 @@ impl UsageStore {
         self.memtable.len()
     }
 
+    /// WAL bytes written but not yet fsynced (always 0 with `FsyncPolicy::Always`
+    /// once `append` returned): what a power loss could take.
+    pub fn unsynced_wal_bytes(&self) -> u64 {
+        self.wal.unsynced_bytes()
+    }
+
     /// The live segments, oldest first.
     pub fn segments(&self) -> &[SegmentMeta] {
         &self.manifest.segments
@@ -380,6 +386,19 @@ impl UsageStore {
             }
         }
         Ok(self.memtable.get(partition, id).cloned())
+    }
+
+    /// Calls `f` on every stored event: segments in order (oldest first), then
+    /// the memtable. Reads one segment at a time.
+    pub fn for_each_event(&self, mut f: impl FnMut(&StoredEvent)) -> Result<(), StorageError> {
+        self.check_poison()?;
+        for meta in &self.manifest.segments {
+            for e in SegmentFile::open(&segment::segment_path(&self.seg_dir, meta.id))?.read_all()? {
+                f(&e);
+            }
+        }
+        self.memtable.events().iter().for_each(f);
+        Ok(())
     }
 
     /// Memtable → segment + sidecar → new manifest generation → old WAL dropped.

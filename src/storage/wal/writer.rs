@@ -124,7 +124,7 @@ impl WalWriter {
         }
     }
 
-    /// How long the oldest unsynced byte may still wait (for docs/tests).
+    /// Bytes written but not yet fsynced.
     pub(crate) fn unsynced_bytes(&self) -> u64 {
         self.len - self.synced_len
     }
