@@ -37,7 +37,10 @@ fn ingest(c: &mut Criterion) {
     group.throughput(Throughput::Elements(BATCH as u64));
     // A pool of distinct batches, re-offset per iteration outside the timer.
     let pool: Vec<Vec<StoredEvent>> = (0..16).map(|i| batch(i * BATCH as u64)).collect();
-    for (name, policy) in [("fsync_always", FsyncPolicy::Always), ("fsync_interval_250ms", FsyncPolicy::Interval(Duration::from_millis(250)))] {
+    for (name, policy) in [
+        ("fsync_always", FsyncPolicy::Always),
+        ("fsync_interval_250ms", FsyncPolicy::Interval(Duration::from_millis(250))),
+    ] {
         let dir = tempfile::tempdir().expect("tempdir");
         let opts = StoreOptions { fsync: policy, ..StoreOptions::default() };
         let (mut store, _) = UsageStore::open(dir.path(), opts, Arc::new(NoopObserver)).expect("open");

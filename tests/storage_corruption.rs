@@ -171,7 +171,10 @@ fn a_flipped_byte_in_a_segment_is_reported_by_verify_and_by_reads_of_that_segmen
     let report = verify(&usage).expect("verify");
     assert!(!report.is_clean());
     let bad: Vec<_> = report.problems().collect();
-    assert!(matches!(bad.as_slice(), [f] if f.path == seg && matches!(f.status, FileStatus::Corrupt { .. })), "{report}");
+    assert!(
+        matches!(bad.as_slice(), [f] if f.path == seg && matches!(f.status, FileStatus::Corrupt { .. })),
+        "{report}"
+    );
 
     // Documented behaviour: open does not read segment bodies, so it succeeds;
     // the hot-cache rebuild goes through the intact sidecar; reading events of
@@ -187,7 +190,10 @@ fn a_flipped_byte_in_a_segment_is_reported_by_verify_and_by_reads_of_that_segmen
         "{r:?}"
     );
     assert!(store.get(Some(0), &all_events()[5].key.id_hash).is_err());
-    assert_eq!(store.get(Some(0), &all_events()[45].key.id_hash).expect("memtable get"), Some(all_events()[45].clone()));
+    assert_eq!(
+        store.get(Some(0), &all_events()[45].key.id_hash).expect("memtable get"),
+        Some(all_events()[45].clone())
+    );
 }
 
 #[test]

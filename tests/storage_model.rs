@@ -16,10 +16,19 @@ use proptest::prelude::*;
 enum Op {
     /// `count` events on `partition`, the first `replayed` of them re-sending
     /// already stored offsets (must be skipped).
-    Append { partition: i32, count: usize, replayed: usize, gap: i64 },
+    Append {
+        partition: i32,
+        count: usize,
+        replayed: usize,
+        gap: i64,
+    },
     Flush,
-    Maintain { advance_ms: i64 },
-    Crash { unsynced_bytes_kept: u64 },
+    Maintain {
+        advance_ms: i64,
+    },
+    Crash {
+        unsynced_bytes_kept: u64,
+    },
     Reopen,
 }
 
@@ -88,7 +97,12 @@ fn run(ops: Vec<Op>, interval: bool, small_wal: bool) {
         ..StoreOptions::default()
     };
     let mut store = Some(open(dir.path(), &opts));
-    let mut model = Model { durable: BTreeMap::new(), durable_checkpoints: BTreeMap::new(), pending: Vec::new(), checkpoints: BTreeMap::new() };
+    let mut model = Model {
+        durable: BTreeMap::new(),
+        durable_checkpoints: BTreeMap::new(),
+        pending: Vec::new(),
+        checkpoints: BTreeMap::new(),
+    };
     let mut now_ms = 1_000_000i64;
     let mut n = 0u64;
     for op in ops {
@@ -168,7 +182,10 @@ fn run(ops: Vec<Op>, interval: bool, small_wal: bool) {
                     matched = candidate == got;
                     used = i + 1;
                 }
-                assert!(matched, "after a crash the store holds neither the durable data nor a prefix of the pending batches");
+                assert!(
+                    matched,
+                    "after a crash the store holds neither the durable data nor a prefix of the pending batches"
+                );
                 let _ = used;
                 model.durable = got;
                 model.durable_checkpoints = checkpoints.clone();

@@ -58,7 +58,8 @@ fn appended_events_survive_a_reopen_without_close() {
     assert_eq!(store.append(&events(100..150, 1)).expect("append"), 50);
     let before = contents(&store);
     drop(store);
-    let (store, report) = UsageStore::open(dir.path(), StoreOptions::default(), Arc::new(NoopObserver)).expect("reopen");
+    let (store, report) =
+        UsageStore::open(dir.path(), StoreOptions::default(), Arc::new(NoopObserver)).expect("reopen");
     assert_eq!(report.wal_events_replayed, 150);
     assert!(report.torn_tail.is_none());
     assert_eq!(contents(&store), before);
@@ -101,7 +102,8 @@ fn flushed_segments_serve_get_and_recent_keys_like_the_memtable() {
 
     let since = all[49].key.first_seen_ms;
     let keys = store.recent_keys(1, since, usize::MAX).expect("recent");
-    let expected: Vec<_> = all.iter().filter(|e| e.key.output.partition == 1 && e.key.first_seen_ms > since).map(|e| e.key).collect();
+    let expected: Vec<_> =
+        all.iter().filter(|e| e.key.output.partition == 1 && e.key.first_seen_ms > since).map(|e| e.key).collect();
     assert_eq!(keys, expected);
     let newest3 = store.recent_keys(1, i64::MIN, 3).expect("recent");
     let p1: Vec<_> = all.iter().filter(|e| e.key.output.partition == 1).map(|e| e.key).collect();
@@ -118,7 +120,8 @@ fn recovery_reads_only_sidecars_of_segments_inside_the_window() {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut store = open(dir.path(), StoreOptions::default());
     for seg in 0..4i64 {
-        let batch: Vec<_> = (0..10).map(|i| sample_event_at((seg * 10 + i) as u64, 0, seg * 10 + i, seg * 1000 + i)).collect();
+        let batch: Vec<_> =
+            (0..10).map(|i| sample_event_at((seg * 10 + i) as u64, 0, seg * 10 + i, seg * 1000 + i)).collect();
         store.append(&batch).expect("append");
         store.flush().expect("flush");
     }
@@ -239,7 +242,9 @@ fn interval_fsync_keeps_a_prefix_of_batches_after_power_loss() {
 #[test]
 fn fsync_policy_parses_the_documented_spellings() {
     assert!(matches!("always".parse::<FsyncPolicy>(), Ok(FsyncPolicy::Always)));
-    assert!(matches!("interval:250".parse::<FsyncPolicy>(), Ok(FsyncPolicy::Interval(d)) if d == Duration::from_millis(250)));
+    assert!(
+        matches!("interval:250".parse::<FsyncPolicy>(), Ok(FsyncPolicy::Interval(d)) if d == Duration::from_millis(250))
+    );
     for bad in ["", "sometimes", "interval:", "interval:0", "interval:-5", "interval:1.5"] {
         assert!(matches!(bad.parse::<FsyncPolicy>(), Err(StorageError::InvalidOption { key: "fsync", .. })), "{bad:?}");
     }

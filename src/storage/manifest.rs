@@ -94,12 +94,27 @@ impl Manifest {
             return Err(StorageError::ChecksumMismatch { file: path.into(), offset: HEADER_LEN as u64, expected, got });
         }
         if version != VERSION {
-            return Err(StorageError::UnsupportedVersion { file: path.into(), what: "manifest", found: version, supported: VERSION });
+            return Err(StorageError::UnsupportedVersion {
+                file: path.into(),
+                what: "manifest",
+                found: version,
+                supported: VERSION,
+            });
         }
         let parse_body = |r: &mut Reader<'_>| -> Result<Manifest, DecodeError> {
-            let mut m = Manifest { generation: r.u64()?, next_segment_id: r.u64()?, wal_start: r.u64()?, ..Manifest::default() };
+            let mut m = Manifest {
+                generation: r.u64()?,
+                next_segment_id: r.u64()?,
+                wal_start: r.u64()?,
+                ..Manifest::default()
+            };
             for _ in 0..r.u32()? {
-                m.segments.push(SegmentMeta { id: r.u64()?, rows: r.u64()?, min_first_seen_ms: r.i64()?, max_first_seen_ms: r.i64()? });
+                m.segments.push(SegmentMeta {
+                    id: r.u64()?,
+                    rows: r.u64()?,
+                    min_first_seen_ms: r.i64()?,
+                    max_first_seen_ms: r.i64()?,
+                });
             }
             for _ in 0..r.u32()? {
                 let p = r.i32()?;

@@ -105,9 +105,8 @@ impl std::str::FromStr for FsyncPolicy {
         if s == "always" {
             return Ok(FsyncPolicy::Always);
         }
-        let ms = s
-            .strip_prefix("interval:")
-            .ok_or_else(|| bad(format!("{s:?}: expected `always` or `interval:<ms>`")))?;
+        let ms =
+            s.strip_prefix("interval:").ok_or_else(|| bad(format!("{s:?}: expected `always` or `interval:<ms>`")))?;
         match ms.parse::<u64>() {
             Ok(0) => Err(bad("interval must be at least 1 ms".into())),
             Ok(ms) => Ok(FsyncPolicy::Interval(Duration::from_millis(ms))),

@@ -153,7 +153,8 @@ pub(crate) fn encode(id: u64, rows: &[&StoredEvent]) -> Result<(Vec<u8>, Segment
             put_str(&mut cols[col::DIM_VALUE as usize], value);
         }
     }
-    let delta_ids = [col::OUT_PARTITION, col::OUT_OFFSET, col::SRC_PARTITION, col::SRC_OFFSET, col::FIRST_SEEN, col::TIMESTAMP];
+    let delta_ids =
+        [col::OUT_PARTITION, col::OUT_OFFSET, col::SRC_PARTITION, col::SRC_OFFSET, col::FIRST_SEEN, col::TIMESTAMP];
     for (d, id) in deltas.into_iter().zip(delta_ids) {
         cols[id as usize] = d.out;
     }
@@ -218,7 +219,12 @@ impl SegmentFile {
         }
         let version = u16::from_le_bytes([bytes[4], bytes[5]]);
         if version != VERSION {
-            return Err(StorageError::UnsupportedVersion { file: path.into(), what: "segment", found: version, supported: VERSION });
+            return Err(StorageError::UnsupportedVersion {
+                file: path.into(),
+                what: "segment",
+                found: version,
+                supported: VERSION,
+            });
         }
         let t = bytes.len() - TRAILER_LEN;
         let footer_len = u32::from_le_bytes([bytes[t], bytes[t + 1], bytes[t + 2], bytes[t + 3]]);
@@ -234,7 +240,12 @@ impl SegmentFile {
         let footer = &bytes[f..t];
         let got = crc32c::crc32c(footer);
         if got != footer_crc {
-            return Err(StorageError::ChecksumMismatch { file: path.into(), offset: f as u64, expected: footer_crc, got });
+            return Err(StorageError::ChecksumMismatch {
+                file: path.into(),
+                offset: f as u64,
+                expected: footer_crc,
+                got,
+            });
         }
         let parse = |r: &mut Reader<'_>| -> Result<(u64, i64, i64, Vec<ColumnEntry>), DecodeError> {
             let rows = r.u64()?;
@@ -283,10 +294,16 @@ impl SegmentFile {
         let stored = &self.bytes[start..start + c.stored_len as usize];
         let got = crc32c::crc32c(stored);
         if got != c.crc {
-            return Err(StorageError::ChecksumMismatch { file: self.path.clone(), offset: c.offset, expected: c.crc, got });
+            return Err(StorageError::ChecksumMismatch {
+                file: self.path.clone(),
+                offset: c.offset,
+                expected: c.crc,
+                got,
+            });
         }
-        let raw = zstd::bulk::decompress(stored, c.raw_len as usize)
-            .map_err(|e| StorageError::corrupt(&self.path, c.offset, format!("column {id} does not decompress: {e}")))?;
+        let raw = zstd::bulk::decompress(stored, c.raw_len as usize).map_err(|e| {
+            StorageError::corrupt(&self.path, c.offset, format!("column {id} does not decompress: {e}"))
+        })?;
         if raw.len() != c.raw_len as usize {
             return Err(StorageError::corrupt(&self.path, c.offset, format!("column {id} length differs from footer")));
         }
@@ -315,11 +332,14 @@ impl SegmentFile {
         if raw.len() != self.rows * N {
             return Err(self.err(id, DecodeError(format!("{} bytes for {} rows of {N}", raw.len(), self.rows))));
         }
-        Ok(raw.chunks_exact(N).map(|c| {
-            let mut a = [0u8; N];
-            a.copy_from_slice(c);
-            a
-        }).collect())
+        Ok(raw
+            .chunks_exact(N)
+            .map(|c| {
+                let mut a = [0u8; N];
+                a.copy_from_slice(c);
+                a
+            })
+            .collect())
     }
 
     fn strings(&self, id: u8, n: usize) -> Result<Vec<String>, StorageError> {
@@ -385,18 +405,29 @@ impl SegmentFile {
         let dim_counts = {
             let raw = self.column(col::DIM_COUNT)?;
             let mut r = Reader::new(&raw);
-            let v = (0..self.rows).map(|_| r.varint()).collect::<Result<Vec<_>, _>>().map_err(|e| self.err(col::DIM_COUNT, e))?;
+            let v = (0..self.rows)
+                .map(|_| r.varint())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| self.err(col::DIM_COUNT, e))?;
             self.finished(col::DIM_COUNT, &r)?;
             v
         };
         let total_dims = dim_counts.iter().try_fold(0usize, |acc, &n| acc.checked_add(n as usize));
-        let total_dims = total_dims.ok_or_else(|| self.err(col::DIM_COUNT, DecodeError("dimension count overflow".into())))?;
+        let total_dims =
+            total_dims.ok_or_else(|| self.err(col::DIM_COUNT, DecodeError("dimension count overflow".into())))?;
         let mut dim_keys = self.strings(col::DIM_KEY, total_dims)?.into_iter();
         let mut dim_values = self.strings(col::DIM_VALUE, total_dims)?.into_iter();
 
         let mut out = Vec::with_capacity(self.rows);
-        let mut it = (keys.into_iter(), event_ids.into_iter(), tenants.into_iter(), customers.into_iter(), meters.into_iter());
-        let mut opts = (resources.into_iter(), units.into_iter(), sources.into_iter(), corr_originals.into_iter(), corr_reasons.into_iter());
+        let mut it =
+            (keys.into_iter(), event_ids.into_iter(), tenants.into_iter(), customers.into_iter(), meters.into_iter());
+        let mut opts = (
+            resources.into_iter(),
+            units.into_iter(),
+            sources.into_iter(),
+            corr_originals.into_iter(),
+            corr_reasons.into_iter(),
+        );
         for i in 0..self.rows {
             let (Some(key), Some(event_id), Some(tenant_id), Some(customer_id), Some(meter)) =
                 (it.0.next(), it.1.next(), it.2.next(), it.3.next(), it.4.next())

@@ -104,7 +104,12 @@ pub(crate) fn read(path: &Path, segment_id: u64) -> Result<Vec<SidecarEntry>, St
     }
     let version = u16::from_le_bytes([bytes[4], bytes[5]]);
     if version != VERSION {
-        return Err(StorageError::UnsupportedVersion { file: path.into(), what: "sidecar", found: version, supported: VERSION });
+        return Err(StorageError::UnsupportedVersion {
+            file: path.into(),
+            what: "sidecar",
+            found: version,
+            supported: VERSION,
+        });
     }
     let owner = le_i64(&bytes[8..]) as u64;
     let count = le_i64(&bytes[16..]) as u64;

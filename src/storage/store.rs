@@ -162,7 +162,10 @@ impl UsageStore {
             if *seq != manifest.wal_start + i as u64 {
                 let missing = manifest.wal_start + i as u64;
                 let _ = path;
-                return Err(StorageError::MissingWal { file: wal::wal_path(&wal_dir, missing), expected_first: manifest.wal_start });
+                return Err(StorageError::MissingWal {
+                    file: wal::wal_path(&wal_dir, missing),
+                    expected_first: manifest.wal_start,
+                });
             }
         }
         if live.is_empty() {
@@ -376,7 +379,8 @@ impl UsageStore {
                     entries
                 }
             };
-            let hit = sidecar::find(&entries, id).iter().find(|e| partition.is_none_or(|p| e.key.output.partition == p));
+            let hit =
+                sidecar::find(&entries, id).iter().find(|e| partition.is_none_or(|p| e.key.output.partition == p));
             if let Some(hit) = hit {
                 let rows = SegmentFile::open(&seg_path)?.read_all()?;
                 let row = rows.into_iter().nth(hit.row as usize).ok_or_else(|| {
@@ -443,7 +447,12 @@ impl UsageStore {
         fsutil::write_atomic(&segment::segment_path(&self.seg_dir, id), &bytes, None, self.crash_at())?;
         failpoint::check(after_segment, self.crash_at())?;
         let keys: Vec<SeenKey> = rows.iter().map(|e| e.key).collect();
-        fsutil::write_atomic(&sidecar::sidecar_path(&self.seg_dir, id), &sidecar::encode(id, &keys), None, self.crash_at())?;
+        fsutil::write_atomic(
+            &sidecar::sidecar_path(&self.seg_dir, id),
+            &sidecar::encode(id, &keys),
+            None,
+            self.crash_at(),
+        )?;
         failpoint::check(after_sidecar, self.crash_at())?;
         Ok(meta)
     }
@@ -572,7 +581,8 @@ impl UsageStore {
         for entry in std::fs::read_dir(&self.seg_dir).at(&self.seg_dir)? {
             let path = entry.at(&self.seg_dir)?.path();
             let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-            let id = name.strip_suffix(".seg").or_else(|| name.strip_suffix(".idx")).and_then(|s| s.parse::<u64>().ok());
+            let id =
+                name.strip_suffix(".seg").or_else(|| name.strip_suffix(".idx")).and_then(|s| s.parse::<u64>().ok());
             match id {
                 Some(id) if keep.contains(&id) => {}
                 Some(_) => doomed.push(path),

@@ -100,7 +100,12 @@ impl std::fmt::Display for VerifyReport {
 fn file_report(path: &Path, kind: FileKind, r: Result<String, StorageError>) -> FileReport {
     match r {
         Ok(detail) => FileReport { path: path.into(), kind, status: FileStatus::Ok, detail },
-        Err(e) => FileReport { path: path.into(), kind, status: FileStatus::Corrupt { error: e.to_string() }, detail: String::new() },
+        Err(e) => FileReport {
+            path: path.into(),
+            kind,
+            status: FileStatus::Corrupt { error: e.to_string() },
+            detail: String::new(),
+        },
     }
 }
 
@@ -116,7 +121,8 @@ pub fn verify(dir: &Path) -> Result<VerifyReport, StorageError> {
             .map_err(|e| StorageError::io(&path, e))
             .and_then(|bytes| Manifest::decode(&path, &bytes));
         let r = r.map(|m| {
-            let detail = format!("generation {}, {} segments, wal_start {}", m.generation, m.segments.len(), m.wal_start);
+            let detail =
+                format!("generation {}, {} segments, wal_start {}", m.generation, m.segments.len(), m.wal_start);
             readable.push(m);
             detail
         });

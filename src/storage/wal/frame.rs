@@ -66,19 +66,19 @@ pub(crate) fn read_frame(buf: &[u8]) -> FrameRead {
         return FrameRead::Invalid { detail: format!("declared length {len} exceeds the maximum") };
     }
     if buf.len() < end {
-        return FrameRead::Truncated { detail: format!("frame declares {len} payload bytes, {} present", buf.len() - HEADER_LEN) };
+        return FrameRead::Truncated {
+            detail: format!("frame declares {len} payload bytes, {} present", buf.len() - HEADER_LEN),
+        };
     }
     let payload = &buf[HEADER_LEN..end];
     let got = crc32c::crc32c_append(crc32c::crc32c(&buf[0..12]), payload);
     if got != expected {
-        return FrameRead::Invalid {
-            detail: format!("checksum mismatch: expected {expected:#010x}, got {got:#010x}") };
+        return FrameRead::Invalid { detail: format!("checksum mismatch: expected {expected:#010x}, got {got:#010x}") };
     }
     let version = u16::from_le_bytes([buf[4], buf[5]]);
     let kind = u16::from_le_bytes([buf[6], buf[7]]);
     if version != VERSION || kind != KIND_BATCH {
-        return FrameRead::Invalid {
-            detail: format!("unsupported frame version {version} kind {kind}") };
+        return FrameRead::Invalid { detail: format!("unsupported frame version {version} kind {kind}") };
     }
     match decode_payload(payload) {
         Ok(events) => FrameRead::Frame { events, len: end },
