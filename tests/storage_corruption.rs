@@ -100,7 +100,8 @@ fn build_clean(usage: &Path) {
 fn regenerate_fixtures() {
     let root = fixtures();
     let _ = std::fs::remove_dir_all(&root);
-    let cases: [(&str, fn(&Path)); 6] = [
+    type Corrupt = fn(&Path);
+    let cases: [(&str, Corrupt); 6] = [
         ("clean", |_| {}),
         ("wal_tail_flip", |u| flip(&wal3(u), |len| len - 3)),
         // Inside the first frame's payload: two valid frames follow it.
