@@ -129,6 +129,17 @@ fn recovery(c: &mut Criterion) {
             })
         });
     }
+    // For scale: a scan that decodes every column of every row, as a
+    // row-oriented store (or a reader without column projection) would.
+    group.bench_function("full_decode_scan", |b| {
+        b.iter(|| {
+            let (store, _) = UsageStore::open(&without, StoreOptions::default(), Arc::new(NoopObserver)).expect("open");
+            let mut count = 0u64;
+            store.for_each_event(|_| count += 1).expect("scan");
+            assert_eq!(count, n);
+            count
+        })
+    });
     group.finish();
 }
 

@@ -1,12 +1,12 @@
 //! The sidecar index of a segment: its keys, without the event bodies, so
-//! recovery rebuilds the hot cache without decompressing segments, and `get`
-//! finds an id by binary search.
+//! recovery rebuilds the hot cache without decompressing segments.
 //!
 //! ```text
 //! segments/<id:020>.idx  (little-endian)
 //!   header   24 bytes: magic b"DSIX", version u16 = 1, reserved u16 = 0,
 //!            segment_id u64, entry_count u64
-//!   entries  entry_count * 68 bytes, sorted by (id_hash, row):
+//!   entries  entry_count * 68 bytes, in row order (= ingest order, so
+//!            nearly sorted by first_seen_ms, which recovery sorts by):
 //!              id_hash [16], payload_hash [16], first_seen_ms i64,
 //!              output partition i32, output offset i64,
 //!              source partition i32, source offset i64,
@@ -43,16 +43,14 @@ pub(crate) struct SidecarEntry {
 
 /// Encodes the sidecar of segment `segment_id` whose rows have `keys`, in row order.
 pub(crate) fn encode(segment_id: u64, keys: &[SeenKey]) -> Vec<u8> {
-    let mut order: Vec<u32> = (0..keys.len() as u32).collect();
-    order.sort_by_key(|&i| (keys[i as usize].id_hash, i));
     let mut out = Vec::with_capacity(HEADER_LEN + keys.len() * ENTRY_LEN + TRAILER_LEN);
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
     out.extend_from_slice(&0u16.to_le_bytes());
     out.extend_from_slice(&segment_id.to_le_bytes());
     out.extend_from_slice(&(keys.len() as u64).to_le_bytes());
-    for row in order {
-        let k = &keys[row as usize];
+    for (row, k) in keys.iter().enumerate() {
+        let row = row as u32;
         out.extend_from_slice(&k.id_hash.0);
         out.extend_from_slice(&k.payload_hash.0);
         out.extend_from_slice(&k.first_seen_ms.to_le_bytes());
@@ -86,8 +84,10 @@ fn le_u32(b: &[u8]) -> u32 {
     u32::from_le_bytes(a)
 }
 
-/// Reads and checks the sidecar at `path`, which must belong to `segment_id`.
-pub(crate) fn read(path: &Path, segment_id: u64) -> Result<Vec<SidecarEntry>, StorageError> {
+/// Reads and checks the sidecar at `path`, which must belong to `segment_id`,
+/// and calls `visit` on each entry in row order. Nothing is visited unless the
+/// whole file's checksum holds.
+pub(crate) fn read_each(path: &Path, segment_id: u64, mut visit: impl FnMut(SidecarEntry)) -> Result<(), StorageError> {
     let bytes = std::fs::read(path).at(path)?;
     let corrupt = |offset: usize, detail: String| StorageError::corrupt(path, offset as u64, detail);
     if bytes.len() < HEADER_LEN + TRAILER_LEN {
@@ -119,13 +119,12 @@ pub(crate) fn read(path: &Path, segment_id: u64) -> Result<Vec<SidecarEntry>, St
     if (t - HEADER_LEN) as u64 != count.saturating_mul(ENTRY_LEN as u64) {
         return Err(corrupt(16, format!("entry count {count} does not match the file length")));
     }
-    let mut out = Vec::with_capacity(count as usize);
     for e in bytes[HEADER_LEN..t].chunks_exact(ENTRY_LEN) {
         let mut id = [0u8; 16];
         let mut payload = [0u8; 16];
         id.copy_from_slice(&e[0..16]);
         payload.copy_from_slice(&e[16..32]);
-        out.push(SidecarEntry {
+        visit(SidecarEntry {
             key: SeenKey {
                 id_hash: IdHash(id),
                 payload_hash: PayloadHash(payload),
@@ -136,12 +135,12 @@ pub(crate) fn read(path: &Path, segment_id: u64) -> Result<Vec<SidecarEntry>, St
             row: le_u32(&e[64..]),
         });
     }
-    Ok(out)
+    Ok(())
 }
 
-/// The entries for `id` in a sidecar read by [`read`] (sorted by id), in row order.
-pub(crate) fn find<'a>(entries: &'a [SidecarEntry], id: &IdHash) -> &'a [SidecarEntry] {
-    let start = entries.partition_point(|e| e.key.id_hash < *id);
-    let end = start + entries[start..].partition_point(|e| e.key.id_hash == *id);
-    &entries[start..end]
+/// [`read_each`] collected into a vector, in row order.
+pub(crate) fn read(path: &Path, segment_id: u64) -> Result<Vec<SidecarEntry>, StorageError> {
+    let mut out = Vec::new();
+    read_each(path, segment_id, |e| out.push(e))?;
+    Ok(out)
 }

@@ -341,12 +341,18 @@ impl UsageStore {
             if meta.max_first_seen_ms <= since_ms {
                 continue;
             }
-            match sidecar::read(&sidecar::sidecar_path(&self.seg_dir, meta.id), meta.id) {
-                Ok(entries) => {
-                    self.observer.recovery_segment(RecoveryPath::Sidecar);
-                    out.extend(entries.iter().map(|e| e.key).filter(wanted));
+            let mark = out.len();
+            let read = sidecar::read_each(&sidecar::sidecar_path(&self.seg_dir, meta.id), meta.id, |e| {
+                if wanted(&e.key) {
+                    out.push(e.key);
                 }
+            });
+            match read {
+                Ok(()) => self.observer.recovery_segment(RecoveryPath::Sidecar),
                 Err(_) => {
+                    // Nothing was visited (the checksum covers the whole file),
+                    // but stay exact even if that ever changes.
+                    out.truncate(mark);
                     self.observer.recovery_segment(RecoveryPath::Fallback);
                     let seg = SegmentFile::open(&segment::segment_path(&self.seg_dir, meta.id))?;
                     out.extend(seg.read_keys()?.into_iter().filter(wanted));
@@ -362,7 +368,7 @@ impl UsageStore {
     }
 
     /// The stored event for `id` (on `partition`, if given): the first stored
-    /// copy. Reads one segment's sidecar at a time (or the segment itself if
+    /// copy. Scans one segment's sidecar at a time (or the segment itself if
     /// the sidecar is unreadable), then the matching segment: memory is bounded
     /// by the largest segment, not by the store.
     pub fn get(&self, partition: Option<i32>, id: &IdHash) -> Result<Option<StoredEvent>, StorageError> {
@@ -373,14 +379,13 @@ impl UsageStore {
                 Ok(entries) => entries,
                 Err(_) => {
                     let keys = SegmentFile::open(&seg_path)?.read_keys()?;
-                    let mut entries: Vec<SidecarEntry> =
-                        keys.into_iter().enumerate().map(|(row, key)| SidecarEntry { key, row: row as u32 }).collect();
-                    entries.sort_by_key(|e| (e.key.id_hash, e.row));
-                    entries
+                    keys.into_iter().enumerate().map(|(row, key)| SidecarEntry { key, row: row as u32 }).collect()
                 }
             };
+            // A linear pass over 68-byte entries: `get` serves `inspect` and
+            // conflict details, not the hot path.
             let hit =
-                sidecar::find(&entries, id).iter().find(|e| partition.is_none_or(|p| e.key.output.partition == p));
+                entries.iter().find(|e| e.key.id_hash == *id && partition.is_none_or(|p| e.key.output.partition == p));
             if let Some(hit) = hit {
                 let rows = SegmentFile::open(&seg_path)?.read_all()?;
                 let row = rows.into_iter().nth(hit.row as usize).ok_or_else(|| {
