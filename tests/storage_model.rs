@@ -74,7 +74,8 @@ fn contents(store: &UsageStore) -> Contents {
     let mut out = BTreeMap::new();
     store
         .for_each_event(|e| {
-            out.insert((e.key.output.partition, e.key.output.offset), e.clone());
+            let previous = out.insert((e.key.output.partition, e.key.output.offset), e.clone());
+            assert!(previous.is_none(), "position {} stored twice", e.key.output);
         })
         .expect("scan");
     out

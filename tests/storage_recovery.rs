@@ -292,3 +292,35 @@ fn a_store_whose_manifests_are_gone_refuses_to_start_empty() {
     let r = UsageStore::open(dir.path(), StoreOptions::default(), Arc::new(NoopObserver));
     assert!(matches!(r, Err(StorageError::NoValidManifest { .. })));
 }
+
+/// Runs in a child process (see the next test): opens the store named by the
+/// environment and flushes, which must abort at `DEDUPD_FAILPOINT`.
+#[test]
+fn child_process_flushes_until_the_failpoint_aborts_it() {
+    let Ok(dir) = std::env::var("DEDUPD_STORAGE_TEST_CHILD_DIR") else { return };
+    let mut store = open(Path::new(&dir), StoreOptions::default());
+    store.append(&events(0..10, 0)).expect("append");
+    store.flush().expect("flush");
+    store.append(&events(10..20, 0)).expect("append");
+    store.flush().expect("flush");
+    std::process::exit(0);
+}
+
+#[test]
+fn the_failpoint_environment_variable_aborts_the_process_at_the_named_step() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let status = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", "child_process_flushes_until_the_failpoint_aborts_it", "--test-threads=1"])
+        .env("DEDUPD_STORAGE_TEST_CHILD_DIR", dir.path())
+        .env("DEDUPD_FAILPOINT", "flush_after_manifest")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .expect("spawn");
+    assert_eq!(status.signal(), Some(libc::SIGABRT), "{status:?}");
+    // It died right after the first manifest swap: the first flush is durable.
+    let store = open(dir.path(), StoreOptions::default());
+    assert_eq!(store.segments().len(), 1);
+    assert_eq!(contents(&store).len(), 10);
+}

@@ -341,6 +341,7 @@ impl UsageStore {
             if meta.max_first_seen_ms <= since_ms {
                 continue;
             }
+            out.reserve(usize::try_from(meta.rows).unwrap_or(0));
             let mark = out.len();
             let read = sidecar::read_each(&sidecar::sidecar_path(&self.seg_dir, meta.id), meta.id, |e| {
                 if wanted(&e.key) {

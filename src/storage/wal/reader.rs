@@ -86,3 +86,69 @@ fn valid_frame_after(buf: &[u8], from: usize) -> bool {
     }
     false
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::frame::{write_frame, HEADER_LEN};
+    use super::*;
+    use crate::storage::codec::encode_event;
+    use crate::storage::testutil::sample_event;
+
+    /// Three frames of two events each; returns the file bytes and frame starts.
+    fn three_frames() -> (Vec<u8>, Vec<usize>) {
+        let mut file = Vec::new();
+        let mut starts = Vec::new();
+        for f in 0..3u64 {
+            let mut payload = 2u32.to_le_bytes().to_vec();
+            for i in 0..2 {
+                encode_event(&sample_event(f * 2 + i, 0, (f * 2 + i) as i64), &mut payload);
+            }
+            starts.push(file.len());
+            write_frame(&mut file, &payload);
+        }
+        (file, starts)
+    }
+
+    fn scan(bytes: &[u8], is_last: bool) -> Result<WalScan, StorageError> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("x.wal");
+        std::fs::write(&path, bytes).expect("write");
+        scan_file(&path, is_last, |_| Ok(()))
+    }
+
+    #[test]
+    fn a_frame_cut_short_at_the_end_of_the_last_file_is_a_torn_tail() {
+        let (file, starts) = three_frames();
+        for cut in [starts[2] + 1, starts[2] + HEADER_LEN, file.len() - 1] {
+            let r = scan(&file[..cut], true);
+            assert!(
+                matches!(&r, Ok(s) if s.frames == 2 && s.valid_len == starts[2] as u64 && s.torn.is_some()),
+                "{r:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn zero_fill_after_the_last_frame_is_a_torn_tail() {
+        let (mut file, _) = three_frames();
+        let len = file.len();
+        file.extend_from_slice(&[0u8; 4096]);
+        assert!(matches!(scan(&file, true), Ok(s) if s.frames == 3 && s.valid_len == len as u64));
+    }
+
+    #[test]
+    fn a_flipped_length_field_mid_log_is_not_mistaken_for_a_torn_tail() {
+        let (mut file, starts) = three_frames();
+        // Declares a payload running past the end of the file.
+        file[starts[1] + 10] = 0x7f;
+        let r = scan(&file, true);
+        assert!(matches!(r, Err(StorageError::WalMidLogCorruption { offset, .. }) if offset == starts[1] as u64));
+    }
+
+    #[test]
+    fn any_bad_frame_in_a_sealed_file_is_a_hard_error() {
+        let (file, starts) = three_frames();
+        let r = scan(&file[..file.len() - 1], false);
+        assert!(matches!(r, Err(StorageError::WalMidLogCorruption { offset, .. }) if offset == starts[2] as u64));
+    }
+}
