@@ -15,6 +15,8 @@
 //!   before any I/O.
 //! - [`state`]: local state, the materialised view of the output topic; ties
 //!   the classifier to the durable tiers (sync).
+//! - [`storage`]: the durable usage store: WAL, columnar segments, sidecar
+//!   index, manifest, recovery (sync, no async runtime).
 //! - [`offline`]: `dedupd dedupe`, the engine over NDJSON files (sync).
 
 pub mod classify;
@@ -22,3 +24,4 @@ pub mod config;
 pub mod event;
 pub mod offline;
 pub mod state;
+pub mod storage;
