@@ -10,6 +10,8 @@
 //!   (pure, no I/O).
 //! - [`classify`]: the four-bucket classifier and the in-memory hot cache
 //!   (pure, no I/O; time comes from a [`classify::Clock`]).
+//! - [`keystore`]: the long-horizon key store on RocksDB (sync).
 
 pub mod classify;
 pub mod event;
+pub mod keystore;
