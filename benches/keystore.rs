@@ -78,7 +78,12 @@ fn per_sec(n: u64, d: Duration) -> f64 {
 }
 
 fn store_opts() -> KeyStoreOptions {
-    KeyStoreOptions { horizon_ms: HORIZON_MS, ..KeyStoreOptions::default() }
+    let d = KeyStoreOptions::default();
+    KeyStoreOptions {
+        horizon_ms: HORIZON_MS,
+        block_bytes: env_u64("DEDUPD_BENCH_BLOCK_BYTES", d.block_bytes as u64) as usize,
+        ..d
+    }
 }
 
 fn main() -> R<()> {
@@ -87,7 +92,11 @@ fn main() -> R<()> {
     let keys = env_u64("DEDUPD_BENCH_KEYS", 50_000_000);
     let base = std::env::var("DEDUPD_BENCH_DIR").map(std::path::PathBuf::from).unwrap_or_else(|_| std::env::temp_dir());
     let tmp = tempfile::tempdir_in(&base)?;
-    println!("keystore bench: {keys} keys, {PARTITIONS} partitions, dir {}", tmp.path().display());
+    println!(
+        "keystore bench: {keys} keys, {PARTITIONS} partitions, block {} bytes, dir {}",
+        store_opts().block_bytes,
+        tmp.path().display()
+    );
 
     if want("mechanism") {
         mechanism(tmp.path(), env_u64("DEDUPD_BENCH_MECH_KEYS", 8_000_000))?;
@@ -195,7 +204,9 @@ fn main() -> R<()> {
     if want("ageout") {
         let before = ks.disk_bytes();
         let t = Instant::now();
-        let r = ks.age_out(NOW_MS + DAY_MS)?;
+        // Keys were loaded first seen over the last 34 days: two days on, the
+        // oldest day falls past the 35-day horizon.
+        let r = ks.age_out(NOW_MS + 2 * DAY_MS)?;
         let age_call = t.elapsed();
         println!(
             "ageout: age_out() for one day took {:.3} ms, floor moved past {} keys ({} buckets), window {:.2} days",

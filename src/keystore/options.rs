@@ -40,6 +40,9 @@ pub struct KeyStoreOptions {
     pub sync_writes: bool,
     /// Whole-key bloom filter bits per key.
     pub bloom_bits_per_key: f64,
+    /// Data block size: a found key costs one block read and decompression
+    /// of this size; smaller blocks grow the index.
+    pub block_bytes: usize,
     /// Width of the first-seen histogram's buckets: the granularity of the
     /// size cap and of the window estimate.
     pub histogram_bucket_ms: i64,
@@ -60,6 +63,7 @@ impl Default for KeyStoreOptions {
             keep_revoked_partitions: true,
             sync_writes: false,
             bloom_bits_per_key: 10.0,
+            block_bytes: 16 << 10,
             histogram_bucket_ms: 3_600_000,
             periodic_compaction_secs: 86_400,
         }
@@ -83,6 +87,9 @@ impl KeyStoreOptions {
         }
         if !(1.0..=32.0).contains(&self.bloom_bits_per_key) {
             return bad("keystore_bloom_bits_per_key", "must be within 1..=32");
+        }
+        if !(1024..=(1 << 20)).contains(&self.block_bytes) {
+            return bad("keystore_block_bytes", "must be within 1 KiB..=1 MiB");
         }
         if self.max_bytes == Some(0) {
             return bad("keystore_max_bytes", "must be positive when set");
@@ -124,7 +131,7 @@ pub(crate) fn keys_cf_options(o: &KeyStoreOptions, cache: &Cache, floor: Floor) 
     // Filters and indexes stay with the table readers, always in memory:
     // an absent-key probe then never waits on a cache miss.
     t.set_cache_index_and_filter_blocks(false);
-    t.set_block_size(16 << 10);
+    t.set_block_size(o.block_bytes);
     t.set_format_version(6);
     cf.set_block_based_table_factory(&t);
     cf.set_optimize_filters_for_hits(false);
