@@ -17,11 +17,13 @@
 //!   the classifier to the durable tiers (sync).
 //! - [`storage`]: the durable usage store: WAL, columnar segments, sidecar
 //!   index, manifest, recovery (sync, no async runtime).
+//! - [`keystore`]: the long-horizon key store on RocksDB (sync).
 //! - [`offline`]: `dedupd dedupe`, the engine over NDJSON files (sync).
 
 pub mod classify;
 pub mod config;
 pub mod event;
+pub mod keystore;
 pub mod offline;
 pub mod state;
 pub mod storage;
