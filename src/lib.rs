@@ -8,13 +8,27 @@
 //!
 //! - [`event`]: wire decoding, validation with reason codes, identity hashing
 //!   (pure, no I/O).
-//! - [`classify`]: the four-bucket classifier and the in-memory hot cache
-//!   (pure, no I/O; time comes from a [`classify::Clock`]).
+//! - [`classify`]: the four-bucket classifier, the in-memory hot cache, and
+//!   `classify_records`, the pure part of the pipeline (pure, no I/O; time
+//!   comes from a [`classify::Clock`]).
+//! - [`config`]: flags, `DEDUPD_*` environment and the TOML file, validated
+//!   before any I/O.
+//! - [`state`]: local state, the materialised view of the output topic; ties
+//!   the classifier to the durable tiers (sync).
+//! - [`storage`]: the durable usage store: WAL, columnar segments, sidecar
+//!   index, manifest, recovery (sync, no async runtime).
+//! - [`keystore`]: the long-horizon key store on RocksDB (sync).
+//! - [`offline`]: `dedupd dedupe`, the engine over NDJSON files (sync).
 //! - [`kafka`]: the worker (`dedupd run`, `dedupd demo`): consumer group,
 //!   publishing, repair (async).
 //! - [`metrics`]: the Prometheus registry and the HTTP endpoint.
 
 pub mod classify;
+pub mod config;
 pub mod event;
 pub mod kafka;
+pub mod keystore;
 pub mod metrics;
+pub mod offline;
+pub mod state;
+pub mod storage;

@@ -6,6 +6,7 @@
 mod classifier;
 mod clock;
 mod hot_cache;
+mod outcome;
 mod seen;
 
 pub use classifier::{
@@ -14,4 +15,5 @@ pub use classifier::{
 };
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use hot_cache::HotCache;
+pub use outcome::{classify_records, InputRecord, Outcome};
 pub use seen::SeenKey;

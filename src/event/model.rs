@@ -88,3 +88,27 @@ pub struct UsageEvent {
     /// Sorted by key, keys unique.
     pub dimensions: Vec<(String, String)>,
 }
+
+impl UsageEvent {
+    /// Names of the payload fields whose values differ between two events
+    /// of the same id, in schema order: what a conflict report shows.
+    pub fn differing_fields(&self, other: &UsageEvent) -> Vec<&'static str> {
+        let mut out = Vec::new();
+        let mut check = |name: &'static str, same: bool| {
+            if !same {
+                out.push(name);
+            }
+        };
+        check("customer_id", self.customer_id == other.customer_id);
+        check("meter", self.meter == other.meter);
+        check("quantity", self.quantity.normalize() == other.quantity.normalize());
+        check("timestamp", self.timestamp_ms == other.timestamp_ms);
+        check("kind", self.kind == other.kind);
+        check("correction_ref", self.correction_ref == other.correction_ref);
+        check("resource_id", self.resource_id == other.resource_id);
+        check("unit", self.unit == other.unit);
+        check("source", self.source == other.source);
+        check("dimensions", self.dimensions == other.dimensions);
+        out
+    }
+}

@@ -79,20 +79,58 @@ pub struct MalformedJson(pub String);
 /// Decodes one record. `accept_server_stamps` admits the fields dedupd itself
 /// adds to its output (`event_id_derived`), for reading the output back.
 pub fn decode(bytes: &[u8], accept_server_stamps: bool) -> Result<WireEvent, MalformedJson> {
-    let mut de = serde_json::Deserializer::from_slice(bytes);
+    // serde_json checks UTF-8 only in the strings it decodes, not in values
+    // it skips (an unknown field's): check the whole record first, so no
+    // invalid byte is ever passed through to a side topic as "JSON".
+    let text = std::str::from_utf8(bytes)
+        .map_err(|e| MalformedJson(format!("not valid UTF-8: invalid byte at offset {}", e.valid_up_to())))?;
+    check_depth(bytes)?;
+    let mut de = serde_json::Deserializer::from_str(text);
     let ev = de.deserialize_map(EventVisitor { accept_server_stamps }).map_err(|e| MalformedJson(describe(&e)))?;
     de.end().map_err(|e| MalformedJson(describe(&e)))?;
     Ok(ev)
 }
 
-fn describe(e: &serde_json::Error) -> String {
-    let s = e.to_string();
-    // serde_json's message for UTF-8 errors is terse; name the cause.
-    if s.contains("invalid unicode") || s.contains("UTF-8") {
-        format!("not valid UTF-8 JSON ({s})")
-    } else {
-        s
+/// Deepest nesting accepted. An event needs 2 (`correction_ref`,
+/// `dimensions`); the margin admits unknown fields so they are reported as
+/// `unknown_field` rather than as a depth error.
+pub const MAX_DEPTH: usize = 32;
+
+/// Refuses nesting deeper than [`MAX_DEPTH`] before parsing. serde_json
+/// limits the depth of what it decodes, but skips an unknown field's value
+/// without that limit; a scan first keeps the stack bounded for any input.
+fn check_depth(bytes: &[u8]) -> Result<(), MalformedJson> {
+    let mut depth = 0usize;
+    let mut in_string = false;
+    let mut escaped = false;
+    for &b in bytes {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'{' | b'[' => {
+                depth += 1;
+                if depth > MAX_DEPTH {
+                    return Err(MalformedJson(format!("nested deeper than {MAX_DEPTH} levels")));
+                }
+            }
+            b'}' | b']' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
     }
+    Ok(())
+}
+
+fn describe(e: &serde_json::Error) -> String {
+    e.to_string()
 }
 
 struct EventVisitor {
@@ -389,6 +427,17 @@ mod tests {
         for bad in [&b"[]"[..], b"1", b"\"x\"", b"null", b"{} {}", b"{", b"", b"\xff\xfe", b"{\"a\":\"\xff\"}"] {
             assert!(decode(bad, false).is_err(), "{:?}", String::from_utf8_lossy(bad));
         }
+    }
+
+    #[test]
+    fn nesting_is_bounded_even_inside_unknown_fields() {
+        let deep = format!("{{\"zzz\":{}1{}}}", "[".repeat(1_000_000), "]".repeat(1_000_000));
+        assert!(matches!(decode(deep.as_bytes(), false), Err(MalformedJson(m)) if m.contains("nested")));
+        let ok = format!("{{\"zzz\":{}1{}}}", "[".repeat(MAX_DEPTH - 1), "]".repeat(MAX_DEPTH - 1));
+        assert_eq!(decode(ok.as_bytes(), false).map(|e| e.unknown_field), Ok(Some("zzz".to_owned())));
+        // Brackets inside strings do not count.
+        let quoted = format!("{{\"zzz\":\"{}\\\"\"}}", "[".repeat(100));
+        assert!(decode(quoted.as_bytes(), false).is_ok());
     }
 
     #[test]

@@ -2,49 +2,19 @@
 //!
 //! The worker needs a small, synchronous surface from local state: classify a
 //! batch read-only, apply what was published, say where its checkpoint is,
-//! find an original for a conflict diff. [`Engine`] is that surface; the
-//! durable implementation is `crate::state::LocalState`, and [`MemoryEngine`]
-//! keeps everything in memory (its checkpoint is always "nothing applied", so
-//! every assignment rebuilds the partition from the output topic — correct,
-//! just slower to start; used by tests and the demo).
+//! find an original for a conflict diff. [`Engine`] is that surface;
+//! [`StateEngine`] implements it over `crate::state::LocalState` (durable
+//! with a state directory, in memory without: then every assignment rebuilds
+//! the partition from the output topic, correct and just slower to start).
 //!
 //! Every method may block (fsync, RocksDB): the worker calls them from
 //! `spawn_blocking`, never on a runtime thread.
 
-use hashbrown::HashMap;
+use crate::event::{IdHash, UsageEvent, Validator};
+use crate::state::{LocalState, StateError};
 
-use crate::classify::{
-    Candidate, ClassifierSettings, FirstSeen, HorizonError, LongHorizon, NoLongHorizon, PartitionClassifier, SeenKey,
-    Tier, Verdict,
-};
-use crate::event::{
-    id_hash, payload_hash_with, IdHash, PayloadHash, Position, RejectReason, Rejection, UsageEvent, Validator,
-};
-
-/// One input record as the engine sees it.
-#[derive(Clone, Copy, Debug)]
-pub struct InputRecord<'a> {
-    pub source: Position,
-    /// `None` for a null value (a tombstone).
-    pub payload: Option<&'a [u8]>,
-}
-
-/// The classification of one input record.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    Accepted { event: UsageEvent, id_hash: IdHash, payload_hash: PayloadHash },
-    Duplicate { event: UsageEvent, id_hash: IdHash, tier: Tier, first: FirstSeen },
-    Conflict { event: UsageEvent, id_hash: IdHash, payload_hash: PayloadHash, tier: Tier, first: FirstSeen },
-    Replayed { event: UsageEvent, id_hash: IdHash, tier: Tier, first: FirstSeen },
-    Rejected(Rejection),
-}
-
-/// An accepted event as published: what local state persists.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct StoredEvent {
-    pub key: SeenKey,
-    pub event: UsageEvent,
-}
+pub use crate::classify::{InputRecord, Outcome};
+pub use crate::state::StoredEvent;
 
 /// Sizes and windows of local state, for the metrics page.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -90,167 +60,117 @@ pub trait Engine: Send + 'static {
     fn close(&mut self) -> Result<(), EngineError>;
 }
 
-/// Validation, identity and classification of one batch, shared by engines:
-/// decode → validate → hash → classify (DESIGN §6).
-pub fn classify_batch(
-    validator: &Validator,
-    classifier: &PartitionClassifier,
-    long: &dyn LongHorizon,
-    records: &[InputRecord<'_>],
-    now_ms: i64,
-) -> Result<Vec<Outcome>, HorizonError> {
-    let mut valid: Vec<(usize, UsageEvent, IdHash, PayloadHash)> = Vec::with_capacity(records.len());
-    let mut outcomes: Vec<Option<Outcome>> = Vec::with_capacity(records.len());
-    let mut buf = Vec::with_capacity(256);
-    for (i, r) in records.iter().enumerate() {
-        let validated = match r.payload {
-            None => Err(Rejection::new(RejectReason::MalformedJson, "null value (tombstone) is not an event")),
-            Some(bytes) => validator.validate(bytes, now_ms),
-        };
-        match validated {
-            Ok(event) => {
-                let id = id_hash(&event.tenant_id, &event.event_id);
-                let ph = payload_hash_with(&event, &mut buf);
-                valid.push((i, event, id, ph));
-                outcomes.push(None);
-            }
-            Err(rej) => outcomes.push(Some(Outcome::Rejected(rej))),
-        }
-    }
-    let candidates: Vec<Candidate> = valid
-        .iter()
-        .map(|(i, _, id, ph)| Candidate { id_hash: *id, payload_hash: *ph, source: records[*i].source })
-        .collect();
-    let verdicts = classifier.classify(&candidates, long, now_ms)?;
-    for ((i, event, id_hash, payload_hash), verdict) in valid.into_iter().zip(verdicts) {
-        outcomes[i] = Some(match verdict {
-            Verdict::Accepted => Outcome::Accepted { event, id_hash, payload_hash },
-            Verdict::Duplicate { tier, first } => Outcome::Duplicate { event, id_hash, tier, first },
-            Verdict::Conflict { tier, first } => Outcome::Conflict { event, id_hash, payload_hash, tier, first },
-            Verdict::Replayed { tier, first } => Outcome::Replayed { event, id_hash, tier, first },
-        });
-    }
-    // Every slot was filled: rejects in the first pass, the rest just now.
-    Ok(outcomes.into_iter().flatten().collect())
-}
-
-/// Local state kept only in memory (see the module doc).
+/// [`Engine`] over the engine's [`LocalState`].
 #[derive(Debug)]
-pub struct MemoryEngine {
+pub struct StateEngine {
+    /// `None` once closed (closing consumes the state).
+    state: Option<LocalState>,
     validator: Validator,
-    settings: ClassifierSettings,
-    partitions: HashMap<i32, MemoryPartition>,
 }
 
-#[derive(Debug)]
-struct MemoryPartition {
-    classifier: PartitionClassifier,
-    /// Accepted events by id, for conflict diffs; bounded like the hot cache.
-    originals: HashMap<IdHash, UsageEvent>,
-    checkpoint: Option<i64>,
-}
-
-impl MemoryEngine {
-    pub fn new(validator: Validator, settings: ClassifierSettings) -> MemoryEngine {
-        MemoryEngine { validator, settings, partitions: HashMap::new() }
+impl StateEngine {
+    pub fn new(state: LocalState, validator: Validator) -> StateEngine {
+        StateEngine { state: Some(state), validator }
     }
 
-    fn part(&self, partition: i32, operation: &'static str) -> Result<&MemoryPartition, EngineError> {
-        self.partitions.get(&partition).ok_or_else(|| not_assigned(operation, partition))
+    fn state(&self, operation: &'static str, partition: i32) -> Result<&LocalState, EngineError> {
+        self.state.as_ref().ok_or_else(|| closed(operation, partition))
+    }
+
+    fn state_mut(&mut self, operation: &'static str, partition: i32) -> Result<&mut LocalState, EngineError> {
+        self.state.as_mut().ok_or_else(|| closed(operation, partition))
     }
 }
 
-fn not_assigned(operation: &'static str, partition: i32) -> EngineError {
-    EngineError { operation, partition, source: "partition is not assigned to this engine".into() }
+fn closed(operation: &'static str, partition: i32) -> EngineError {
+    EngineError { operation, partition, source: "local state is closed".into() }
 }
 
-impl Engine for MemoryEngine {
-    fn assign(&mut self, partition: i32, _now_ms: i64) -> Result<(), EngineError> {
-        let settings = self.settings;
-        self.partitions.entry(partition).or_insert_with(|| MemoryPartition {
-            classifier: PartitionClassifier::new(partition, settings),
-            originals: HashMap::new(),
-            checkpoint: None,
-        });
-        Ok(())
+fn state_error(operation: &'static str, partition: i32) -> impl FnOnce(StateError) -> EngineError {
+    move |e| EngineError { operation, partition, source: Box::new(e) }
+}
+
+impl Engine for StateEngine {
+    fn assign(&mut self, partition: i32, now_ms: i64) -> Result<(), EngineError> {
+        self.state_mut("assign", partition)?.assign(partition, now_ms).map_err(state_error("assign", partition))
     }
 
     fn revoke(&mut self, partition: i32) {
-        self.partitions.remove(&partition);
+        if let Some(s) = self.state.as_mut() {
+            if let Err(e) = s.revoke(partition) {
+                tracing::warn!(partition, error = %e, "releasing partition state failed");
+            }
+        }
     }
 
     fn checkpoint(&self, partition: i32) -> Option<i64> {
-        self.partitions.get(&partition).and_then(|p| p.checkpoint)
+        self.state.as_ref().and_then(|s| s.checkpoint(partition))
     }
 
     fn classify(&self, partition: i32, records: &[InputRecord<'_>], now_ms: i64) -> Result<Vec<Outcome>, EngineError> {
-        let p = self.part(partition, "classify")?;
-        classify_batch(&self.validator, &p.classifier, &NoLongHorizon, records, now_ms).map_err(|e| EngineError {
-            operation: "classify",
-            partition,
-            source: Box::new(e),
-        })
+        self.state("classify", partition)?
+            .classify(partition, &self.validator, records, now_ms)
+            .map_err(state_error("classify", partition))
     }
 
     fn apply_published(&mut self, partition: i32, events: &[StoredEvent], now_ms: i64) -> Result<(), EngineError> {
-        let p = self.partitions.get_mut(&partition).ok_or_else(|| not_assigned("apply", partition))?;
-        let fresh: Vec<&StoredEvent> =
-            events.iter().filter(|e| p.checkpoint.is_none_or(|c| e.key.output.offset > c)).collect();
-        p.classifier.commit(fresh.iter().map(|e| &e.key), now_ms);
-        for e in &fresh {
-            p.originals.insert(e.key.id_hash, e.event.clone());
-            p.checkpoint = Some(p.checkpoint.map_or(e.key.output.offset, |c| c.max(e.key.output.offset)));
-        }
-        if p.originals.len() > p.classifier.hot_cache().len().saturating_mul(2).max(1024) {
-            let hot = p.classifier.hot_cache();
-            p.originals.retain(|id, _| hot.get(id, now_ms).is_some());
-        }
-        Ok(())
+        self.state_mut("apply", partition)?
+            .apply_published(partition, events, now_ms)
+            .map(|_| ())
+            .map_err(state_error("apply", partition))
     }
 
     fn original(&self, partition: i32, id: &IdHash) -> Option<UsageEvent> {
-        self.partitions.get(&partition).and_then(|p| p.originals.get(id).cloned())
+        match self.state.as_ref().map(|s| s.original(partition, id)) {
+            Some(Ok(e)) => e,
+            Some(Err(e)) => {
+                // The diff is a courtesy on the conflicts topic; the conflict
+                // itself is still reported, without field names.
+                tracing::warn!(partition, error = %e, "reading a conflict's original failed");
+                None
+            }
+            None => None,
+        }
     }
 
     fn stats(&self, _now_ms: i64) -> EngineStats {
-        let mut s = EngineStats::default();
-        for p in self.partitions.values() {
-            let hot = p.classifier.hot_cache();
-            s.hot_cache_entries += hot.len() as u64;
-            if let Some(o) = hot.oldest_first_seen_ms() {
-                s.oldest_hot_first_seen_ms = Some(s.oldest_hot_first_seen_ms.map_or(o, |x: i64| x.min(o)));
-            }
+        let Some(s) = self.state.as_ref() else { return EngineStats::default() };
+        let st = s.stats();
+        EngineStats {
+            hot_cache_entries: st.hot_cache_entries as u64,
+            keystore_bytes: 0,
+            oldest_hot_first_seen_ms: st.hot_oldest_first_seen_ms,
+            oldest_keystore_first_seen_ms: None,
         }
-        s
     }
 
     fn maintain(&mut self, now_ms: i64) -> Result<(), EngineError> {
-        for p in self.partitions.values_mut() {
-            p.classifier.evict_expired(now_ms);
+        match self.state.as_mut() {
+            Some(s) => s.maintain(now_ms).map_err(state_error("maintain", -1)),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     fn close(&mut self) -> Result<(), EngineError> {
-        Ok(())
+        match self.state.take() {
+            Some(s) => s.close().map_err(state_error("close", -1)),
+            None => Ok(()),
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::{Limits, DAY_MS};
+    use crate::classify::SeenKey;
+    use crate::config::EngineSettings;
+    use crate::event::{Position, RejectReason};
 
     const NOW: i64 = 1_790_000_000_000;
 
-    fn engine() -> MemoryEngine {
-        let settings = ClassifierSettings {
-            hot_ttl_ms: 7 * DAY_MS,
-            hot_capacity: 10_000,
-            horizon_ms: 35 * DAY_MS,
-            detect_replays: true,
-        };
-        MemoryEngine::new(Validator::new(Limits::default(), vec![], "salt"), settings)
+    fn engine() -> StateEngine {
+        let settings = EngineSettings::default();
+        StateEngine::new(LocalState::in_memory(settings.clone(), true), settings.validator())
     }
 
     fn ev(id: &str, qty: &str) -> Vec<u8> {
@@ -288,7 +208,6 @@ mod tests {
         assert!(matches!(out[1], Outcome::Duplicate { .. }));
         assert!(matches!(out[2], Outcome::Conflict { .. }));
         assert!(matches!(&out[3], Outcome::Rejected(r) if r.reason == RejectReason::MalformedJson));
-        assert!(e.original(0, id_hash).is_some());
     }
 
     #[test]

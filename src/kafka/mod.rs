@@ -7,7 +7,7 @@
 //!
 //! - [`settings`]: [`RunSettings`], [`DeliveryMode`].
 //! - [`clients`]: librdkafka configurations and start-up broker checks.
-//! - [`engine`]: the seam to local state, and an in-memory engine.
+//! - [`engine`]: the seam to local state ([`StateEngine`] over `LocalState`).
 //! - [`records`]: the output, conflicts and rejected record formats.
 //! - [`publisher`]: transactional group commit, or idempotent publish.
 //! - [`repair`]: reading an output partition back into local state.
@@ -26,7 +26,7 @@ pub mod repair;
 pub mod settings;
 pub mod worker;
 
-pub use engine::{Engine, EngineError, EngineStats, InputRecord, MemoryEngine, Outcome, StoredEvent};
+pub use engine::{Engine, EngineError, EngineStats, InputRecord, Outcome, StateEngine, StoredEvent};
 pub use error::KafkaError;
 pub use settings::{BatchLimits, DeliveryMode, RunSettings, Topics};
 pub use worker::{run, shutdown_signal, RunReport, WorkerParts};

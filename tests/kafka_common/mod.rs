@@ -6,12 +6,14 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dedupd::classify::{ClassifierSettings, Clock, SystemClock};
-use dedupd::event::{payload_hash, Limits, Validator, DAY_MS};
+use dedupd::classify::{Clock, SystemClock};
+use dedupd::config::EngineSettings;
+use dedupd::event::{payload_hash, Validator};
 use dedupd::kafka::demo::TrafficRecord;
 use dedupd::kafka::records::{H_PAYLOAD_HASH, H_REASON};
-use dedupd::kafka::{DeliveryMode, MemoryEngine, RunSettings, Topics, WorkerParts};
+use dedupd::kafka::{DeliveryMode, RunSettings, StateEngine, Topics, WorkerParts};
 use dedupd::metrics::Metrics;
+use dedupd::state::LocalState;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError as RdError;
@@ -39,16 +41,7 @@ pub fn topics(prefix: &str) -> Topics {
 }
 
 pub fn validator() -> Validator {
-    Validator::new(Limits::default(), vec![], "test-salt")
-}
-
-pub fn classifier_settings() -> ClassifierSettings {
-    ClassifierSettings {
-        hot_ttl_ms: 7 * DAY_MS,
-        hot_capacity: 1_000_000,
-        horizon_ms: 35 * DAY_MS,
-        detect_replays: true,
-    }
+    EngineSettings::default().validator()
 }
 
 pub fn parts() -> (WorkerParts, Arc<Metrics>) {
@@ -56,7 +49,8 @@ pub fn parts() -> (WorkerParts, Arc<Metrics>) {
     let metrics = Arc::new(Metrics::new());
     let parts = WorkerParts {
         validator: validator(),
-        engine: Box::new(MemoryEngine::new(validator(), classifier_settings())),
+        // In-memory local state: every (re)start rebuilds from the output topic.
+        engine: Box::new(StateEngine::new(LocalState::in_memory(EngineSettings::default(), true), validator())),
         clock: Arc::new(SystemClock),
         metrics: metrics.clone(),
     };

@@ -1,0 +1,594 @@
+//! Configuration: flags, `DEDUPD_*` environment variables and the TOML file.
+//!
+//! Precedence, highest first: command-line flag, environment variable, config
+//! file key, built-in default. Every value is parsed by one function whatever
+//! its source, and every error names the key (`hot_ttl`), its flag
+//! (`--hot-ttl`) and its variable (`DEDUPD_HOT_TTL`), so an operator can find
+//! it wherever it was set. All of it happens in [`EngineSettings::resolve`]
+//! before any file or socket is opened.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::event::{ClosedPeriod, Limits};
+
+/// Invalid configuration. Always names the offending key.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("invalid `{key}` (flag --{flag}, env DEDUPD_{env}): {why}")]
+    Invalid { key: &'static str, flag: String, env: String, why: String },
+    #[error("config file {path}: {why}")]
+    File { path: PathBuf, why: String },
+}
+
+fn invalid(key: &'static str, why: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { key, flag: key.replace('_', "-"), env: key.to_uppercase(), why: why.into() }
+}
+
+/// When the WAL (and the offline output file) are fsynced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FsyncSetting {
+    /// Before a batch counts as handled: nothing acknowledged is ever lost.
+    Always,
+    /// At most this long after a write: a crash can lose up to this window
+    /// of local state, which repair then restores from the output topic.
+    Interval(Duration),
+}
+
+impl std::str::FromStr for FsyncSetting {
+    type Err = String;
+    fn from_str(s: &str) -> Result<FsyncSetting, String> {
+        if s == "always" {
+            return Ok(FsyncSetting::Always);
+        }
+        if let Some(ms) = s.strip_prefix("interval:") {
+            let ms: u64 = ms.parse().map_err(|_| format!("{s:?}: interval must be whole milliseconds"))?;
+            if ms == 0 {
+                return Err("interval:0 is `always`; say so".into());
+            }
+            return Ok(FsyncSetting::Interval(Duration::from_millis(ms)));
+        }
+        Err(format!("{s:?} is neither `always` nor `interval:<ms>`"))
+    }
+}
+
+/// The tuning flags shared by `run` and `dedupe` (DESIGN §9). Every field is
+/// optional here: unset means "take the file's value, or the default".
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct TuningArgs {
+    /// TOML config file; keys are the flag names with `_` for `-`.
+    #[arg(long, env = "DEDUPD_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// How long the in-memory hot cache remembers a key after first seen [default: 7d].
+    #[arg(long, env = "DEDUPD_HOT_TTL", value_name = "DURATION")]
+    pub hot_ttl: Option<String>,
+    /// Most keys the hot cache holds per partition [default: 2000000].
+    #[arg(long, env = "DEDUPD_HOT_CAPACITY", value_name = "N")]
+    pub hot_capacity: Option<String>,
+    /// How long the key store remembers a key after first seen [default: 35d].
+    #[arg(long, env = "DEDUPD_HORIZON", value_name = "DURATION")]
+    pub horizon: Option<String>,
+    /// Byte cap of the key store; oldest keys go first [default: none].
+    #[arg(long, env = "DEDUPD_KEYSTORE_MAX_BYTES", value_name = "BYTES")]
+    pub keystore_max_bytes: Option<String>,
+    /// Alert (log an error, set the gauge) when the size cap shrinks the
+    /// key store's window below this [default: 30d].
+    #[arg(long, env = "DEDUPD_KEYSTORE_WINDOW_FLOOR", value_name = "DURATION")]
+    pub keystore_window_floor: Option<String>,
+    /// RocksDB block cache size [default: 64MiB].
+    #[arg(long, env = "DEDUPD_KEYSTORE_BLOCK_CACHE", value_name = "BYTES")]
+    pub keystore_block_cache: Option<String>,
+    /// RocksDB memtable (write buffer) size [default: 32MiB].
+    #[arg(long, env = "DEDUPD_KEYSTORE_WRITE_BUFFER", value_name = "BYTES")]
+    pub keystore_write_buffer: Option<String>,
+    /// RocksDB background flush and compaction threads [default: 2].
+    #[arg(long, env = "DEDUPD_KEYSTORE_BACKGROUND_JOBS", value_name = "N")]
+    pub keystore_background_jobs: Option<String>,
+    /// Keep a revoked partition's keys instead of dropping them [default: true].
+    #[arg(long, env = "DEDUPD_KEEP_REVOKED_PARTITIONS", value_name = "BOOL")]
+    pub keep_revoked_partitions: Option<String>,
+    /// `always` or `interval:<ms>` [default: always].
+    #[arg(long, env = "DEDUPD_FSYNC", value_name = "POLICY")]
+    pub fsync: Option<String>,
+    /// WAL file size at which it rotates [default: 64MiB].
+    #[arg(long, env = "DEDUPD_WAL_ROTATE_BYTES", value_name = "BYTES")]
+    pub wal_rotate_bytes: Option<String>,
+    /// Events buffered in memory before a segment is written [default: 100000].
+    #[arg(long, env = "DEDUPD_MEMTABLE_EVENTS", value_name = "N")]
+    pub memtable_events: Option<String>,
+    /// How long accepted usage is kept in the usage store [default: 400d].
+    #[arg(long, env = "DEDUPD_RETENTION", value_name = "DURATION")]
+    pub retention: Option<String>,
+    /// How far ahead of now an event time may be [default: 1h].
+    #[arg(long, env = "DEDUPD_MAX_FUTURE_SKEW", value_name = "DURATION")]
+    pub max_future_skew: Option<String>,
+    /// How old an event time may be [default: 35d].
+    #[arg(long, env = "DEDUPD_MAX_EVENT_AGE", value_name = "DURATION")]
+    pub max_event_age: Option<String>,
+    /// Largest record accepted [default: 64KiB].
+    #[arg(long, env = "DEDUPD_MAX_RECORD_BYTES", value_name = "BYTES")]
+    pub max_record_bytes: Option<String>,
+    /// Longest identifier field [default: 256].
+    #[arg(long, env = "DEDUPD_MAX_ID_BYTES", value_name = "BYTES")]
+    pub max_id_bytes: Option<String>,
+    /// Longest free-text field [default: 1024].
+    #[arg(long, env = "DEDUPD_MAX_FIELD_BYTES", value_name = "BYTES")]
+    pub max_field_bytes: Option<String>,
+    /// Most dimensions per event [default: 16].
+    #[arg(long, env = "DEDUPD_MAX_DIMENSIONS", value_name = "N")]
+    pub max_dimensions: Option<String>,
+    /// Salt of derived event ids. Must be the same on every instance and
+    /// never change, or retries of id-less events stop matching [default: dedupd].
+    #[arg(long, env = "DEDUPD_DERIVE_SALT", value_name = "S", hide_env_values = true)]
+    pub derive_salt: Option<String>,
+    /// A (tenant, month) closed for usage, `tenant:YYYY-MM`; repeatable.
+    #[arg(long = "closed-period", env = "DEDUPD_CLOSED_PERIODS", value_delimiter = ',', value_name = "TENANT:YYYY-MM")]
+    pub closed_periods: Vec<String>,
+}
+
+/// The TOML file. Unknown keys are an error: a misspelt key silently
+/// ignored is a setting silently not applied.
+#[derive(Deserialize, Debug, Default, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// See `--hot-ttl`.
+    pub hot_ttl: Option<String>,
+    /// See `--hot-capacity`.
+    pub hot_capacity: Option<u64>,
+    /// See `--horizon`.
+    pub horizon: Option<String>,
+    /// See `--keystore-max-bytes` (a number, or a string like "10GiB").
+    pub keystore_max_bytes: Option<toml::Value>,
+    /// See `--keystore-window-floor`.
+    pub keystore_window_floor: Option<String>,
+    /// See `--keystore-block-cache`.
+    pub keystore_block_cache: Option<toml::Value>,
+    /// See `--keystore-write-buffer`.
+    pub keystore_write_buffer: Option<toml::Value>,
+    /// See `--keystore-background-jobs`.
+    pub keystore_background_jobs: Option<u64>,
+    /// See `--keep-revoked-partitions`.
+    pub keep_revoked_partitions: Option<bool>,
+    /// See `--fsync`.
+    pub fsync: Option<String>,
+    /// See `--wal-rotate-bytes`.
+    pub wal_rotate_bytes: Option<toml::Value>,
+    /// See `--memtable-events`.
+    pub memtable_events: Option<u64>,
+    /// See `--retention`.
+    pub retention: Option<String>,
+    /// See `--max-future-skew`.
+    pub max_future_skew: Option<String>,
+    /// See `--max-event-age`.
+    pub max_event_age: Option<String>,
+    /// See `--max-record-bytes`.
+    pub max_record_bytes: Option<toml::Value>,
+    /// See `--max-id-bytes`.
+    pub max_id_bytes: Option<u64>,
+    /// See `--max-field-bytes`.
+    pub max_field_bytes: Option<u64>,
+    /// See `--max-dimensions`.
+    pub max_dimensions: Option<u64>,
+    /// See `--derive-salt`.
+    pub derive_salt: Option<String>,
+    /// See `--closed-period`.
+    pub closed_periods: Option<Vec<String>>,
+    // Keys only `dedupd run` reads; see `dedupd run --help`. They live in
+    // this one struct because serde cannot combine `flatten` with
+    // `deny_unknown_fields`.
+    pub brokers: Option<String>,
+    pub group: Option<String>,
+    pub input_topic: Option<String>,
+    pub output_topic: Option<String>,
+    pub conflicts_topic: Option<String>,
+    pub rejected_topic: Option<String>,
+    pub state_dir: Option<PathBuf>,
+    pub metrics_addr: Option<String>,
+    pub delivery: Option<String>,
+    pub instance_id: Option<String>,
+    pub batch_max_records: Option<u64>,
+    pub batch_max_wait: Option<String>,
+    pub kafka_properties: Option<Vec<String>>,
+}
+
+impl FileConfig {
+    /// Reads and parses the file. The only I/O of configuration, done before
+    /// anything else is opened.
+    pub fn load(path: &Path) -> Result<FileConfig, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::File { path: path.to_owned(), why: format!("cannot read: {e}") })?;
+        FileConfig::parse(&text).map_err(|why| ConfigError::File { path: path.to_owned(), why })
+    }
+
+    pub fn parse(text: &str) -> Result<FileConfig, String> {
+        toml::from_str(text).map_err(|e| e.to_string())
+    }
+}
+
+/// Every engine setting, resolved and checked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineSettings {
+    pub hot_ttl: Duration,
+    pub hot_capacity: usize,
+    pub horizon: Duration,
+    pub keystore_max_bytes: Option<u64>,
+    pub keystore_window_floor: Duration,
+    pub keystore_block_cache_bytes: u64,
+    pub keystore_write_buffer_bytes: u64,
+    pub keystore_background_jobs: u32,
+    pub keep_revoked_partitions: bool,
+    pub fsync: FsyncSetting,
+    pub wal_rotate_bytes: u64,
+    pub memtable_events: usize,
+    pub retention: Duration,
+    pub limits: Limits,
+    pub derive_salt: String,
+    pub closed_periods: Vec<ClosedPeriod>,
+}
+
+impl Default for EngineSettings {
+    fn default() -> EngineSettings {
+        EngineSettings {
+            hot_ttl: Duration::from_secs(7 * 86_400),
+            hot_capacity: 2_000_000,
+            horizon: Duration::from_secs(35 * 86_400),
+            keystore_max_bytes: None,
+            keystore_window_floor: Duration::from_secs(30 * 86_400),
+            keystore_block_cache_bytes: 64 << 20,
+            keystore_write_buffer_bytes: 32 << 20,
+            keystore_background_jobs: 2,
+            keep_revoked_partitions: true,
+            fsync: FsyncSetting::Always,
+            wal_rotate_bytes: 64 << 20,
+            memtable_events: 100_000,
+            retention: Duration::from_secs(400 * 86_400),
+            limits: Limits::default(),
+            derive_salt: "dedupd".to_owned(),
+            closed_periods: Vec::new(),
+        }
+    }
+}
+
+/// Parses `7d`, `90s`, `1h 30m` (humantime).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s.trim()).map_err(|e| format!("{s:?} is not a duration like 90s or 7d: {e}"))
+}
+
+/// Parses `1048576`, `64KiB`, `10MiB`, `2GiB`, `1GB`.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a byte size like 1048576 or 64MiB"))?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "TiB" => 1 << 40,
+        "KB" | "kB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        other => return Err(format!("{s:?}: unknown unit {other:?} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")),
+    };
+    n.checked_mul(mult).ok_or_else(|| format!("{s:?} overflows"))
+}
+
+fn toml_bytes(v: &toml::Value) -> Result<u64, String> {
+    match v {
+        toml::Value::Integer(i) if *i >= 0 => Ok(*i as u64),
+        toml::Value::String(s) => parse_bytes(s),
+        other => Err(format!("{other} is not a byte size")),
+    }
+}
+
+fn pick<T>(
+    key: &'static str,
+    flag: &Option<String>,
+    file: Option<T>,
+    parse: impl Fn(&str) -> Result<T, String>,
+) -> Result<Option<T>, ConfigError> {
+    match flag {
+        Some(s) => parse(s).map(Some).map_err(|why| invalid(key, why)),
+        None => Ok(file),
+    }
+}
+
+fn parse_u64(s: &str) -> Result<u64, String> {
+    s.trim().parse::<u64>().map_err(|_| format!("{s:?} is not a whole number"))
+}
+
+fn parse_bool(s: &str) -> Result<bool, String> {
+    match s.trim() {
+        "true" | "1" | "yes" => Ok(true),
+        "false" | "0" | "no" => Ok(false),
+        other => Err(format!("{other:?} is not true or false")),
+    }
+}
+
+fn ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+impl EngineSettings {
+    /// Merges flags/env over the file over the defaults, then checks the
+    /// result as a whole.
+    pub fn resolve(args: &TuningArgs, file: &FileConfig) -> Result<EngineSettings, ConfigError> {
+        let d = EngineSettings::default();
+        let file_dur = |key: &'static str, v: &Option<String>| -> Result<Option<Duration>, ConfigError> {
+            v.as_deref().map(parse_duration).transpose().map_err(|why| invalid(key, why))
+        };
+        let file_bytes = |key: &'static str, v: &Option<toml::Value>| -> Result<Option<u64>, ConfigError> {
+            v.as_ref().map(toml_bytes).transpose().map_err(|why| invalid(key, why))
+        };
+
+        let hot_ttl =
+            pick("hot_ttl", &args.hot_ttl, file_dur("hot_ttl", &file.hot_ttl)?, parse_duration)?.unwrap_or(d.hot_ttl);
+        let hot_capacity =
+            pick("hot_capacity", &args.hot_capacity, file.hot_capacity, parse_u64)?.unwrap_or(d.hot_capacity as u64);
+        let horizon =
+            pick("horizon", &args.horizon, file_dur("horizon", &file.horizon)?, parse_duration)?.unwrap_or(d.horizon);
+        let keystore_max_bytes = pick(
+            "keystore_max_bytes",
+            &args.keystore_max_bytes,
+            file_bytes("keystore_max_bytes", &file.keystore_max_bytes)?,
+            parse_bytes,
+        )?;
+        let keystore_window_floor = pick(
+            "keystore_window_floor",
+            &args.keystore_window_floor,
+            file_dur("keystore_window_floor", &file.keystore_window_floor)?,
+            parse_duration,
+        )?
+        .unwrap_or(d.keystore_window_floor);
+        let keystore_block_cache_bytes = pick(
+            "keystore_block_cache",
+            &args.keystore_block_cache,
+            file_bytes("keystore_block_cache", &file.keystore_block_cache)?,
+            parse_bytes,
+        )?
+        .unwrap_or(d.keystore_block_cache_bytes);
+        let keystore_write_buffer_bytes = pick(
+            "keystore_write_buffer",
+            &args.keystore_write_buffer,
+            file_bytes("keystore_write_buffer", &file.keystore_write_buffer)?,
+            parse_bytes,
+        )?
+        .unwrap_or(d.keystore_write_buffer_bytes);
+        let keystore_background_jobs =
+            pick("keystore_background_jobs", &args.keystore_background_jobs, file.keystore_background_jobs, parse_u64)?
+                .unwrap_or(u64::from(d.keystore_background_jobs));
+        let keep_revoked_partitions =
+            pick("keep_revoked_partitions", &args.keep_revoked_partitions, file.keep_revoked_partitions, parse_bool)?
+                .unwrap_or(d.keep_revoked_partitions);
+        let fsync = match (&args.fsync, &file.fsync) {
+            (Some(s), _) | (None, Some(s)) => s.parse::<FsyncSetting>().map_err(|why| invalid("fsync", why))?,
+            (None, None) => d.fsync,
+        };
+        let wal_rotate_bytes = pick(
+            "wal_rotate_bytes",
+            &args.wal_rotate_bytes,
+            file_bytes("wal_rotate_bytes", &file.wal_rotate_bytes)?,
+            parse_bytes,
+        )?
+        .unwrap_or(d.wal_rotate_bytes);
+        let memtable_events = pick("memtable_events", &args.memtable_events, file.memtable_events, parse_u64)?
+            .unwrap_or(d.memtable_events as u64);
+        let retention = pick("retention", &args.retention, file_dur("retention", &file.retention)?, parse_duration)?
+            .unwrap_or(d.retention);
+        let max_future_skew = pick(
+            "max_future_skew",
+            &args.max_future_skew,
+            file_dur("max_future_skew", &file.max_future_skew)?,
+            parse_duration,
+        )?;
+        let max_event_age = pick(
+            "max_event_age",
+            &args.max_event_age,
+            file_dur("max_event_age", &file.max_event_age)?,
+            parse_duration,
+        )?;
+        let max_record_bytes = pick(
+            "max_record_bytes",
+            &args.max_record_bytes,
+            file_bytes("max_record_bytes", &file.max_record_bytes)?,
+            parse_bytes,
+        )?;
+        let max_id_bytes = pick("max_id_bytes", &args.max_id_bytes, file.max_id_bytes, parse_u64)?;
+        let max_field_bytes = pick("max_field_bytes", &args.max_field_bytes, file.max_field_bytes, parse_u64)?;
+        let max_dimensions = pick("max_dimensions", &args.max_dimensions, file.max_dimensions, parse_u64)?;
+        let derive_salt = args.derive_salt.clone().or_else(|| file.derive_salt.clone()).unwrap_or(d.derive_salt);
+        let closed_texts: Vec<String> = if args.closed_periods.is_empty() {
+            file.closed_periods.clone().unwrap_or_default()
+        } else {
+            args.closed_periods.clone()
+        };
+        let closed_periods = closed_texts
+            .iter()
+            .map(|s| ClosedPeriod::parse(s))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|why| invalid("closed_periods", why))?;
+
+        let dl = Limits::default();
+        let limits = Limits {
+            max_record_bytes: max_record_bytes.map_or(dl.max_record_bytes, |v| v as usize),
+            max_id_bytes: max_id_bytes.map_or(dl.max_id_bytes, |v| v as usize),
+            max_field_bytes: max_field_bytes.map_or(dl.max_field_bytes, |v| v as usize),
+            max_dimensions: max_dimensions.map_or(dl.max_dimensions, |v| v as usize),
+            max_future_skew_ms: max_future_skew.map_or(dl.max_future_skew_ms, ms),
+            max_event_age_ms: max_event_age.map_or(dl.max_event_age_ms, ms),
+        };
+        let s = EngineSettings {
+            hot_ttl,
+            hot_capacity: usize::try_from(hot_capacity).map_err(|_| invalid("hot_capacity", "too large"))?,
+            horizon,
+            keystore_max_bytes,
+            keystore_window_floor,
+            keystore_block_cache_bytes,
+            keystore_write_buffer_bytes,
+            keystore_background_jobs: u32::try_from(keystore_background_jobs)
+                .map_err(|_| invalid("keystore_background_jobs", "too large"))?,
+            keep_revoked_partitions,
+            fsync,
+            wal_rotate_bytes,
+            memtable_events: usize::try_from(memtable_events).map_err(|_| invalid("memtable_events", "too large"))?,
+            retention,
+            limits,
+            derive_salt,
+            closed_periods,
+        };
+        s.validate()?;
+        Ok(s)
+    }
+
+    /// Checks the settings as a whole.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.hot_ttl.is_zero() {
+            return Err(invalid("hot_ttl", "must be positive"));
+        }
+        if self.hot_capacity == 0 {
+            return Err(invalid("hot_capacity", "must be at least 1"));
+        }
+        if self.horizon < self.hot_ttl {
+            return Err(invalid(
+                "horizon",
+                format!(
+                    "{} is shorter than hot_ttl {}: the key store must remember at least as long as the cache",
+                    humantime::format_duration(self.horizon),
+                    humantime::format_duration(self.hot_ttl)
+                ),
+            ));
+        }
+        if self.keystore_max_bytes == Some(0) {
+            return Err(invalid("keystore_max_bytes", "must be positive (leave unset for no cap)"));
+        }
+        if self.keystore_background_jobs == 0 {
+            return Err(invalid("keystore_background_jobs", "must be at least 1"));
+        }
+        if self.wal_rotate_bytes < 4096 {
+            return Err(invalid("wal_rotate_bytes", "must be at least 4KiB"));
+        }
+        if self.memtable_events == 0 {
+            return Err(invalid("memtable_events", "must be at least 1"));
+        }
+        if self.retention < self.horizon {
+            return Err(invalid(
+                "retention",
+                "must be at least the horizon: the usage store backs the key store's answers within it",
+            ));
+        }
+        let l = &self.limits;
+        if l.max_record_bytes < 64 {
+            return Err(invalid("max_record_bytes", "must be at least 64"));
+        }
+        if l.max_id_bytes == 0 {
+            return Err(invalid("max_id_bytes", "must be positive"));
+        }
+        if l.max_field_bytes == 0 {
+            return Err(invalid("max_field_bytes", "must be positive"));
+        }
+        if l.max_event_age_ms <= 0 {
+            return Err(invalid("max_event_age", "must be positive"));
+        }
+        if self.derive_salt.is_empty() {
+            return Err(invalid("derive_salt", "must not be empty"));
+        }
+        Ok(())
+    }
+
+    pub fn hot_ttl_ms(&self) -> i64 {
+        ms(self.hot_ttl)
+    }
+
+    pub fn horizon_ms(&self) -> i64 {
+        ms(self.horizon)
+    }
+
+    pub fn retention_ms(&self) -> i64 {
+        ms(self.retention)
+    }
+
+    /// Classifier settings for one partition.
+    pub fn classifier(&self, detect_replays: bool) -> crate::classify::ClassifierSettings {
+        crate::classify::ClassifierSettings {
+            hot_ttl_ms: self.hot_ttl_ms(),
+            hot_capacity: self.hot_capacity,
+            horizon_ms: self.horizon_ms(),
+            detect_replays,
+        }
+    }
+
+    pub fn validator(&self) -> crate::event::Validator {
+        crate::event::Validator::new(self.limits.clone(), self.closed_periods.clone(), &self.derive_salt)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn resolve(args: TuningArgs, file: &str) -> Result<EngineSettings, ConfigError> {
+        let file = FileConfig::parse(file).map_err(|why| ConfigError::File { path: "t.toml".into(), why })?;
+        EngineSettings::resolve(&args, &file)
+    }
+
+    #[test]
+    fn defaults_are_documented_values() {
+        let s = resolve(TuningArgs::default(), "").expect("defaults are valid");
+        assert_eq!(s, EngineSettings::default());
+        assert_eq!(s.hot_ttl, Duration::from_secs(7 * 86_400));
+        assert_eq!(s.horizon, Duration::from_secs(35 * 86_400));
+        assert_eq!(s.limits.max_future_skew_ms, 3_600_000);
+        assert_eq!(s.limits.max_dimensions, 16);
+    }
+
+    #[test]
+    fn flag_beats_file_beats_default() {
+        let args = TuningArgs { hot_ttl: Some("2d".into()), ..Default::default() };
+        let s = resolve(args, "hot_ttl = \"3d\"\nhorizon = \"40d\"\nkeystore_max_bytes = \"1GiB\"").expect("valid");
+        assert_eq!(s.hot_ttl, Duration::from_secs(2 * 86_400));
+        assert_eq!(s.horizon, Duration::from_secs(40 * 86_400));
+        assert_eq!(s.keystore_max_bytes, Some(1 << 30));
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let e = resolve(TuningArgs { hot_ttl: Some("7 parsecs".into()), ..Default::default() }, "")
+            .expect_err("bad duration");
+        let msg = e.to_string();
+        assert!(msg.contains("`hot_ttl`") && msg.contains("--hot-ttl") && msg.contains("DEDUPD_HOT_TTL"), "{msg}");
+
+        let e = resolve(TuningArgs::default(), "fsync = \"sometimes\"").expect_err("bad fsync");
+        assert!(e.to_string().contains("`fsync`"), "{e}");
+
+        let e = resolve(TuningArgs::default(), "hot_tll = \"1d\"").expect_err("unknown key");
+        assert!(e.to_string().contains("hot_tll"), "{e}");
+
+        let e = resolve(TuningArgs { horizon: Some("1d".into()), ..Default::default() }, "").expect_err("short");
+        assert!(e.to_string().contains("`horizon`"), "{e}");
+
+        let e = resolve(TuningArgs { closed_periods: vec!["acme:2026-13".into()], ..Default::default() }, "")
+            .expect_err("bad month");
+        assert!(e.to_string().contains("closed_periods"), "{e}");
+    }
+
+    #[test]
+    fn fsync_forms() {
+        assert_eq!("always".parse::<FsyncSetting>(), Ok(FsyncSetting::Always));
+        assert_eq!("interval:250".parse::<FsyncSetting>(), Ok(FsyncSetting::Interval(Duration::from_millis(250))));
+        assert!("interval:".parse::<FsyncSetting>().is_err());
+        assert!("interval:0".parse::<FsyncSetting>().is_err());
+    }
+
+    #[test]
+    fn byte_sizes() {
+        assert_eq!(parse_bytes("1048576"), Ok(1 << 20));
+        assert_eq!(parse_bytes("64KiB"), Ok(64 << 10));
+        assert_eq!(parse_bytes("2GB"), Ok(2_000_000_000));
+        assert!(parse_bytes("12 parsecs").is_err());
+        assert!(parse_bytes("-1").is_err());
+    }
+}

@@ -1,0 +1,66 @@
+//! The long-horizon key store: every accepted key, for the dedupe horizon,
+//! in RocksDB under `<state-dir>/keystore` (DESIGN §5).
+//!
+//! The hot cache answers recent retries; this store answers the hot cache's
+//! misses in one batched MultiGet per batch, so a retry that arrives after
+//! hot eviction or a restart is still caught. It is a materialised view of
+//! the output topic: every applied batch records the partition's checkpoint
+//! (the output offset of its last record) in the same atomic write batch.
+//!
+//! ```text
+//! apply_batch(p, keys, ckpt) ──► WriteBatch { put keys CF (p,id) -> value,
+//!                                              merge meta "h"(bucket,p) += n,
+//!                                              put meta "c"(p) = ckpt }
+//! lookup_many(p, ids)        ──► batched MultiGet on keys CF (bloom filters answer absent ids)
+//! age_out(now)               ──► floor = max(now - horizon, size-cap floor); compactions drop keys <= floor
+//! ```
+//!
+//! # Ageing out: a first-seen floor applied by a compaction filter
+//!
+//! Keys live in one column family keyed by `(partition, id_hash)`. Ageing
+//! out raises a single number, the floor: reads hide keys first seen at or
+//! before it immediately, and a compaction filter drops them physically
+//! whenever RocksDB rewrites their file — no tombstones and no scans. Leveled
+//! compaction rewrites the bottommost level about once per tenth of its size
+//! written, and `periodic_compaction_seconds` (1 day) bounds the lag in quiet
+//! key ranges, so dead keys cost at most ~10% extra disk, which the size cap
+//! leaves as headroom. The size cap becomes a floor too: a small in-memory
+//! histogram of key counts per (hour, partition), persisted beside the keys,
+//! gives the oldest-first cut without reading any key.
+//!
+//! The alternative, one column family per time bucket dropped whole, frees
+//! space exactly and at once, but every lookup must probe every live bucket:
+//! for the mostly-absent lookups of 99%-new traffic that multiplies the
+//! bloom-filter work by the bucket count. The benchmark (`benches/keystore.rs`,
+//! `mechanism` section, figures in `docs/keystore.md`) measured absent-key
+//! MultiGet over 8 bucket column families at several times the cost of one,
+//! while ageing out by compaction filter added nothing measurable to
+//! compaction. Range deletes over a time index would need a point delete
+//! per key in the primary index: the tombstone storm the issue rules out.
+//!
+//! # Durability
+//!
+//! The WAL is on. `apply_batch` returns once the batch is in the WAL (by
+//! default not fsynced: a process crash loses nothing, a host crash may lose
+//! the last batches, which repair re-applies from the output topic because
+//! the checkpoint went back with them). `sync_writes` or [`KeyStore::flush`]
+//! give a durable point.
+//!
+//! # Files
+//!
+//! - `codec.rs`: key/value/meta encodings (the format block).
+//! - `histogram.rs`: first-seen histogram and the meta merge operator.
+//! - `horizon.rs`: the floor and the compaction filter.
+//! - `options.rs`: settings and the RocksDB options they become.
+//! - `store.rs`: [`KeyStore`].
+
+mod codec;
+mod error;
+mod histogram;
+mod horizon;
+mod options;
+mod store;
+
+pub use error::KeystoreError;
+pub use options::KeyStoreOptions;
+pub use store::{AgeOutReport, KeyStore};

@@ -1,0 +1,169 @@
+//! Settings of the key store and the RocksDB options they turn into.
+//!
+//! The defaults are sized for a 2-core host that also runs the consumer, the
+//! classifier and the usage store: see "RocksDB settings and why" in
+//! `docs/keystore.md` for the reasoning behind each one.
+
+use rocksdb::{BlockBasedOptions, Cache, DBCompressionType, DBRecoveryMode, Options};
+
+use super::error::KeystoreError;
+use super::histogram::merge_meta;
+use super::horizon::{Floor, FloorFilterFactory};
+
+const DAY_MS: i64 = 86_400_000;
+
+/// Settings of a [`KeyStore`](super::KeyStore).
+#[derive(Clone, Debug)]
+pub struct KeyStoreOptions {
+    /// Dedupe horizon (`--horizon`), counted from `first_seen_ms` (ingest time).
+    pub horizon_ms: i64,
+    /// Size cap (`--keystore-max-bytes`); oldest keys go first when it binds.
+    pub max_bytes: Option<u64>,
+    /// When the size cap shortens the window below this, `age_out` logs an
+    /// error and [`KeyStore::window_below_floor`](super::KeyStore::window_below_floor) says so.
+    pub window_floor_ms: i64,
+    /// Block cache for data blocks (filters and indexes are held by the open
+    /// table readers, about 1.3 bytes per key, outside this budget).
+    pub block_cache_bytes: usize,
+    /// Memtable size of the keys column family.
+    pub write_buffer_bytes: usize,
+    /// RocksDB flush + compaction threads.
+    pub background_jobs: i32,
+    /// Policy for the caller: keep a revoked partition's keys (it often comes
+    /// back) or drop them with [`KeyStore::drop_partition`](super::KeyStore::drop_partition).
+    pub keep_revoked_partitions: bool,
+    /// fsync the WAL on every `apply_batch`. Off by default: the output topic
+    /// is the source of truth and repair replays it from the checkpoint, and
+    /// the WAL is written before `apply_batch` returns, so a process crash
+    /// loses nothing; only a host crash can lose the last batches, which
+    /// repair then re-applies. Callers wanting a durable point call `flush`.
+    pub sync_writes: bool,
+    /// Whole-key bloom filter bits per key.
+    pub bloom_bits_per_key: f64,
+    /// Data block size: a found key costs one block read and decompression
+    /// of this size; smaller blocks grow the index.
+    pub block_bytes: usize,
+    /// Width of the first-seen histogram's buckets: the granularity of the
+    /// size cap and of the window estimate.
+    pub histogram_bucket_ms: i64,
+    /// Rewrites SST files older than this, so expired keys in quiet key
+    /// ranges are reclaimed within this delay (RocksDB `periodic_compaction_seconds`).
+    pub periodic_compaction_secs: u64,
+}
+
+impl Default for KeyStoreOptions {
+    fn default() -> KeyStoreOptions {
+        KeyStoreOptions {
+            horizon_ms: 35 * DAY_MS,
+            max_bytes: None,
+            window_floor_ms: 30 * DAY_MS,
+            block_cache_bytes: 128 << 20,
+            write_buffer_bytes: 64 << 20,
+            background_jobs: 2,
+            keep_revoked_partitions: true,
+            sync_writes: false,
+            bloom_bits_per_key: 10.0,
+            block_bytes: 16 << 10,
+            histogram_bucket_ms: 3_600_000,
+            periodic_compaction_secs: 86_400,
+        }
+    }
+}
+
+impl KeyStoreOptions {
+    pub fn validate(&self) -> Result<(), KeystoreError> {
+        let bad = |key, detail: &str| Err(KeystoreError::InvalidOption { key, detail: detail.to_string() });
+        if self.horizon_ms <= 0 {
+            return bad("horizon", "must be positive");
+        }
+        if self.histogram_bucket_ms <= 0 {
+            return bad("histogram_bucket_ms", "must be positive");
+        }
+        if self.background_jobs < 1 {
+            return bad("keystore_background_jobs", "must be at least 1");
+        }
+        if self.write_buffer_bytes < (1 << 20) {
+            return bad("keystore_write_buffer_bytes", "must be at least 1 MiB");
+        }
+        if !(1.0..=32.0).contains(&self.bloom_bits_per_key) {
+            return bad("keystore_bloom_bits_per_key", "must be within 1..=32");
+        }
+        if !(1024..=(1 << 20)).contains(&self.block_bytes) {
+            return bad("keystore_block_bytes", "must be within 1 KiB..=1 MiB");
+        }
+        if self.max_bytes == Some(0) {
+            return bad("keystore_max_bytes", "must be positive when set");
+        }
+        Ok(())
+    }
+}
+
+pub(crate) const KEYS_CF: &str = "keys";
+pub(crate) const META_CF: &str = "meta";
+
+pub(crate) fn db_options(o: &KeyStoreOptions) -> Options {
+    let mut db = Options::default();
+    db.create_if_missing(true);
+    db.create_missing_column_families(true);
+    db.set_max_background_jobs(o.background_jobs);
+    db.set_max_subcompactions(1);
+    // Keys and meta are written in one batch; flushing them together keeps
+    // the SSTs consistent with each other even without the WAL.
+    db.set_atomic_flush(true);
+    db.set_wal_recovery_mode(DBRecoveryMode::PointInTime);
+    // Bounds WAL replay time at open and the disk the WAL takes.
+    db.set_max_total_wal_size((o.write_buffer_bytes as u64).saturating_mul(4));
+    // Smooths writeback so compaction output does not stall foreground fsyncs.
+    db.set_bytes_per_sync(1 << 20);
+    db.set_keep_log_file_num(4);
+    db.set_max_log_file_size(16 << 20);
+    db
+}
+
+pub(crate) fn keys_cf_options(o: &KeyStoreOptions, cache: &Cache, floor: Floor) -> Options {
+    let mut cf = Options::default();
+    let mut t = BlockBasedOptions::default();
+    t.set_block_cache(cache);
+    // Lookups are mostly for absent keys: every level needs its filter,
+    // including the bottommost (so no optimize_filters_for_hits).
+    t.set_bloom_filter(o.bloom_bits_per_key, false);
+    t.set_whole_key_filtering(true);
+    // Filters and indexes stay with the table readers, always in memory:
+    // an absent-key probe then never waits on a cache miss.
+    t.set_cache_index_and_filter_blocks(false);
+    t.set_block_size(o.block_bytes);
+    t.set_format_version(6);
+    cf.set_block_based_table_factory(&t);
+    cf.set_optimize_filters_for_hits(false);
+    cf.set_write_buffer_size(o.write_buffer_bytes);
+    cf.set_max_write_buffer_number(3);
+    cf.set_level_compaction_dynamic_level_bytes(true);
+    cf.set_target_file_size_base(64 << 20);
+    cf.set_max_bytes_for_level_base((o.write_buffer_bytes as u64).saturating_mul(4).max(256 << 20));
+    // Upper levels churn: cheap lz4. The bottommost level holds ~90% of the
+    // keys and is rewritten rarely: zstd for the bytes per key.
+    cf.set_compression_type(DBCompressionType::Lz4);
+    cf.set_bottommost_compression_type(DBCompressionType::Zstd);
+    // A memtable probe for an absent key is a skiplist walk; this bloom
+    // answers most of them from a few cache lines.
+    cf.set_memtable_prefix_bloom_ratio(0.05);
+    cf.set_memtable_whole_key_filtering(true);
+    cf.set_periodic_compaction_seconds(o.periodic_compaction_secs);
+    cf.set_compaction_filter_factory(FloorFilterFactory::new(floor));
+    cf
+}
+
+pub(crate) fn meta_cf_options() -> Options {
+    let mut cf = Options::default();
+    cf.set_merge_operator_associative("dedupd.keystore.meta.v1", merge_meta);
+    cf.set_write_buffer_size(4 << 20);
+    cf
+}
+
+/// Options for writing bulk-load SST files: the keys CF's table format,
+/// compressed as the bottommost level they will land in.
+pub(crate) fn sst_writer_options(o: &KeyStoreOptions, cache: &Cache, floor: Floor) -> Options {
+    let mut w = keys_cf_options(o, cache, floor);
+    w.set_compression_type(DBCompressionType::Zstd);
+    w
+}

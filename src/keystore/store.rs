@@ -1,0 +1,715 @@
+//! The key store itself: open, apply, look up, age out, hand partitions off.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Mutex, MutexGuard};
+
+use hashbrown::HashSet;
+use rocksdb::{
+    BottommostLevelCompaction, Cache, ColumnFamily, ColumnFamilyDescriptor, CompactOptions, FlushOptions,
+    IngestExternalFileOptions, SstFileWriter, WriteBatch, WriteOptions, DB,
+};
+
+use crate::classify::{HorizonError, IdBuildHasher, LongHorizon, SeenKey};
+use crate::event::IdHash;
+
+use super::codec::{
+    checkpoint_key, decode_key, decode_value, encode_key, encode_value, partition_range, FORMAT_VERSION, KEY_LEN,
+    MAX_VALUE_LEN, META_FLOOR, META_HISTOGRAM, META_VERSION,
+};
+use super::error::{hex, KeystoreError};
+use super::histogram::{cell_key, parse_cell_key, BucketStats, Histogram};
+use super::horizon::Floor;
+use super::options::{
+    db_options, keys_cf_options, meta_cf_options, sst_writer_options, KeyStoreOptions, KEYS_CF, META_CF,
+};
+
+/// Share of `max_bytes` the live keys may fill: the rest is headroom for
+/// keys already below the floor that compaction has not rewritten yet
+/// (about a tenth of the data with leveled compaction's 10x fan-out).
+const SIZE_CAP_FILL: f64 = 0.9;
+
+/// Keys per SST file written by [`KeyStore::bulk_load`] (~100 MB at ~50 B/key).
+const BULK_FILE_KEYS: u64 = 2_000_000;
+
+/// What one [`KeyStore::age_out`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AgeOutReport {
+    /// Keys whose `first_seen_ms` is at or below this are gone.
+    pub floor_ms: i64,
+    /// The floor the horizon alone asks for: `now - horizon`.
+    pub horizon_floor_ms: i64,
+    /// The floor the size cap asks for, when it binds.
+    pub size_floor_ms: Option<i64>,
+    /// Keys in the histogram buckets that fell wholly below the floor.
+    pub keys_aged_out: u64,
+    pub buckets_dropped: usize,
+    pub oldest_first_seen_ms: Option<i64>,
+    /// `now - oldest_first_seen_ms`: the value of `dedupd_dedupe_window_seconds{tier="keystore"}`.
+    pub window_ms: Option<i64>,
+    /// The size cap pushed the window below `window_floor_ms`: page someone.
+    pub below_window_floor: bool,
+    pub disk_bytes: u64,
+}
+
+/// Mutable bookkeeping behind the store's write lock.
+struct WriteState {
+    histogram: Histogram,
+    /// Whether the last `age_out` found the size cap binding.
+    size_limited: bool,
+    /// Value encoding scratch, reused across batches.
+    values: Vec<u8>,
+}
+
+/// The long-horizon key store: RocksDB under `<state-dir>/keystore`.
+///
+/// `Send + Sync`, shared by the partition tasks. Reads (`get`,
+/// `lookup_many`) take no lock. Writes (`apply_batch`, `age_out`,
+/// `drop_partition`, `bulk_load`) serialise on one std `Mutex`: each holds it
+/// for a read-check-write of one batch (the check is what makes the first
+/// delivery win and replays idempotent, so it must not interleave with
+/// another write), never across I/O other than that one RocksDB batch, and
+/// the store is sync code that never runs on an async executor's thread
+/// while holding it across an await.
+pub struct KeyStore {
+    db: DB,
+    dir: PathBuf,
+    opts: KeyStoreOptions,
+    floor: Floor,
+    write_opts: WriteOptions,
+    state: Mutex<WriteState>,
+    /// Kept so the block cache outlives every table reader using it.
+    _cache: Cache,
+}
+
+impl std::fmt::Debug for KeyStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyStore").field("dir", &self.dir).field("floor_ms", &self.floor.get()).finish()
+    }
+}
+
+impl KeyStore {
+    /// Opens (creating if needed) the store in `dir`, which is `<state-dir>/keystore`.
+    pub fn open(dir: &Path, opts: KeyStoreOptions) -> Result<KeyStore, KeystoreError> {
+        opts.validate()?;
+        std::fs::create_dir_all(dir).map_err(|source| KeystoreError::Io { path: dir.to_path_buf(), source })?;
+        let floor = Floor::new(i64::MIN);
+        let cache = Cache::new_lru_cache(opts.block_cache_bytes);
+        let cfs = [
+            ColumnFamilyDescriptor::new(KEYS_CF, keys_cf_options(&opts, &cache, floor.clone())),
+            ColumnFamilyDescriptor::new(META_CF, meta_cf_options()),
+        ];
+        let db = DB::open_cf_descriptors(&db_options(&opts), dir, cfs)
+            .map_err(|source| KeystoreError::Open { dir: dir.to_path_buf(), source })?;
+        let mut write_opts = WriteOptions::default();
+        write_opts.set_sync(opts.sync_writes);
+        let store = KeyStore {
+            db,
+            dir: dir.to_path_buf(),
+            floor,
+            write_opts,
+            state: Mutex::new(WriteState {
+                histogram: Histogram::new(opts.histogram_bucket_ms),
+                size_limited: false,
+                values: Vec::new(),
+            }),
+            opts,
+            _cache: cache,
+        };
+        store.load_meta()?;
+        Ok(store)
+    }
+
+    fn keys_cf(&self) -> Result<&ColumnFamily, KeystoreError> {
+        self.db.cf_handle(KEYS_CF).ok_or(KeystoreError::MissingColumnFamily { name: KEYS_CF })
+    }
+
+    fn meta_cf(&self) -> Result<&ColumnFamily, KeystoreError> {
+        self.db.cf_handle(META_CF).ok_or(KeystoreError::MissingColumnFamily { name: META_CF })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, WriteState> {
+        // A panic while holding the lock leaves only in-memory counts that
+        // the next open rebuilds from RocksDB; carrying on is safe.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn load_meta(&self) -> Result<(), KeystoreError> {
+        let meta = self.meta_cf()?;
+        match self.db.get_cf(meta, META_VERSION).map_err(KeystoreError::rocks("read format version"))? {
+            None => self
+                .db
+                .put_cf_opt(meta, META_VERSION, FORMAT_VERSION.to_be_bytes(), &self.write_opts)
+                .map_err(KeystoreError::rocks("write format version"))?,
+            Some(v) if v.as_slice() == FORMAT_VERSION.to_be_bytes() => {}
+            Some(_) => {
+                return Err(KeystoreError::Corrupt {
+                    what: "format version",
+                    key_hex: hex(META_VERSION),
+                    detail: "unsupported key store format version",
+                })
+            }
+        }
+        if let Some(f) = self.db.get_cf(meta, META_FLOOR).map_err(KeystoreError::rocks("read floor"))? {
+            self.floor.raise_to(be_i64(&f, "floor", META_FLOOR)?);
+        }
+        let mut st = self.lock();
+        let mut it = self.db.raw_iterator_cf(meta);
+        it.seek([META_HISTOGRAM]);
+        while let (Some(k), Some(v)) = (it.key(), it.value()) {
+            if k.first() != Some(&META_HISTOGRAM) {
+                break;
+            }
+            let corrupt = |detail| KeystoreError::Corrupt { what: "histogram cell", key_hex: hex(k), detail };
+            let (bucket, partition) = parse_cell_key(k).ok_or_else(|| corrupt("bad key"))?;
+            let stats = BucketStats::decode(v).ok_or_else(|| corrupt("bad value"))?;
+            st.histogram.add(bucket, partition, &stats);
+            it.next();
+        }
+        it.status().map_err(KeystoreError::rocks("scan histogram"))?;
+        Ok(())
+    }
+
+    /// The checkpoint of `partition`: the output offset of the last record
+    /// applied, or `None` if nothing was ever applied (or it was dropped).
+    pub fn checkpoint(&self, partition: i32) -> Result<Option<i64>, KeystoreError> {
+        let key = checkpoint_key(partition);
+        self.db
+            .get_pinned_cf(self.meta_cf()?, key)
+            .map_err(KeystoreError::rocks("read checkpoint"))?
+            .map(|v| be_i64(&v, "checkpoint", &key))
+            .transpose()
+    }
+
+    /// Remembers the keys of one published batch and the partition's new
+    /// checkpoint (`checkpoint` = output offset of the batch's last record)
+    /// in one atomic write batch.
+    ///
+    /// Idempotent: keys whose output offset is at or below the stored
+    /// checkpoint are skipped (a replay), and an id already remembered keeps
+    /// its first value. Keys already at or below the floor are not written.
+    /// With `sync_writes` off the write is in the WAL (safe against a process
+    /// crash) but not fsynced; call [`flush`](Self::flush) for a durable point.
+    pub fn apply_batch(&self, partition: i32, keys: &[SeenKey], checkpoint: i64) -> Result<(), KeystoreError> {
+        let keys_cf = self.keys_cf()?;
+        let meta_cf = self.meta_cf()?;
+        let mut st = self.lock();
+        let stored = self.checkpoint(partition)?;
+        if stored.is_some_and(|c| c >= checkpoint) {
+            // The whole batch is at or below the checkpoint: a replay.
+            return Ok(());
+        }
+        let floor = self.floor.get();
+        let mut seen_in_batch: HashSet<IdHash, IdBuildHasher> =
+            HashSet::with_capacity_and_hasher(keys.len(), IdBuildHasher);
+        let fresh: Vec<&SeenKey> = keys
+            .iter()
+            .filter(|k| stored.is_none_or(|c| k.output.offset > c))
+            .filter(|k| k.first_seen_ms > floor)
+            .filter(|k| seen_in_batch.insert(k.id_hash))
+            .collect();
+        let encoded: Vec<[u8; KEY_LEN]> = fresh.iter().map(|k| encode_key(partition, &k.id_hash)).collect();
+        let existing = self.db.batched_multi_get_cf(keys_cf, encoded.iter(), false);
+
+        let mut batch = WriteBatch::default();
+        let mut cells: Vec<(i64, BucketStats)> = Vec::new();
+        let WriteState { histogram, values, .. } = &mut *st;
+        values.clear();
+        let mut spans = Vec::with_capacity(fresh.len());
+        for ((k, key), old) in fresh.iter().zip(&encoded).zip(existing) {
+            let old = old.map_err(KeystoreError::rocks("read before write"))?;
+            // First delivery wins, unless it is already past the floor
+            // (then this id was legitimately accepted again as new).
+            if let Some(old) = old {
+                if decode_value(partition, k.id_hash, &old)?.first_seen_ms > floor {
+                    continue;
+                }
+            }
+            let start = values.len();
+            encode_value(partition, k, values);
+            spans.push((key, start, values.len()));
+            let bucket = histogram.bucket_of(k.first_seen_ms);
+            match cells.iter_mut().find(|(b, _)| *b == bucket) {
+                Some((_, s)) => s.absorb(&BucketStats::one(k.first_seen_ms)),
+                None => cells.push((bucket, BucketStats::one(k.first_seen_ms))),
+            }
+        }
+        for (key, start, end) in spans {
+            batch.put_cf(keys_cf, key, &values[start..end]);
+        }
+        for (bucket, s) in &cells {
+            batch.merge_cf(meta_cf, cell_key(*bucket, partition), s.encode());
+        }
+        batch.put_cf(meta_cf, checkpoint_key(partition), checkpoint.to_be_bytes());
+        self.db.write_opt(batch, &self.write_opts).map_err(KeystoreError::rocks("apply batch"))?;
+        for (bucket, s) in &cells {
+            histogram.add(*bucket, partition, s);
+        }
+        Ok(())
+    }
+
+    /// The remembered key of `id`, if it is above the floor.
+    pub fn get(&self, partition: i32, id: &IdHash) -> Result<Option<SeenKey>, KeystoreError> {
+        let v =
+            self.db.get_pinned_cf(self.keys_cf()?, encode_key(partition, id)).map_err(KeystoreError::rocks("get"))?;
+        let floor = self.floor.get();
+        match v {
+            None => Ok(None),
+            Some(v) => Ok(Some(decode_value(partition, *id, &v)?).filter(|k| k.first_seen_ms > floor)),
+        }
+    }
+
+    /// One batched MultiGet for `ids`; `out` gets exactly one answer per id.
+    pub fn get_many(
+        &self,
+        partition: i32,
+        ids: &[IdHash],
+        out: &mut Vec<Option<SeenKey>>,
+    ) -> Result<(), KeystoreError> {
+        out.clear();
+        let keys: Vec<[u8; KEY_LEN]> = ids.iter().map(|id| encode_key(partition, id)).collect();
+        let floor = self.floor.get();
+        let answers = self.db.batched_multi_get_cf(self.keys_cf()?, keys.iter(), false);
+        for (id, a) in ids.iter().zip(answers) {
+            let k = match a.map_err(KeystoreError::rocks("multi get"))? {
+                None => None,
+                Some(v) => Some(decode_value(partition, *id, &v)?).filter(|k| k.first_seen_ms > floor),
+            };
+            out.push(k);
+        }
+        Ok(())
+    }
+
+    /// Ages keys out by the horizon and the size cap, oldest first.
+    ///
+    /// Cheap and scan-free: it raises the floor (reads hide older keys at
+    /// once; compactions drop them as they rewrite files) and forgets the
+    /// histogram buckets wholly below it. Call it periodically (every minute
+    /// is plenty).
+    pub fn age_out(&self, now_ms: i64) -> Result<AgeOutReport, KeystoreError> {
+        let meta_cf = self.meta_cf()?;
+        let mut st = self.lock();
+        let horizon_floor_ms = now_ms.saturating_sub(self.opts.horizon_ms);
+        let disk_bytes = self.disk_bytes();
+        let size_floor_ms = match self.opts.max_bytes {
+            None => None,
+            Some(max) => {
+                let keys_sst = self.int_property(KEYS_CF, rocksdb::properties::LIVE_SST_FILES_SIZE)?;
+                let physical = self.int_property(KEYS_CF, rocksdb::properties::ESTIMATE_NUM_KEYS)?;
+                // Bytes per key as compaction leaves them; the WAL, memtable
+                // and meta are overhead the keys must leave room for.
+                if keys_sst == 0 || physical == 0 {
+                    None
+                } else {
+                    let per_key = keys_sst as f64 / physical as f64;
+                    let overhead = disk_bytes.saturating_sub(keys_sst) as f64;
+                    let budget = (max as f64 * SIZE_CAP_FILL - overhead).max(0.0);
+                    st.histogram.floor_for_capacity((budget / per_key) as u64)
+                }
+            }
+        };
+        let old_floor = self.floor.get();
+        let floor_ms = old_floor.max(horizon_floor_ms).max(size_floor_ms.unwrap_or(i64::MIN));
+        let dropped = st.histogram.drop_at_or_below(floor_ms);
+        if floor_ms != old_floor || !dropped.is_empty() {
+            let mut batch = WriteBatch::default();
+            for ((bucket, partition), _) in &dropped {
+                batch.delete_cf(meta_cf, cell_key(*bucket, *partition));
+            }
+            batch.put_cf(meta_cf, META_FLOOR, floor_ms.to_be_bytes());
+            // Persist first: a floor raised in memory but lost at a crash
+            // would let keys reappear after a restart.
+            self.db.write_opt(batch, &self.write_opts).map_err(KeystoreError::rocks("write floor"))?;
+            self.floor.raise_to(floor_ms);
+        }
+        st.size_limited = size_floor_ms.is_some_and(|s| s > horizon_floor_ms);
+        let oldest_first_seen_ms = st.histogram.oldest_above(floor_ms);
+        let window_ms = oldest_first_seen_ms.map(|o| now_ms.saturating_sub(o));
+        let below_window_floor = Self::below_floor(st.size_limited, window_ms, self.opts.window_floor_ms);
+        if below_window_floor {
+            tracing::error!(
+                window_ms,
+                window_floor_ms = self.opts.window_floor_ms,
+                max_bytes = self.opts.max_bytes,
+                disk_bytes,
+                "keystore size cap pushed the dedupe window below its floor: retries older than the window will be \
+                 accepted again; raise --keystore-max-bytes"
+            );
+        }
+        let buckets_dropped = dropped.len();
+        let keys_aged_out = dropped.iter().map(|(_, s)| u64::try_from(s.count).unwrap_or(0)).sum();
+        Ok(AgeOutReport {
+            floor_ms,
+            horizon_floor_ms,
+            size_floor_ms,
+            keys_aged_out,
+            buckets_dropped,
+            oldest_first_seen_ms,
+            window_ms,
+            below_window_floor,
+            disk_bytes,
+        })
+    }
+
+    fn below_floor(size_limited: bool, window_ms: Option<i64>, window_floor_ms: i64) -> bool {
+        // Only the size cap raises the alert: a young store has a short
+        // window because it has not seen more, not because it forgot.
+        size_limited && window_ms.is_none_or(|w| w < window_floor_ms)
+    }
+
+    /// First-seen time of the oldest key kept (within one histogram bucket:
+    /// exact unless the oldest bucket straddles the floor).
+    pub fn oldest_first_seen_ms(&self) -> Result<Option<i64>, KeystoreError> {
+        Ok(self.lock().histogram.oldest_above(self.floor.get()))
+    }
+
+    /// Whether, as of the last `age_out`, the size cap holds the window below
+    /// `window_floor_ms`.
+    pub fn window_below_floor(&self, now_ms: i64) -> Result<bool, KeystoreError> {
+        let st = self.lock();
+        let window = st.histogram.oldest_above(self.floor.get()).map(|o| now_ms.saturating_sub(o));
+        Ok(Self::below_floor(st.size_limited, window, self.opts.window_floor_ms))
+    }
+
+    /// Forgets `partition` entirely: keys (one range tombstone, then the SST
+    /// files wholly inside the range are deleted outright), counts and
+    /// checkpoint. Used for a revoked partition when keys are not kept, and
+    /// before rebuilding a partition from scratch.
+    pub fn drop_partition(&self, partition: i32) -> Result<(), KeystoreError> {
+        let keys_cf = self.keys_cf()?;
+        let meta_cf = self.meta_cf()?;
+        let mut st = self.lock();
+        let (start, end) = partition_range(partition);
+        let cells = st.histogram.remove_partition(partition);
+        let mut batch = WriteBatch::default();
+        batch.delete_range_cf(keys_cf, start.as_slice(), end.as_slice());
+        batch.delete_cf(meta_cf, checkpoint_key(partition));
+        for (bucket, p) in cells {
+            batch.delete_cf(meta_cf, cell_key(bucket, p));
+        }
+        self.db.write_opt(batch, &self.write_opts).map_err(KeystoreError::rocks("drop partition"))?;
+        // The range tombstone already hides the keys; this frees the space
+        // of files holding nothing else without waiting for compaction.
+        self.db
+            .delete_file_in_range_cf(keys_cf, start.as_slice(), end.as_slice())
+            .map_err(KeystoreError::rocks("delete partition files"))?;
+        Ok(())
+    }
+
+    /// Keys remembered for `partition`. An estimate at the edges: keys of
+    /// the histogram bucket straddling the floor count until the whole bucket
+    /// is below it.
+    pub fn partition_key_count(&self, partition: i32) -> Result<u64, KeystoreError> {
+        Ok(self.lock().histogram.partition_count(partition))
+    }
+
+    /// Keys remembered over all partitions (same estimate as [`partition_key_count`](Self::partition_key_count)).
+    pub fn key_count(&self) -> u64 {
+        self.lock().histogram.total_count()
+    }
+
+    /// Bytes the store's directory takes on disk (SSTs, WAL, manifest), for
+    /// `dedupd_keystore_bytes`.
+    pub fn disk_bytes(&self) -> u64 {
+        match std::fs::read_dir(&self.dir) {
+            Ok(entries) => entries
+                .filter_map(Result::ok)
+                .filter_map(|e| e.metadata().ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+                .sum(),
+            Err(_) => self.int_property(KEYS_CF, rocksdb::properties::LIVE_SST_FILES_SIZE).unwrap_or(0),
+        }
+    }
+
+    /// Makes everything applied so far durable against a host crash (fsyncs
+    /// the WAL). Not needed with `sync_writes`.
+    pub fn flush(&self) -> Result<(), KeystoreError> {
+        self.db.flush_wal(true).map_err(KeystoreError::rocks("sync WAL"))
+    }
+
+    /// Flushes memtables and compacts every level down, applying the floor
+    /// to every key. An operator/benchmark tool: production relies on
+    /// automatic and periodic compaction instead.
+    pub fn compact(&self) -> Result<(), KeystoreError> {
+        let keys_cf = self.keys_cf()?;
+        let meta_cf = self.meta_cf()?;
+        let mut fo = FlushOptions::default();
+        fo.set_wait(true);
+        self.db.flush_cfs_opt(&[keys_cf, meta_cf], &fo).map_err(KeystoreError::rocks("flush memtables"))?;
+        let mut co = CompactOptions::default();
+        co.set_bottommost_level_compaction(BottommostLevelCompaction::Force);
+        co.set_exclusive_manual_compaction(false);
+        self.db.compact_range_cf_opt(keys_cf, None::<&[u8]>, None::<&[u8]>, &co);
+        self.db.compact_range_cf_opt(meta_cf, None::<&[u8]>, None::<&[u8]>, &co);
+        Ok(())
+    }
+
+    /// Loads an empty partition from keys sorted by id, writing SST files
+    /// and ingesting them straight into the bottommost level: the fast path
+    /// to rebuild a partition from scratch (after `drop_partition`) or to
+    /// seed a benchmark. Sets the checkpoint when given. Returns the number
+    /// of keys loaded (keys at or below the floor are skipped).
+    ///
+    /// Not atomic as a whole: a crash midway leaves some files ingested and
+    /// the checkpoint unset, so a repair replays the partition from the
+    /// start, and `apply_batch` keeps the first copy of every id.
+    pub fn bulk_load(
+        &self,
+        partition: i32,
+        sorted_keys: impl IntoIterator<Item = SeenKey>,
+        checkpoint: Option<i64>,
+    ) -> Result<u64, KeystoreError> {
+        let keys_cf = self.keys_cf()?;
+        let meta_cf = self.meta_cf()?;
+        let mut st = self.lock();
+        let (start, end) = partition_range(partition);
+        {
+            let mut it = self.db.raw_iterator_cf(keys_cf);
+            it.seek(start);
+            if it.key().is_some_and(|k| k < end.as_slice()) {
+                return Err(KeystoreError::PartitionNotEmpty { partition });
+            }
+            it.status().map_err(KeystoreError::rocks("check partition empty"))?;
+        }
+        let staging = self.dir.join("bulk-load.tmp");
+        std::fs::create_dir_all(&staging).map_err(|source| KeystoreError::Io { path: staging.clone(), source })?;
+        let writer_opts = sst_writer_options(&self.opts, &Cache::new_lru_cache(1 << 20), self.floor.clone());
+        let floor = self.floor.get();
+        let mut files: Vec<PathBuf> = Vec::new();
+        let mut writer: Option<SstFileWriter<'_>> = None;
+        let mut in_file = 0u64;
+        let mut loaded = 0u64;
+        let mut last: Option<IdHash> = None;
+        let mut cells: Vec<(i64, BucketStats)> = Vec::new();
+        let mut value = Vec::with_capacity(MAX_VALUE_LEN);
+        for k in sorted_keys {
+            if last.is_some_and(|l| l >= k.id_hash) {
+                return Err(KeystoreError::UnsortedBulkLoad { partition, id_hex: k.id_hash.to_hex() });
+            }
+            last = Some(k.id_hash);
+            if k.first_seen_ms <= floor {
+                continue;
+            }
+            let w = match &mut writer {
+                Some(w) => w,
+                None => {
+                    let path = staging.join(format!("p{partition}-{}.sst", files.len()));
+                    let w = SstFileWriter::create(&writer_opts);
+                    w.open(&path).map_err(KeystoreError::rocks("create bulk SST"))?;
+                    files.push(path);
+                    writer.insert(w)
+                }
+            };
+            value.clear();
+            encode_value(partition, &k, &mut value);
+            w.put(encode_key(partition, &k.id_hash), &value).map_err(KeystoreError::rocks("write bulk SST"))?;
+            let bucket = st.histogram.bucket_of(k.first_seen_ms);
+            match cells.binary_search_by_key(&bucket, |(b, _)| *b) {
+                Ok(i) => cells[i].1.absorb(&BucketStats::one(k.first_seen_ms)),
+                Err(i) => cells.insert(i, (bucket, BucketStats::one(k.first_seen_ms))),
+            }
+            loaded += 1;
+            in_file += 1;
+            if in_file == BULK_FILE_KEYS {
+                if let Some(mut w) = writer.take() {
+                    w.finish().map_err(KeystoreError::rocks("finish bulk SST"))?;
+                }
+                in_file = 0;
+            }
+        }
+        if let Some(mut w) = writer.take() {
+            w.finish().map_err(KeystoreError::rocks("finish bulk SST"))?;
+        }
+        if !files.is_empty() {
+            let mut ingest = IngestExternalFileOptions::default();
+            ingest.set_move_files(true);
+            self.db
+                .ingest_external_file_cf_opts(keys_cf, &ingest, files)
+                .map_err(KeystoreError::rocks("ingest bulk SSTs"))?;
+        }
+        let mut batch = WriteBatch::default();
+        for (bucket, s) in &cells {
+            batch.merge_cf(meta_cf, cell_key(*bucket, partition), s.encode());
+        }
+        if let Some(c) = checkpoint {
+            batch.put_cf(meta_cf, checkpoint_key(partition), c.to_be_bytes());
+        }
+        self.db.write_opt(batch, &self.write_opts).map_err(KeystoreError::rocks("record bulk load"))?;
+        for (bucket, s) in &cells {
+            st.histogram.add(*bucket, partition, s);
+        }
+        std::fs::remove_dir_all(&staging).map_err(|source| KeystoreError::Io { path: staging, source })?;
+        Ok(loaded)
+    }
+
+    /// Keys compactions have dropped below the floor since open.
+    pub fn reclaimed_keys(&self) -> u64 {
+        self.floor.reclaimed.load(Ordering::Relaxed)
+    }
+
+    /// RocksDB's estimate of the entries physically present (live or not yet reclaimed).
+    pub fn estimated_physical_keys(&self) -> Result<u64, KeystoreError> {
+        self.int_property(KEYS_CF, rocksdb::properties::ESTIMATE_NUM_KEYS)
+    }
+
+    /// The current floor: keys first seen at or before it are gone.
+    pub fn floor_ms(&self) -> i64 {
+        self.floor.get()
+    }
+
+    pub fn options(&self) -> &KeyStoreOptions {
+        &self.opts
+    }
+
+    fn int_property(&self, cf: &'static str, name: &rocksdb::properties::PropName) -> Result<u64, KeystoreError> {
+        let cf = self.db.cf_handle(cf).ok_or(KeystoreError::MissingColumnFamily { name: cf })?;
+        Ok(self.db.property_int_value_cf(cf, name).map_err(KeystoreError::rocks("read property"))?.unwrap_or(0))
+    }
+
+    /// Every remembered key of `partition` above the floor, in id order.
+    /// A full scan of the partition: for `inspect`, `verify` and tests only.
+    pub fn scan_partition(&self, partition: i32) -> Result<Vec<SeenKey>, KeystoreError> {
+        let (start, end) = partition_range(partition);
+        let floor = self.floor.get();
+        let mut out = Vec::new();
+        let mut it = self.db.raw_iterator_cf(self.keys_cf()?);
+        it.seek(start);
+        while let (Some(k), Some(v)) = (it.key(), it.value()) {
+            if k >= end.as_slice() {
+                break;
+            }
+            let (p, id) = decode_key(k)?;
+            let seen = decode_value(p, id, v)?;
+            if seen.first_seen_ms > floor {
+                out.push(seen);
+            }
+            it.next();
+        }
+        it.status().map_err(KeystoreError::rocks("scan partition"))?;
+        Ok(out)
+    }
+}
+
+impl LongHorizon for KeyStore {
+    fn lookup_many(&self, partition: i32, ids: &[IdHash], out: &mut Vec<Option<SeenKey>>) -> Result<(), HorizonError> {
+        self.get_many(partition, ids, out).map_err(|e| HorizonError(Box::new(e)))
+    }
+}
+
+fn be_i64(v: &[u8], what: &'static str, key: &[u8]) -> Result<i64, KeystoreError> {
+    let b: [u8; 8] =
+        v.try_into().map_err(|_| KeystoreError::Corrupt { what, key_hex: hex(key), detail: "not 8 bytes" })?;
+    Ok(i64::from_be_bytes(b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{PayloadHash, Position};
+
+    const HOUR: i64 = 3_600_000;
+
+    fn opts() -> KeyStoreOptions {
+        KeyStoreOptions {
+            horizon_ms: 10 * HOUR,
+            histogram_bucket_ms: HOUR,
+            block_cache_bytes: 4 << 20,
+            write_buffer_bytes: 4 << 20,
+            ..KeyStoreOptions::default()
+        }
+    }
+
+    fn key(n: u64, first_seen_ms: i64, offset: i64) -> SeenKey {
+        let h = blake3::hash(&n.to_le_bytes());
+        let mut id = [0u8; 16];
+        id.copy_from_slice(&h.as_bytes()[..16]);
+        SeenKey {
+            id_hash: IdHash(id),
+            payload_hash: PayloadHash([n as u8; 16]),
+            first_seen_ms,
+            source: Position::new(0, offset + 1000),
+            output: Position::new(0, offset),
+        }
+    }
+
+    #[test]
+    fn the_first_delivery_of_an_id_wins_within_and_across_batches() -> Result<(), KeystoreError> {
+        let dir = tempfile::tempdir().map_err(|source| KeystoreError::Io { path: "tmp".into(), source })?;
+        let ks = KeyStore::open(dir.path(), opts())?;
+        let a = key(1, 100 * HOUR, 1);
+        let mut a_again = key(1, 100 * HOUR + 5, 2);
+        a_again.payload_hash = PayloadHash([9; 16]);
+        ks.apply_batch(0, &[a, a_again], 2)?;
+        ks.apply_batch(0, &[SeenKey { output: Position::new(0, 3), ..a_again }], 3)?;
+        assert_eq!(ks.get(0, &a.id_hash)?, Some(a));
+        assert_eq!(ks.partition_key_count(0)?, 1);
+        assert_eq!(ks.checkpoint(0)?, Some(3));
+        Ok(())
+    }
+
+    #[test]
+    fn a_replayed_batch_at_or_below_the_checkpoint_changes_nothing() -> Result<(), KeystoreError> {
+        let dir = tempfile::tempdir().map_err(|source| KeystoreError::Io { path: "tmp".into(), source })?;
+        let ks = KeyStore::open(dir.path(), opts())?;
+        ks.apply_batch(0, &[key(1, HOUR, 10), key(2, HOUR, 11)], 11)?;
+        ks.apply_batch(0, &[key(3, HOUR, 9)], 11)?;
+        ks.apply_batch(0, &[key(4, HOUR, 11), key(5, HOUR, 12)], 12)?;
+        assert!(ks.get(0, &key(3, 0, 0).id_hash)?.is_none());
+        assert!(ks.get(0, &key(4, 0, 0).id_hash)?.is_none());
+        assert!(ks.get(0, &key(5, 0, 0).id_hash)?.is_some());
+        assert_eq!(ks.partition_key_count(0)?, 3);
+        Ok(())
+    }
+
+    #[test]
+    fn an_id_past_the_floor_is_remembered_again_with_its_new_value() -> Result<(), KeystoreError> {
+        let dir = tempfile::tempdir().map_err(|source| KeystoreError::Io { path: "tmp".into(), source })?;
+        let ks = KeyStore::open(dir.path(), opts())?;
+        let old = key(1, HOUR, 1);
+        ks.apply_batch(0, &[old], 1)?;
+        ks.age_out(12 * HOUR)?;
+        assert!(ks.get(0, &old.id_hash)?.is_none());
+        let new = key(1, 12 * HOUR, 2);
+        ks.apply_batch(0, &[new], 2)?;
+        assert_eq!(ks.get(0, &old.id_hash)?, Some(new));
+        Ok(())
+    }
+
+    #[test]
+    fn dropping_a_partition_forgets_its_keys_counts_and_checkpoint_only() -> Result<(), KeystoreError> {
+        let dir = tempfile::tempdir().map_err(|source| KeystoreError::Io { path: "tmp".into(), source })?;
+        let ks = KeyStore::open(dir.path(), opts())?;
+        let mut k7 = key(1, HOUR, 5);
+        k7.source.partition = 7;
+        k7.output.partition = 7;
+        ks.apply_batch(7, &[k7], 5)?;
+        ks.apply_batch(8, &[key(2, HOUR, 6)], 6)?;
+        ks.drop_partition(7)?;
+        assert!(ks.get(7, &k7.id_hash)?.is_none());
+        assert_eq!(ks.checkpoint(7)?, None);
+        assert_eq!(ks.partition_key_count(7)?, 0);
+        assert_eq!(ks.partition_key_count(8)?, 1);
+        assert_eq!(ks.get(8, &key(2, 0, 0).id_hash)?.map(|k| k.output.offset), Some(6));
+        // Rebuilt from scratch: the partition takes keys again.
+        ks.apply_batch(7, &[k7], 5)?;
+        assert_eq!(ks.get(7, &k7.id_hash)?, Some(k7));
+        Ok(())
+    }
+
+    #[test]
+    fn bulk_load_fills_an_empty_partition_and_refuses_a_full_one() -> Result<(), KeystoreError> {
+        let dir = tempfile::tempdir().map_err(|source| KeystoreError::Io { path: "tmp".into(), source })?;
+        let ks = KeyStore::open(dir.path(), opts())?;
+        let mut keys: Vec<SeenKey> = (0..1000).map(|n| key(n, HOUR + n as i64, n as i64)).collect();
+        keys.sort_by_key(|k| k.id_hash);
+        assert_eq!(ks.bulk_load(0, keys.clone(), Some(999))?, 1000);
+        assert_eq!(ks.partition_key_count(0)?, 1000);
+        assert_eq!(ks.checkpoint(0)?, Some(999));
+        assert_eq!(ks.scan_partition(0)?, keys);
+        assert!(matches!(ks.bulk_load(0, keys.clone(), None), Err(KeystoreError::PartitionNotEmpty { partition: 0 })));
+        let unsorted = vec![keys[1], keys[0]];
+        assert!(matches!(ks.bulk_load(1, unsorted, None), Err(KeystoreError::UnsortedBulkLoad { .. })));
+        Ok(())
+    }
+}

@@ -1,0 +1,448 @@
+//! `dedupd dedupe`: the engine over NDJSON files (DESIGN §9).
+//!
+//! The same pipeline as the Kafka worker, with files in place of topics:
+//! the input file is the input topic (partition 0, offset = line index), the
+//! output file is the output topic (offset = line index in the output file).
+//!
+//! Without `--state-dir` everything is in memory, bounded by the hot cache
+//! capacity and the batch size. With `--state-dir` state persists across
+//! runs, and the output file plays the output topic's role as the source of
+//! truth (DESIGN §1.4): it is opened for append, and a restart first repairs
+//! local state from the output lines past the state's checkpoint, after
+//! cutting a torn last line. So a crash between writing an accepted event and
+//! applying it to state never doubles or drops it.
+//!
+//! Side files (`--rejected`, `--conflicts`) are reports, not sources of truth:
+//! after a crash a rerun may write a report line again.
+
+mod demo;
+mod lines;
+mod report;
+pub mod sample;
+pub use demo::{bucket_table, run_offline_demo};
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, BufRead, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use crate::classify::{Clock, InputRecord, Outcome, SeenKey};
+use crate::config::{EngineSettings, FsyncSetting};
+use crate::event::{id_hash, payload_hash, write_canonical_json, Position, UsageEvent, Validator};
+use crate::state::{LocalState, StateError, StoredEvent};
+
+pub use lines::{read_bounded_line, Line};
+
+/// The single partition offline mode uses.
+pub const OFFLINE_PARTITION: i32 = 0;
+
+/// Where a stream goes or comes from: a file or `-` (standard input/output).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Stdio {
+    Std,
+    File(PathBuf),
+}
+
+impl std::str::FromStr for Stdio {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Stdio, String> {
+        if s.is_empty() {
+            return Err("empty path".into());
+        }
+        Ok(if s == "-" { Stdio::Std } else { Stdio::File(PathBuf::from(s)) })
+    }
+}
+
+/// What to dedupe, and where the buckets go.
+#[derive(Clone, Debug)]
+pub struct DedupeOptions {
+    pub input: Stdio,
+    pub output: Stdio,
+    pub state_dir: Option<PathBuf>,
+    pub rejected: Option<PathBuf>,
+    pub conflicts: Option<PathBuf>,
+    /// Records classified and published together.
+    pub batch_records: usize,
+}
+
+/// The bucket counts of one run, printed as the last line on stderr.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Summary {
+    pub accepted: u64,
+    pub duplicates: u64,
+    pub conflicts: u64,
+    pub rejected: u64,
+}
+
+/// Why an offline run stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum OfflineError {
+    #[error("{what} {path}: {source}")]
+    Io { what: &'static str, path: String, source: io::Error },
+    #[error(
+        "--state-dir needs --output to be a file: the output file is the source of truth that state is repaired from"
+    )]
+    StateNeedsOutputFile,
+    #[error(
+        "output file {path} has {lines} lines but the state in {state_dir} has applied up to line {checkpoint}: \
+         the output file was truncated or replaced; restore it, or start over with an empty state directory"
+    )]
+    StateAheadOfOutput { path: String, lines: u64, checkpoint: i64, state_dir: String },
+    #[error("output file {path} line {line} is not a dedupd event ({why}); refusing to repair from it")]
+    CorruptOutput { path: String, line: u64, why: String },
+    #[error(transparent)]
+    State(#[from] StateError),
+}
+
+fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> OfflineError + 'a {
+    move |source| OfflineError::Io { what, path: path.display().to_string(), source }
+}
+
+/// The output file or stdout, with the fsync policy applied per batch.
+struct OutputSink {
+    path: Option<PathBuf>,
+    writer: BufWriter<Box<dyn Write>>,
+    file: Option<File>,
+    fsync: Option<FsyncSetting>,
+    last_sync: Instant,
+    /// Offset the next output line gets.
+    next_offset: i64,
+}
+
+impl OutputSink {
+    fn write_line(&mut self, line: &str) -> io::Result<()> {
+        self.writer.write_all(line.as_bytes())?;
+        self.writer.write_all(b"\n")
+    }
+
+    /// Makes the batch's lines visible, and durable as the policy says, before
+    /// state is changed for them.
+    fn end_batch(&mut self) -> io::Result<()> {
+        self.writer.flush()?;
+        if let (Some(file), Some(policy)) = (&self.file, self.fsync) {
+            let due = match policy {
+                FsyncSetting::Always => true,
+                FsyncSetting::Interval(d) => self.last_sync.elapsed() >= d,
+            };
+            if due {
+                file.sync_data()?;
+                self.last_sync = Instant::now();
+            }
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self) -> io::Result<()> {
+        self.writer.flush()?;
+        if let Some(file) = &self.file {
+            file.sync_all()?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs `dedupd dedupe`. Returns the bucket counts of this run.
+pub fn run_dedupe(opts: &DedupeOptions, settings: &EngineSettings, clock: &dyn Clock) -> Result<Summary, OfflineError> {
+    let validator = settings.validator();
+    let batch_records = opts.batch_records.max(1);
+
+    let (mut state, mut output) = match &opts.state_dir {
+        None => {
+            let mut state = LocalState::in_memory(settings.clone(), false);
+            state.assign(OFFLINE_PARTITION, clock.now_ms())?;
+            let output = open_fresh_output(&opts.output)?;
+            (state, output)
+        }
+        Some(dir) => {
+            let Stdio::File(path) = &opts.output else {
+                return Err(OfflineError::StateNeedsOutputFile);
+            };
+            let mut state = LocalState::open(Some(dir), settings.clone(), false)?;
+            state.assign(OFFLINE_PARTITION, clock.now_ms())?;
+            let lines = repair_from_output(&mut state, path, dir, &validator, clock)?;
+            let output = open_append_output(path, lines, settings.fsync)?;
+            (state, output)
+        }
+    };
+
+    let mut rejected = report::open(opts.rejected.as_deref())?;
+    let mut conflicts = report::open(opts.conflicts.as_deref())?;
+
+    let mut input: Box<dyn BufRead> = match &opts.input {
+        Stdio::Std => Box::new(BufReader::with_capacity(1 << 16, io::stdin().lock())),
+        Stdio::File(p) => {
+            Box::new(BufReader::with_capacity(1 << 16, File::open(p).map_err(io_err("cannot open input", p))?))
+        }
+    };
+    let input_name = match &opts.input {
+        Stdio::Std => "standard input".to_owned(),
+        Stdio::File(p) => p.display().to_string(),
+    };
+
+    let limit = validator.limits().max_record_bytes;
+    let mut summary = Summary::default();
+    let mut derived_ids = 0u64;
+    let mut next_line: i64 = 0;
+    let mut batch: Vec<Line> = Vec::with_capacity(batch_records);
+    let mut line_text = String::with_capacity(512);
+    loop {
+        batch.clear();
+        let first_offset = next_line;
+        while batch.len() < batch_records {
+            let mut l = Line::default();
+            let more = read_bounded_line(&mut input, limit, &mut l).map_err(|source| OfflineError::Io {
+                what: "cannot read input",
+                path: input_name.clone(),
+                source,
+            })?;
+            if !more {
+                break;
+            }
+            batch.push(l);
+            next_line += 1;
+        }
+        if batch.is_empty() {
+            break;
+        }
+        let now_ms = clock.now_ms();
+        let records: Vec<InputRecord<'_>> = batch
+            .iter()
+            .enumerate()
+            .map(|(i, l)| InputRecord {
+                source: Position::new(OFFLINE_PARTITION, first_offset + i as i64),
+                payload: Some(&l.bytes[..]),
+            })
+            .collect();
+        let mut outcomes = state.classify(OFFLINE_PARTITION, &validator, &records, now_ms)?;
+        // A record longer than the limit was read only in part; its reason
+        // must say so whatever the part looks like.
+        for (o, l) in outcomes.iter_mut().zip(&batch) {
+            if l.truncated() {
+                *o = Outcome::Rejected(crate::event::Rejection::new(
+                    crate::event::RejectReason::RecordTooLarge,
+                    format!("{} bytes, limit {limit}", l.len),
+                ));
+            }
+        }
+
+        // Publish: accepted lines first, then the reports.
+        let mut published: Vec<StoredEvent> = Vec::new();
+        let mut accepted_in_batch: Vec<Option<usize>> = vec![None; outcomes.len()];
+        for (i, o) in outcomes.iter().enumerate() {
+            if let Outcome::Accepted { event, id_hash, payload_hash } = o {
+                line_text.clear();
+                write_canonical_json(event, &mut line_text);
+                output.write_line(&line_text).map_err(|source| OfflineError::Io {
+                    what: "cannot write output",
+                    path: output.path.as_ref().map_or("standard output".into(), |p| p.display().to_string()),
+                    source,
+                })?;
+                let key = SeenKey {
+                    id_hash: *id_hash,
+                    payload_hash: *payload_hash,
+                    first_seen_ms: now_ms,
+                    source: records[i].source,
+                    output: Position::new(OFFLINE_PARTITION, output.next_offset),
+                };
+                output.next_offset += 1;
+                accepted_in_batch[i] = Some(published.len());
+                published.push(StoredEvent { key, event: event.clone() });
+                summary.accepted += 1;
+                if event.event_id_derived {
+                    derived_ids += 1;
+                }
+            }
+        }
+        output.end_batch().map_err(|source| OfflineError::Io {
+            what: "cannot write output",
+            path: output.path.as_ref().map_or("standard output".into(), |p| p.display().to_string()),
+            source,
+        })?;
+
+        for (i, o) in outcomes.iter().enumerate() {
+            let line_no = first_offset as u64 + i as u64 + 1;
+            match o {
+                Outcome::Accepted { .. } => {}
+                Outcome::Duplicate { .. } | Outcome::Replayed { .. } => summary.duplicates += 1,
+                Outcome::Conflict { event, id_hash, payload_hash, tier, first } => {
+                    summary.conflicts += 1;
+                    if let Some(w) = conflicts.as_mut() {
+                        let original: Option<UsageEvent> = match first.batch_index {
+                            Some(j) => accepted_in_batch[j].map(|k| published[k].event.clone()),
+                            None => state.original(OFFLINE_PARTITION, id_hash)?,
+                        };
+                        let differs = original.as_ref().map(|orig| orig.differing_fields(event));
+                        w.conflict(line_no, event, id_hash, payload_hash, *tier, first, differs.as_deref(), &batch[i])?;
+                    }
+                }
+                Outcome::Rejected(rejection) => {
+                    summary.rejected += 1;
+                    if let Some(w) = rejected.as_mut() {
+                        w.rejected(line_no, rejection, &batch[i])?;
+                    }
+                }
+            }
+        }
+        report::end_batch(rejected.as_mut())?;
+        report::end_batch(conflicts.as_mut())?;
+
+        // Only now, with the batch's output visible, does state change.
+        state.apply_published(OFFLINE_PARTITION, &published, now_ms)?;
+        state.maintain(now_ms)?;
+    }
+    output.finish().map_err(|source| OfflineError::Io {
+        what: "cannot write output",
+        path: output.path.as_ref().map_or("standard output".into(), |p| p.display().to_string()),
+        source,
+    })?;
+    report::finish(rejected.as_mut())?;
+    report::finish(conflicts.as_mut())?;
+    state.close()?;
+    if derived_ids > 0 {
+        tracing::info!(derived_ids, "accepted events whose event_id was derived from the business tuple");
+    }
+    Ok(summary)
+}
+
+fn open_fresh_output(output: &Stdio) -> Result<OutputSink, OfflineError> {
+    Ok(match output {
+        Stdio::Std => OutputSink {
+            path: None,
+            writer: BufWriter::with_capacity(1 << 16, Box::new(io::stdout())),
+            file: None,
+            fsync: None,
+            last_sync: Instant::now(),
+            next_offset: 0,
+        },
+        Stdio::File(p) => {
+            let f = File::create(p).map_err(io_err("cannot create output", p))?;
+            let clone = f.try_clone().map_err(io_err("cannot open output", p))?;
+            OutputSink {
+                path: Some(p.clone()),
+                writer: BufWriter::with_capacity(1 << 16, Box::new(f)),
+                file: Some(clone),
+                fsync: None,
+                last_sync: Instant::now(),
+                next_offset: 0,
+            }
+        }
+    })
+}
+
+fn open_append_output(path: &Path, lines: u64, fsync: FsyncSetting) -> Result<OutputSink, OfflineError> {
+    let f = OpenOptions::new().append(true).open(path).map_err(io_err("cannot open output", path))?;
+    let clone = f.try_clone().map_err(io_err("cannot open output", path))?;
+    Ok(OutputSink {
+        path: Some(path.to_owned()),
+        writer: BufWriter::with_capacity(1 << 16, Box::new(f)),
+        file: Some(clone),
+        fsync: Some(fsync),
+        last_sync: Instant::now(),
+        next_offset: lines as i64,
+    })
+}
+
+/// Cuts a torn last line, then applies every output line past the state's
+/// checkpoint to state. Returns the number of whole lines in the file.
+fn repair_from_output(
+    state: &mut LocalState,
+    path: &Path,
+    state_dir: &Path,
+    validator: &Validator,
+    clock: &dyn Clock,
+) -> Result<u64, OfflineError> {
+    let mut f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .map_err(io_err("cannot open output", path))?;
+    cut_torn_tail(&mut f).map_err(io_err("cannot repair output", path))?;
+    f.seek(SeekFrom::Start(0)).map_err(io_err("cannot read output", path))?;
+
+    let checkpoint = state.checkpoint(OFFLINE_PARTITION);
+    let mut reader = BufReader::with_capacity(1 << 16, f);
+    let mut line = Line::default();
+    // Output lines are canonical renderings of events that passed the input
+    // limit; they are never much longer than it.
+    let limit = validator.limits().max_record_bytes.saturating_mul(2).saturating_add(4096);
+    let mut offset: i64 = 0;
+    let mut pending: Vec<StoredEvent> = Vec::new();
+    let mut repaired = 0usize;
+    let now_ms = clock.now_ms();
+    while read_bounded_line(&mut reader, limit, &mut line).map_err(io_err("cannot read output", path))? {
+        if checkpoint.is_none_or(|c| offset > c) {
+            let corrupt = |why: String| OfflineError::CorruptOutput {
+                path: path.display().to_string(),
+                line: offset as u64 + 1,
+                why,
+            };
+            if line.truncated() {
+                return Err(corrupt(format!("line of {} bytes is longer than any event", line.len)));
+            }
+            let event = validator.read_output(&line.bytes).map_err(|r| corrupt(r.to_string()))?;
+            let position = Position::new(OFFLINE_PARTITION, offset);
+            let key = SeenKey {
+                id_hash: id_hash(&event.tenant_id, &event.event_id),
+                payload_hash: payload_hash(&event),
+                // The output file does not keep ingest times; the repair time
+                // is a safe stand-in: it can only make a key live longer.
+                first_seen_ms: now_ms,
+                source: position,
+                output: position,
+            };
+            pending.push(StoredEvent { key, event });
+            if pending.len() >= 1000 {
+                repaired += state.apply_published(OFFLINE_PARTITION, &pending, now_ms)?;
+                pending.clear();
+            }
+        }
+        offset += 1;
+    }
+    repaired += state.apply_published(OFFLINE_PARTITION, &pending, now_ms)?;
+    if let Some(c) = checkpoint {
+        if c >= offset {
+            return Err(OfflineError::StateAheadOfOutput {
+                path: path.display().to_string(),
+                lines: offset as u64,
+                checkpoint: c + 1,
+                state_dir: state_dir.display().to_string(),
+            });
+        }
+    }
+    if repaired > 0 {
+        tracing::info!(repaired, "repaired state from the output file");
+    }
+    Ok(offset as u64)
+}
+
+/// Truncates the file after its last newline, so a line half-written when a
+/// previous run died is cut, never read as an event or appended to.
+fn cut_torn_tail(f: &mut File) -> io::Result<()> {
+    let len = f.metadata()?.len();
+    if len == 0 {
+        return Ok(());
+    }
+    let mut pos = len;
+    let mut buf = vec![0u8; 64 * 1024];
+    while pos > 0 {
+        let start = pos.saturating_sub(buf.len() as u64);
+        let n = (pos - start) as usize;
+        f.seek(SeekFrom::Start(start))?;
+        f.read_exact(&mut buf[..n])?;
+        if let Some(i) = buf[..n].iter().rposition(|&b| b == b'\n') {
+            let keep = start + i as u64 + 1;
+            if keep != len {
+                tracing::warn!(cut_bytes = len - keep, "cut a torn last line from the output file");
+                f.set_len(keep)?;
+                f.sync_all()?;
+            }
+            return Ok(());
+        }
+        pos = start;
+    }
+    tracing::warn!(cut_bytes = len, "cut a torn only line from the output file");
+    f.set_len(0)?;
+    f.sync_all()
+}

@@ -1,0 +1,199 @@
+//! The durable usage store (DESIGN §7): every accepted, published event is
+//! persisted here, and the hot cache is rebuilt from here after a restart.
+//!
+//! Synchronous and single-writer; no tokio, no rdkafka.
+//!
+//! ```text
+//! append ─► WAL frame (CRC32C, group commit) ─► memtable ─flush─► segment + sidecar ─► manifest
+//!                                                                   └─ compaction / retention ─┘
+//! <state-dir>/usage/
+//!   wal/<seq>.wal            frames, see wal::frame
+//!   segments/<id>.seg        columnar segment, see segment
+//!   segments/<id>.idx        sidecar index, see sidecar
+//!   manifest/MANIFEST-<gen>  generations, see manifest
+//! ```
+//!
+//! # Durability and the loss window
+//!
+//! - `FsyncPolicy::Always` (`--fsync always`): `append` writes the whole batch
+//!   as one frame and fdatasyncs before returning (group commit: one fsync per
+//!   call). Nothing `append` acknowledged is lost by a crash or power loss.
+//! - `FsyncPolicy::Interval(d)` (`--fsync interval:<ms>`): `append` fsyncs
+//!   only when `d` has passed since the last fsync; `maintain`, `flush`, WAL
+//!   rotation and `close` also fsync. A process crash loses nothing (the bytes
+//!   are in the page cache); a power loss or kernel crash loses the events
+//!   appended since the last fsync: at most `d` plus the gap until the next
+//!   `append`/`maintain` call. `checkpoint` then moves back accordingly and
+//!   repair from the output topic (or the offline output file) re-applies them.
+//!
+//! Segments, sidecars and manifests are always written temp + fsync + rename
+//! + directory fsync, whatever the policy.
+//!
+//! # Failure rules
+//!
+//! - A torn WAL tail (last frame cut short or failing its checksum, with no
+//!   valid frame after it, in the newest WAL file) is truncated on open; every
+//!   frame before it is kept. Corruption anywhere else in the WAL is
+//!   [`StorageError::WalMidLogCorruption`] naming file and offset.
+//! - The newest manifest failing its checksum: the previous generation is used
+//!   (its files are kept until a newer generation supersedes it) and
+//!   [`RecoveryReport::skipped_manifests`] says so. No readable manifest while
+//!   data exists: [`StorageError::NoValidManifest`]; the store never starts
+//!   empty by accident.
+//! - Segments are not read by `open` (only their existence is checked). A
+//!   corrupt segment is reported by [`verify`]; `get` and the fallback scan
+//!   return an error naming the file; compaction leaves it in place, untouched,
+//!   and lists it in [`MaintainReport::corrupt_segments`].
+//! - A missing or corrupt sidecar: `recent_keys`/`get` scan the segment instead
+//!   and report [`RecoveryPath::Fallback`] to the observer.
+//! - Any failed write or fsync poisons the store: every later call fails with
+//!   [`StorageError::Poisoned`]. The fsync is never retried (after a failed
+//!   fsync the kernel may have dropped the dirty pages); the process must
+//!   restart and recover from disk.
+//! - Replay is idempotent: an event whose output offset is at or below its
+//!   partition's checkpoint is skipped, on `append` and on WAL replay alike.
+
+mod codec;
+mod error;
+pub mod failpoint;
+mod fsutil;
+mod lock;
+mod manifest;
+mod memtable;
+mod segment;
+mod sidecar;
+mod store;
+#[doc(hidden)]
+pub mod testutil;
+mod verify;
+mod wal;
+
+use std::time::Duration;
+
+pub use error::StorageError;
+pub use lock::StateDirLock;
+pub use manifest::Manifest;
+pub use segment::SegmentMeta;
+pub use store::{MaintainReport, RecoveryReport, TornTail, UsageStore};
+pub use verify::{verify, FileKind, FileReport, FileStatus, VerifyReport};
+
+use crate::classify::SeenKey;
+use crate::event::UsageEvent;
+
+/// What gets persisted for one accepted, published event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredEvent {
+    pub key: SeenKey,
+    pub event: UsageEvent,
+}
+
+/// When the WAL is fsynced. See the module doc for the loss window.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FsyncPolicy {
+    /// fsync every `append` before it returns (group commit).
+    Always,
+    /// fsync at most once per interval.
+    Interval(Duration),
+}
+
+impl std::str::FromStr for FsyncPolicy {
+    type Err = StorageError;
+
+    /// Parses `always` or `interval:<ms>` (milliseconds, > 0).
+    fn from_str(s: &str) -> Result<FsyncPolicy, StorageError> {
+        let bad = |detail: String| StorageError::InvalidOption { key: "fsync", detail };
+        if s == "always" {
+            return Ok(FsyncPolicy::Always);
+        }
+        let ms =
+            s.strip_prefix("interval:").ok_or_else(|| bad(format!("{s:?}: expected `always` or `interval:<ms>`")))?;
+        match ms.parse::<u64>() {
+            Ok(0) => Err(bad("interval must be at least 1 ms".into())),
+            Ok(ms) => Ok(FsyncPolicy::Interval(Duration::from_millis(ms))),
+            Err(_) => Err(bad(format!("{ms:?} is not a whole number of milliseconds"))),
+        }
+    }
+}
+
+impl std::fmt::Display for FsyncPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FsyncPolicy::Always => f.write_str("always"),
+            FsyncPolicy::Interval(d) => write!(f, "interval:{}", d.as_millis()),
+        }
+    }
+}
+
+const DAY_MS: i64 = 24 * 60 * 60 * 1000;
+
+/// Tuning of the store. `Default` gives the documented defaults.
+#[derive(Clone, Debug)]
+pub struct StoreOptions {
+    /// Default `Always`.
+    pub fsync: FsyncPolicy,
+    /// The active WAL file is sealed and a new one started past this size. Default 64 MiB.
+    pub wal_rotate_bytes: u64,
+    /// The memtable is flushed to a segment at this many events. Default 262,144.
+    pub memtable_max_events: usize,
+    /// Data whose `first_seen_ms` is older than this is dropped by compaction. Default 35 days.
+    pub retention_ms: i64,
+    /// Window of keys `recovery_hot_keys` returns. Default 7 days.
+    pub hot_ttl_ms: i64,
+    /// Most keys `recovery_hot_keys` returns per partition (newest kept). Default 1,000,000.
+    pub hot_capacity: usize,
+    /// Segments with fewer rows than this are "small" and merge. Default 1,048,576.
+    pub compaction_target_rows: u64,
+    /// Merge when at least this many small segments exist. Default 4.
+    pub compaction_min_segments: usize,
+    /// A merge writes at most this many input rows. Default 4,194,304.
+    pub compaction_max_rows: u64,
+    /// Test seam: the failpoint name at which the store fails and poisons
+    /// itself (see [`failpoint`]). `None` in production.
+    pub crash_at: Option<String>,
+}
+
+impl Default for StoreOptions {
+    fn default() -> StoreOptions {
+        StoreOptions {
+            fsync: FsyncPolicy::Always,
+            wal_rotate_bytes: 64 << 20,
+            memtable_max_events: 262_144,
+            retention_ms: 35 * DAY_MS,
+            hot_ttl_ms: 7 * DAY_MS,
+            hot_capacity: 1_000_000,
+            compaction_target_rows: 1 << 20,
+            compaction_min_segments: 4,
+            compaction_max_rows: 4 << 20,
+            crash_at: None,
+        }
+    }
+}
+
+/// Which path rebuilt a segment's keys on recovery (`dedupd_recovery_segments_total{path}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RecoveryPath {
+    Sidecar,
+    Fallback,
+}
+
+impl RecoveryPath {
+    /// The metric label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecoveryPath::Sidecar => "sidecar",
+            RecoveryPath::Fallback => "fallback",
+        }
+    }
+}
+
+/// Callbacks for metrics, so storage never depends on the metrics layer.
+pub trait StorageObserver: Send + Sync {
+    fn wal_fsync(&self, _took: Duration) {}
+    fn recovery_segment(&self, _path: RecoveryPath) {}
+}
+
+/// An observer that ignores everything.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoopObserver;
+
+impl StorageObserver for NoopObserver {}

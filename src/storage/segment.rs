@@ -1,0 +1,472 @@
+//! Immutable columnar segments: what the memtable flushes to and compaction
+//! rewrites.
+//!
+//! ```text
+//! segments/<id:020>.seg  (little-endian)
+//!   header   8 bytes: magic b"DSEG", version u16 = 1, reserved u16 = 0
+//!   blocks   one per column, zstd-compressed, back to back
+//!   footer   row_count u64, min_first_seen_ms i64, max_first_seen_ms i64,
+//!            column_count u16, then per column 22 bytes:
+//!              column id u8, encoding u8, offset u64 (from file start),
+//!              stored_len u32, raw_len u32, crc32c u32 (of the stored bytes)
+//!   trailer  12 bytes: footer_len u32, footer crc32c u32, magic b"DSEG"
+//!
+//! encodings (before zstd):
+//!   0 fixed(w)  w bytes per row
+//!   1 delta     per row zigzag(value - previous) as varint, previous starts at 0
+//!   2 bytes     per value varint(len) + bytes; optional columns use
+//!               varint(len + 1), 0 meaning absent
+//!   3 varint    per row an unsigned varint
+//!
+//! columns (id encoding name)
+//!   0 delta out_partition   1 delta out_offset    2 delta src_partition
+//!   3 delta src_offset      4 delta first_seen_ms 5 fixed(16) id_hash
+//!   6 fixed(16) payload_hash 7 delta timestamp_ms 8 fixed(16) quantity
+//!   9 fixed(1) kind code | event_id_derived << 4
+//!   10..13 bytes event_id, tenant_id, customer_id, meter
+//!   14..18 bytes(opt) resource_id, unit, source, corr_original_id, corr_reason
+//!   19 varint dimension count   20 bytes dim keys   21 bytes dim values
+//! ```
+//!
+//! Rows keep append order (ingest order), so `first_seen_ms` and offsets are
+//! nearly monotonic and delta-encode to a byte or two. Every column block and
+//! the footer carry their own CRC32C: `verify` checks them all; readers check
+//! the footer and each column they decompress.
+
+use std::path::{Path, PathBuf};
+
+use rust_decimal::Decimal;
+
+use super::codec::{
+    correction_ref, kind_from_code, put_opt_str, put_str, put_varint, unzigzag, zigzag, DecodeError, Reader,
+};
+use super::error::IoContext;
+use super::{StorageError, StoredEvent};
+use crate::classify::SeenKey;
+use crate::event::{EventKind, IdHash, PayloadHash, Position, UsageEvent};
+
+pub const MAGIC: [u8; 4] = *b"DSEG";
+pub const VERSION: u16 = 1;
+const HEADER_LEN: usize = 8;
+const TRAILER_LEN: usize = 12;
+const COLUMN_ENTRY_LEN: usize = 22;
+const ZSTD_LEVEL: i32 = 3;
+
+const ENC_FIXED: u8 = 0;
+const ENC_DELTA: u8 = 1;
+const ENC_BYTES: u8 = 2;
+const ENC_VARINT: u8 = 3;
+
+/// Column ids, in file order.
+mod col {
+    pub const OUT_PARTITION: u8 = 0;
+    pub const OUT_OFFSET: u8 = 1;
+    pub const SRC_PARTITION: u8 = 2;
+    pub const SRC_OFFSET: u8 = 3;
+    pub const FIRST_SEEN: u8 = 4;
+    pub const ID_HASH: u8 = 5;
+    pub const PAYLOAD_HASH: u8 = 6;
+    pub const TIMESTAMP: u8 = 7;
+    pub const QUANTITY: u8 = 8;
+    pub const KIND_FLAGS: u8 = 9;
+    pub const EVENT_ID: u8 = 10;
+    pub const TENANT_ID: u8 = 11;
+    pub const CUSTOMER_ID: u8 = 12;
+    pub const METER: u8 = 13;
+    pub const RESOURCE_ID: u8 = 14;
+    pub const UNIT: u8 = 15;
+    pub const SOURCE: u8 = 16;
+    pub const CORR_ORIGINAL: u8 = 17;
+    pub const CORR_REASON: u8 = 18;
+    pub const DIM_COUNT: u8 = 19;
+    pub const DIM_KEY: u8 = 20;
+    pub const DIM_VALUE: u8 = 21;
+    pub const COUNT: usize = 22;
+}
+
+const ENCODINGS: [u8; col::COUNT] = [
+    ENC_DELTA, ENC_DELTA, ENC_DELTA, ENC_DELTA, ENC_DELTA, ENC_FIXED, ENC_FIXED, ENC_DELTA, ENC_FIXED, ENC_FIXED,
+    ENC_BYTES, ENC_BYTES, ENC_BYTES, ENC_BYTES, ENC_BYTES, ENC_BYTES, ENC_BYTES, ENC_BYTES, ENC_BYTES, ENC_VARINT,
+    ENC_BYTES, ENC_BYTES,
+];
+
+pub(crate) fn segment_path(dir: &Path, id: u64) -> PathBuf {
+    dir.join(format!("{id:020}.seg"))
+}
+
+/// Summary of a segment, recorded in the manifest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SegmentMeta {
+    pub id: u64,
+    pub rows: u64,
+    pub min_first_seen_ms: i64,
+    pub max_first_seen_ms: i64,
+}
+
+struct DeltaCol {
+    out: Vec<u8>,
+    prev: i64,
+}
+
+impl DeltaCol {
+    fn new() -> DeltaCol {
+        DeltaCol { out: Vec::new(), prev: 0 }
+    }
+    fn push(&mut self, v: i64) {
+        put_varint(&mut self.out, zigzag(v.wrapping_sub(self.prev)));
+        self.prev = v;
+    }
+}
+
+/// Encodes `rows` into a complete segment file image.
+pub(crate) fn encode(id: u64, rows: &[&StoredEvent]) -> Result<(Vec<u8>, SegmentMeta), StorageError> {
+    let mut deltas: [DeltaCol; 6] = std::array::from_fn(|_| DeltaCol::new());
+    let mut cols: Vec<Vec<u8>> = vec![Vec::new(); col::COUNT];
+    let (mut min_fs, mut max_fs) = (i64::MAX, i64::MIN);
+    for e in rows {
+        let (k, ev) = (&e.key, &e.event);
+        deltas[0].push(i64::from(k.output.partition));
+        deltas[1].push(k.output.offset);
+        deltas[2].push(i64::from(k.source.partition));
+        deltas[3].push(k.source.offset);
+        deltas[4].push(k.first_seen_ms);
+        deltas[5].push(ev.timestamp_ms);
+        min_fs = min_fs.min(k.first_seen_ms);
+        max_fs = max_fs.max(k.first_seen_ms);
+        cols[col::ID_HASH as usize].extend_from_slice(&k.id_hash.0);
+        cols[col::PAYLOAD_HASH as usize].extend_from_slice(&k.payload_hash.0);
+        cols[col::QUANTITY as usize].extend_from_slice(&ev.quantity.serialize());
+        cols[col::KIND_FLAGS as usize].push(ev.kind.code() | (u8::from(ev.event_id_derived) << 4));
+        put_str(&mut cols[col::EVENT_ID as usize], &ev.event_id);
+        put_str(&mut cols[col::TENANT_ID as usize], &ev.tenant_id);
+        put_str(&mut cols[col::CUSTOMER_ID as usize], &ev.customer_id);
+        put_str(&mut cols[col::METER as usize], &ev.meter);
+        put_opt_str(&mut cols[col::RESOURCE_ID as usize], ev.resource_id.as_deref());
+        put_opt_str(&mut cols[col::UNIT as usize], ev.unit.as_deref());
+        put_opt_str(&mut cols[col::SOURCE as usize], ev.source.as_deref());
+        let corr = ev.correction_ref.as_ref();
+        put_opt_str(&mut cols[col::CORR_ORIGINAL as usize], corr.map(|c| c.original_event_id.as_str()));
+        put_opt_str(&mut cols[col::CORR_REASON as usize], corr.and_then(|c| c.reason.as_deref()));
+        put_varint(&mut cols[col::DIM_COUNT as usize], ev.dimensions.len() as u64);
+        for (key, value) in &ev.dimensions {
+            put_str(&mut cols[col::DIM_KEY as usize], key);
+            put_str(&mut cols[col::DIM_VALUE as usize], value);
+        }
+    }
+    let delta_ids =
+        [col::OUT_PARTITION, col::OUT_OFFSET, col::SRC_PARTITION, col::SRC_OFFSET, col::FIRST_SEEN, col::TIMESTAMP];
+    for (d, id) in deltas.into_iter().zip(delta_ids) {
+        cols[id as usize] = d.out;
+    }
+    if rows.is_empty() {
+        (min_fs, max_fs) = (0, 0);
+    }
+
+    let mut file = Vec::with_capacity(rows.len() * 64);
+    file.extend_from_slice(&MAGIC);
+    file.extend_from_slice(&VERSION.to_le_bytes());
+    file.extend_from_slice(&0u16.to_le_bytes());
+    let mut footer = Vec::with_capacity(26 + col::COUNT * COLUMN_ENTRY_LEN);
+    footer.extend_from_slice(&(rows.len() as u64).to_le_bytes());
+    footer.extend_from_slice(&min_fs.to_le_bytes());
+    footer.extend_from_slice(&max_fs.to_le_bytes());
+    footer.extend_from_slice(&(col::COUNT as u16).to_le_bytes());
+    for (id, raw) in cols.iter().enumerate() {
+        let stored = zstd::bulk::compress(raw, ZSTD_LEVEL).map_err(|e| StorageError::io("<zstd>", e))?;
+        footer.push(id as u8);
+        footer.push(ENCODINGS[id]);
+        footer.extend_from_slice(&(file.len() as u64).to_le_bytes());
+        footer.extend_from_slice(&(stored.len() as u32).to_le_bytes());
+        footer.extend_from_slice(&(raw.len() as u32).to_le_bytes());
+        footer.extend_from_slice(&crc32c::crc32c(&stored).to_le_bytes());
+        file.extend_from_slice(&stored);
+    }
+    let footer_crc = crc32c::crc32c(&footer);
+    file.extend_from_slice(&footer);
+    file.extend_from_slice(&(footer.len() as u32).to_le_bytes());
+    file.extend_from_slice(&footer_crc.to_le_bytes());
+    file.extend_from_slice(&MAGIC);
+    Ok((file, SegmentMeta { id, rows: rows.len() as u64, min_first_seen_ms: min_fs, max_first_seen_ms: max_fs }))
+}
+
+#[derive(Clone, Copy, Debug)]
+struct ColumnEntry {
+    encoding: u8,
+    offset: u64,
+    stored_len: u32,
+    raw_len: u32,
+    crc: u32,
+}
+
+/// An opened segment: the file image with a verified footer.
+pub(crate) struct SegmentFile {
+    path: PathBuf,
+    bytes: Vec<u8>,
+    rows: usize,
+    columns: Vec<ColumnEntry>,
+}
+
+impl SegmentFile {
+    /// Reads `path` and checks header, trailer and footer checksum.
+    pub(crate) fn open(path: &Path) -> Result<SegmentFile, StorageError> {
+        let bytes = std::fs::read(path).at(path)?;
+        let corrupt = |offset: usize, detail: String| StorageError::corrupt(path, offset as u64, detail);
+        if bytes.len() < HEADER_LEN + TRAILER_LEN {
+            return Err(corrupt(0, format!("{} bytes, too short for a segment", bytes.len())));
+        }
+        if bytes[0..4] != MAGIC {
+            return Err(corrupt(0, "bad header magic".into()));
+        }
+        let version = u16::from_le_bytes([bytes[4], bytes[5]]);
+        if version != VERSION {
+            return Err(StorageError::UnsupportedVersion {
+                file: path.into(),
+                what: "segment",
+                found: version,
+                supported: VERSION,
+            });
+        }
+        let t = bytes.len() - TRAILER_LEN;
+        let footer_len = u32::from_le_bytes([bytes[t], bytes[t + 1], bytes[t + 2], bytes[t + 3]]);
+        let footer_crc = u32::from_le_bytes([bytes[t + 4], bytes[t + 5], bytes[t + 6], bytes[t + 7]]);
+        if bytes[t + 8..] != MAGIC {
+            return Err(corrupt(t + 8, "bad trailer magic".into()));
+        }
+        let footer_len = footer_len as usize;
+        if footer_len > t - HEADER_LEN {
+            return Err(corrupt(t, format!("footer length {footer_len} exceeds the file")));
+        }
+        let f = t - footer_len;
+        let footer = &bytes[f..t];
+        let got = crc32c::crc32c(footer);
+        if got != footer_crc {
+            return Err(StorageError::ChecksumMismatch {
+                file: path.into(),
+                offset: f as u64,
+                expected: footer_crc,
+                got,
+            });
+        }
+        let parse = |r: &mut Reader<'_>| -> Result<(u64, i64, i64, Vec<ColumnEntry>), DecodeError> {
+            let rows = r.u64()?;
+            let min = r.i64()?;
+            let max = r.i64()?;
+            let n = r.u16()? as usize;
+            let mut columns = Vec::with_capacity(n);
+            for i in 0..n {
+                let id = r.u8()?;
+                if id as usize != i {
+                    return Err(DecodeError(format!("column {i} has id {id}")));
+                }
+                columns.push(ColumnEntry {
+                    encoding: r.u8()?,
+                    offset: r.u64()?,
+                    stored_len: r.u32()?,
+                    raw_len: r.u32()?,
+                    crc: r.u32()?,
+                });
+            }
+            Ok((rows, min, max, columns))
+        };
+        let (rows, _min_first_seen_ms, _max_first_seen_ms, columns) =
+            parse(&mut Reader::new(footer)).map_err(|e| corrupt(f, format!("footer: {}", e.0)))?;
+        if columns.len() != col::COUNT {
+            return Err(corrupt(f, format!("{} columns, expected {}", columns.len(), col::COUNT)));
+        }
+        for (i, c) in columns.iter().enumerate() {
+            let end = c.offset.checked_add(u64::from(c.stored_len));
+            if c.encoding != ENCODINGS[i] || c.offset < HEADER_LEN as u64 || end.is_none_or(|e| e > f as u64) {
+                return Err(corrupt(f, format!("column {i} entry out of bounds or with unknown encoding")));
+            }
+        }
+        let rows = usize::try_from(rows).map_err(|_| corrupt(f, "row count overflow".into()))?;
+        Ok(SegmentFile { path: path.into(), bytes, rows, columns })
+    }
+
+    pub(crate) fn len_bytes(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Checksums and decompresses one column.
+    fn column(&self, id: u8) -> Result<Vec<u8>, StorageError> {
+        let c = self.columns[id as usize];
+        let start = c.offset as usize;
+        let stored = &self.bytes[start..start + c.stored_len as usize];
+        let got = crc32c::crc32c(stored);
+        if got != c.crc {
+            return Err(StorageError::ChecksumMismatch {
+                file: self.path.clone(),
+                offset: c.offset,
+                expected: c.crc,
+                got,
+            });
+        }
+        let raw = zstd::bulk::decompress(stored, c.raw_len as usize).map_err(|e| {
+            StorageError::corrupt(&self.path, c.offset, format!("column {id} does not decompress: {e}"))
+        })?;
+        if raw.len() != c.raw_len as usize {
+            return Err(StorageError::corrupt(&self.path, c.offset, format!("column {id} length differs from footer")));
+        }
+        Ok(raw)
+    }
+
+    fn err(&self, id: u8, e: DecodeError) -> StorageError {
+        StorageError::corrupt(&self.path, self.columns[id as usize].offset, format!("column {id}: {}", e.0))
+    }
+
+    fn deltas(&self, id: u8) -> Result<Vec<i64>, StorageError> {
+        let raw = self.column(id)?;
+        let mut r = Reader::new(&raw);
+        let mut out = Vec::with_capacity(self.rows);
+        let mut prev = 0i64;
+        for _ in 0..self.rows {
+            prev = prev.wrapping_add(unzigzag(r.varint().map_err(|e| self.err(id, e))?));
+            out.push(prev);
+        }
+        self.finished(id, &r)?;
+        Ok(out)
+    }
+
+    fn fixed<const N: usize>(&self, id: u8) -> Result<Vec<[u8; N]>, StorageError> {
+        let raw = self.column(id)?;
+        if raw.len() != self.rows * N {
+            return Err(self.err(id, DecodeError(format!("{} bytes for {} rows of {N}", raw.len(), self.rows))));
+        }
+        Ok(raw
+            .chunks_exact(N)
+            .map(|c| {
+                let mut a = [0u8; N];
+                a.copy_from_slice(c);
+                a
+            })
+            .collect())
+    }
+
+    fn strings(&self, id: u8, n: usize) -> Result<Vec<String>, StorageError> {
+        let raw = self.column(id)?;
+        let mut r = Reader::new(&raw);
+        let out = (0..n).map(|_| r.str()).collect::<Result<Vec<_>, _>>().map_err(|e| self.err(id, e))?;
+        self.finished(id, &r)?;
+        Ok(out)
+    }
+
+    fn opt_strings(&self, id: u8) -> Result<Vec<Option<String>>, StorageError> {
+        let raw = self.column(id)?;
+        let mut r = Reader::new(&raw);
+        let out = (0..self.rows).map(|_| r.opt_str()).collect::<Result<Vec<_>, _>>().map_err(|e| self.err(id, e))?;
+        self.finished(id, &r)?;
+        Ok(out)
+    }
+
+    fn finished(&self, id: u8, r: &Reader<'_>) -> Result<(), StorageError> {
+        if r.is_empty() {
+            Ok(())
+        } else {
+            Err(self.err(id, DecodeError(format!("trailing bytes at {}", r.position()))))
+        }
+    }
+
+    /// The keys of every row, decoding only the key columns (the fallback
+    /// when a sidecar is missing or corrupt).
+    pub(crate) fn read_keys(&self) -> Result<Vec<SeenKey>, StorageError> {
+        let out_p = self.deltas(col::OUT_PARTITION)?;
+        let out_o = self.deltas(col::OUT_OFFSET)?;
+        let src_p = self.deltas(col::SRC_PARTITION)?;
+        let src_o = self.deltas(col::SRC_OFFSET)?;
+        let first_seen = self.deltas(col::FIRST_SEEN)?;
+        let ids = self.fixed::<16>(col::ID_HASH)?;
+        let payloads = self.fixed::<16>(col::PAYLOAD_HASH)?;
+        Ok((0..self.rows)
+            .map(|i| SeenKey {
+                id_hash: IdHash(ids[i]),
+                payload_hash: PayloadHash(payloads[i]),
+                first_seen_ms: first_seen[i],
+                source: Position::new(src_p[i] as i32, src_o[i]),
+                output: Position::new(out_p[i] as i32, out_o[i]),
+            })
+            .collect())
+    }
+
+    /// Every row, fully decoded, in file order.
+    pub(crate) fn read_all(&self) -> Result<Vec<StoredEvent>, StorageError> {
+        let keys = self.read_keys()?;
+        let timestamps = self.deltas(col::TIMESTAMP)?;
+        let quantities = self.fixed::<16>(col::QUANTITY)?;
+        let kind_flags = self.fixed::<1>(col::KIND_FLAGS)?;
+        let event_ids = self.strings(col::EVENT_ID, self.rows)?;
+        let tenants = self.strings(col::TENANT_ID, self.rows)?;
+        let customers = self.strings(col::CUSTOMER_ID, self.rows)?;
+        let meters = self.strings(col::METER, self.rows)?;
+        let resources = self.opt_strings(col::RESOURCE_ID)?;
+        let units = self.opt_strings(col::UNIT)?;
+        let sources = self.opt_strings(col::SOURCE)?;
+        let corr_originals = self.opt_strings(col::CORR_ORIGINAL)?;
+        let corr_reasons = self.opt_strings(col::CORR_REASON)?;
+        let dim_counts = {
+            let raw = self.column(col::DIM_COUNT)?;
+            let mut r = Reader::new(&raw);
+            let v = (0..self.rows)
+                .map(|_| r.varint())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| self.err(col::DIM_COUNT, e))?;
+            self.finished(col::DIM_COUNT, &r)?;
+            v
+        };
+        let total_dims = dim_counts.iter().try_fold(0usize, |acc, &n| acc.checked_add(n as usize));
+        let total_dims =
+            total_dims.ok_or_else(|| self.err(col::DIM_COUNT, DecodeError("dimension count overflow".into())))?;
+        let mut dim_keys = self.strings(col::DIM_KEY, total_dims)?.into_iter();
+        let mut dim_values = self.strings(col::DIM_VALUE, total_dims)?.into_iter();
+
+        let mut out = Vec::with_capacity(self.rows);
+        let mut it =
+            (keys.into_iter(), event_ids.into_iter(), tenants.into_iter(), customers.into_iter(), meters.into_iter());
+        let mut opts = (
+            resources.into_iter(),
+            units.into_iter(),
+            sources.into_iter(),
+            corr_originals.into_iter(),
+            corr_reasons.into_iter(),
+        );
+        for i in 0..self.rows {
+            let (Some(key), Some(event_id), Some(tenant_id), Some(customer_id), Some(meter)) =
+                (it.0.next(), it.1.next(), it.2.next(), it.3.next(), it.4.next())
+            else {
+                return Err(self.err(col::EVENT_ID, DecodeError("column shorter than row count".into())));
+            };
+            let (Some(resource_id), Some(unit), Some(source), Some(corr_original), Some(corr_reason)) =
+                (opts.0.next(), opts.1.next(), opts.2.next(), opts.3.next(), opts.4.next())
+            else {
+                return Err(self.err(col::RESOURCE_ID, DecodeError("column shorter than row count".into())));
+            };
+            let kf = kind_flags[i][0];
+            let kind: EventKind = kind_from_code(kf & 0x0f).map_err(|e| self.err(col::KIND_FLAGS, e))?;
+            let mut dimensions = Vec::with_capacity(dim_counts[i] as usize);
+            for _ in 0..dim_counts[i] {
+                match (dim_keys.next(), dim_values.next()) {
+                    (Some(k), Some(v)) => dimensions.push((k, v)),
+                    _ => return Err(self.err(col::DIM_KEY, DecodeError("fewer dimensions than counted".into()))),
+                }
+            }
+            out.push(StoredEvent {
+                key,
+                event: UsageEvent {
+                    event_id,
+                    event_id_derived: kf & 0x10 != 0,
+                    tenant_id,
+                    customer_id,
+                    meter,
+                    quantity: Decimal::deserialize(quantities[i]),
+                    timestamp_ms: timestamps[i],
+                    kind,
+                    correction_ref: correction_ref(corr_original, corr_reason),
+                    resource_id,
+                    unit,
+                    source,
+                    dimensions,
+                },
+            });
+        }
+        Ok(out)
+    }
+}

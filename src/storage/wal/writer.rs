@@ -1,0 +1,131 @@
+//! Appending to the WAL: group commit and the fsync policy.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use super::frame::{write_frame, MAX_PAYLOAD};
+use crate::storage::codec::encode_event;
+use crate::storage::error::IoContext;
+use crate::storage::{failpoint, fsutil, FsyncPolicy, StorageError, StorageObserver, StoredEvent};
+
+/// The active (unsealed) WAL file.
+///
+/// Invariant: bytes `0..synced_len` of the file are durable; `synced_len..len`
+/// were written but may be lost on power failure (only possible with
+/// [`FsyncPolicy::Interval`]).
+pub(crate) struct WalWriter {
+    seq: u64,
+    path: PathBuf,
+    file: File,
+    len: u64,
+    synced_len: u64,
+    last_sync: Instant,
+    frame_buf: Vec<u8>,
+    payload_buf: Vec<u8>,
+}
+
+impl WalWriter {
+    /// Creates WAL file `seq` in `dir` (which must not exist yet) and makes
+    /// its directory entry durable: without the directory fsync an fsynced
+    /// frame could vanish together with its file after a power loss.
+    pub(crate) fn create(dir: &Path, seq: u64) -> Result<WalWriter, StorageError> {
+        let path = super::wal_path(dir, seq);
+        let file = OpenOptions::new().append(true).create_new(true).open(&path).at(&path)?;
+        fsutil::fsync_dir(dir)?;
+        Ok(WalWriter {
+            seq,
+            path,
+            file,
+            len: 0,
+            synced_len: 0,
+            last_sync: Instant::now(),
+            frame_buf: Vec::new(),
+            payload_buf: Vec::new(),
+        })
+    }
+
+    pub(crate) fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub(crate) fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub(crate) fn synced_len(&self) -> u64 {
+        self.synced_len
+    }
+
+    /// Writes `events` as one frame (more if over [`MAX_PAYLOAD`]) with a
+    /// single `write`, then applies the fsync policy: one fsync per call with
+    /// `Always` (group commit), at most one per interval otherwise.
+    pub(crate) fn append(
+        &mut self,
+        events: &[&StoredEvent],
+        policy: &FsyncPolicy,
+        observer: &dyn StorageObserver,
+        crash_at: Option<&str>,
+    ) -> Result<(), StorageError> {
+        self.frame_buf.clear();
+        let mut i = 0;
+        while i < events.len() {
+            self.payload_buf.clear();
+            self.payload_buf.extend_from_slice(&0u32.to_le_bytes());
+            let mut count = 0u32;
+            while i < events.len() && (count == 0 || self.payload_buf.len() < MAX_PAYLOAD / 2) {
+                encode_event(events[i], &mut self.payload_buf);
+                count += 1;
+                i += 1;
+            }
+            self.payload_buf[0..4].copy_from_slice(&count.to_le_bytes());
+            write_frame(&mut self.frame_buf, &self.payload_buf);
+        }
+        self.file.write_all(&self.frame_buf).at(&self.path)?;
+        self.len += self.frame_buf.len() as u64;
+        failpoint::check("wal_after_write", crash_at)?;
+        let due = match policy {
+            FsyncPolicy::Always => true,
+            FsyncPolicy::Interval(every) => self.last_sync.elapsed() >= *every,
+        };
+        if due {
+            self.sync(observer)?;
+            failpoint::check("wal_after_fsync", crash_at)?;
+        }
+        Ok(())
+    }
+
+    /// Makes everything written so far durable. An error here must poison the
+    /// caller: after a failed fsync the kernel may have dropped the dirty pages
+    /// and marked them clean, so a retry could "succeed" over lost data.
+    pub(crate) fn sync(&mut self, observer: &dyn StorageObserver) -> Result<(), StorageError> {
+        if self.synced_len == self.len {
+            self.last_sync = Instant::now();
+            return Ok(());
+        }
+        let started = Instant::now();
+        self.file.sync_data().at(&self.path)?;
+        observer.wal_fsync(started.elapsed());
+        self.synced_len = self.len;
+        self.last_sync = Instant::now();
+        Ok(())
+    }
+
+    /// True when an interval policy's deadline has passed with unsynced bytes.
+    pub(crate) fn sync_due(&self, policy: &FsyncPolicy) -> bool {
+        match policy {
+            FsyncPolicy::Always => self.synced_len < self.len,
+            FsyncPolicy::Interval(every) => self.synced_len < self.len && self.last_sync.elapsed() >= *every,
+        }
+    }
+
+    /// Bytes written but not yet fsynced.
+    pub(crate) fn unsynced_bytes(&self) -> u64 {
+        self.len - self.synced_len
+    }
+}

@@ -1,0 +1,228 @@
+//! `dedupd dedupe` as a user runs it: the real binary, real files, real pipes.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+fn dedupd() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_dedupd"));
+    c.env("DEDUPD_LOG", "warn");
+    c
+}
+
+fn last_line(s: &[u8]) -> serde_json::Value {
+    let text = String::from_utf8_lossy(s);
+    let line = text.lines().last().unwrap_or_else(|| panic!("no stderr: {text}"));
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("last stderr line {line:?} is not JSON: {e}"))
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_millis() as i64
+}
+
+fn event(id: &str, quantity: &str) -> String {
+    format!(
+        r#"{{"event_id":"{id}","tenant_id":"acme","customer_id":"cus_1","meter":"api_calls","quantity":{quantity},"timestamp":{}}}"#,
+        now_ms() - 60_000
+    )
+}
+
+/// Runs the child to completion and returns its output and peak RSS in KiB.
+fn run_measured(mut cmd: Command) -> (std::process::Output, i64) {
+    let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn dedupd");
+    let pid = child.id() as libc::pid_t;
+    let out = child.wait_with_output().expect("wait");
+    // wait_with_output reaped the child; its rusage went to RUSAGE_CHILDREN,
+    // which holds the largest peak of any child so far.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage) };
+    let _ = pid;
+    (out, usage.ru_maxrss)
+}
+
+#[test]
+fn hostile_input_lands_in_the_rejected_bucket_and_memory_stays_bounded() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let input = dir.path().join("hostile.ndjson");
+    let mut f = std::fs::File::create(&input).expect("create");
+    let mut lines: Vec<Vec<u8>> = vec![
+        event("ok_1", "\"1.5\"").into_bytes(),
+        b"\x00\x01\x02garbage\x7f".to_vec(),
+        b"\xff\xfe\xfd not utf-8".to_vec(),
+        b"".to_vec(),
+        b"   ".to_vec(),
+        br#"{"event_id":"x","tenant_id":"acme","customer_id":"#.to_vec(),
+        // Deeply nested, but under the size limit: the parser's depth limit answers.
+        format!("{}{}", "[".repeat(20_000), "]".repeat(20_000)).into_bytes(),
+        format!("{}1{}", "{\"a\":".repeat(5_000), "}".repeat(5_000)).into_bytes(),
+    ];
+    // A 10 MB single line, and a 200 MB one that must never be held whole.
+    lines.push(format!(r#"{{"event_id":"big","unit":"{}"}}"#, "u".repeat(10 * 1024 * 1024)).into_bytes());
+    for l in &lines {
+        f.write_all(l).expect("write");
+        f.write_all(b"\n").expect("write");
+    }
+    let chunk = vec![b'z'; 1 << 20];
+    for _ in 0..200 {
+        f.write_all(&chunk).expect("write");
+    }
+    f.write_all(b"\n").expect("write");
+    f.write_all(event("ok_2", "2").as_bytes()).expect("write");
+    f.write_all(b"\n").expect("write");
+    drop(f);
+
+    let rejected = dir.path().join("rejected.ndjson");
+    let output = dir.path().join("out.ndjson");
+    let mut cmd = dedupd();
+    cmd.args(["dedupe", "--input"]).arg(&input).arg("--output").arg(&output).arg("--rejected").arg(&rejected);
+    let (out, max_rss_kib) = run_measured(cmd);
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let summary = last_line(&out.stderr);
+    assert_eq!(summary, serde_json::json!({"accepted": 2, "duplicates": 0, "conflicts": 0, "rejected": 9}));
+
+    let reasons: Vec<String> = std::fs::read_to_string(&rejected)
+        .expect("rejected file")
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("report lines are JSON");
+            assert!(v["detail"].as_str().is_some_and(|d| !d.is_empty()), "{l:.200}");
+            assert!(v.get("raw").is_some() || v.get("raw_base64").is_some(), "{l:.200}");
+            v["reason"].as_str().expect("reason").to_owned()
+        })
+        .collect();
+    assert_eq!(
+        reasons,
+        [
+            "malformed_json",
+            "malformed_json",
+            "malformed_json",
+            "malformed_json",
+            "malformed_json",
+            "malformed_json",
+            "malformed_json",
+            "record_too_large",
+            "record_too_large"
+        ]
+        .map(String::from)
+        .to_vec()
+    );
+    // The 200 MB line was never buffered: the whole run stays far below it.
+    assert!(max_rss_kib < 96 * 1024, "peak RSS {max_rss_kib} KiB");
+    assert_eq!(std::fs::read_to_string(&output).expect("output").lines().count(), 2);
+}
+
+#[test]
+fn stdin_to_stdout_with_the_summary_as_the_last_stderr_line() {
+    let input = [
+        event("a", "1.50"),
+        event("a", "\"1.5\""),
+        event("b", "1"),
+        event("a", "2"),
+        "nope".to_owned(),
+        event("b", "1e0"),
+    ]
+    .join("\n");
+    let mut child = dedupd()
+        .args(["dedupe", "--input", "-", "--output", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    child.stdin.take().expect("stdin").write_all(input.as_bytes()).expect("feed");
+    let out = child.wait_with_output().expect("wait");
+    assert!(out.status.success());
+    assert_eq!(
+        last_line(&out.stderr),
+        serde_json::json!({"accepted": 2, "duplicates": 2, "conflicts": 1, "rejected": 1})
+    );
+    let stdout = String::from_utf8(out.stdout).expect("utf-8");
+    let ids: Vec<String> = stdout
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).expect("json")["event_id"].as_str().expect("id").to_owned()
+        })
+        .collect();
+    assert_eq!(ids, ["a", "b"]);
+    assert!(stdout.contains(r#""quantity":"1.5""#), "canonical quantity: {stdout}");
+}
+
+#[test]
+fn conflicts_file_names_both_hashes_and_the_fields_that_differ() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let input = dir.path().join("in.ndjson");
+    std::fs::write(&input, format!("{}\n{}\n", event("c1", "1"), event("c1", "5"))).expect("write");
+    let conflicts = dir.path().join("conflicts.ndjson");
+    let out = dedupd()
+        .args(["dedupe", "--input"])
+        .arg(&input)
+        .args(["--output", "-", "--conflicts"])
+        .arg(&conflicts)
+        .output()
+        .expect("run");
+    assert!(out.status.success());
+    let text = std::fs::read_to_string(&conflicts).expect("conflicts file");
+    let v: serde_json::Value = serde_json::from_str(text.trim()).expect("one JSON line");
+    assert_eq!(v["reason"], "conflict");
+    assert_eq!(v["event_id"], "c1");
+    assert_eq!(v["line"], 2);
+    assert_eq!(v["first_line"], 1);
+    assert_eq!(v["differs"], serde_json::json!(["quantity"]));
+    assert_ne!(v["payload_hash"], v["first_payload_hash"]);
+    assert!(v["raw"].as_str().is_some_and(|r| r.contains("\"c1\"")));
+}
+
+#[test]
+fn bad_configuration_fails_before_any_io_and_names_the_key() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let output = dir.path().join("never-created.ndjson");
+    type Case<'a> = (Vec<&'a str>, Vec<(&'a str, &'a str)>, &'a str);
+    let cases: Vec<Case> = vec![
+        (vec!["--hot-ttl", "7 parsecs"], vec![], "hot_ttl"),
+        (vec![], vec![("DEDUPD_FSYNC", "sometimes")], "fsync"),
+        (vec!["--horizon", "1h"], vec![], "horizon"),
+        (vec!["--closed-period", "acme:2026-13"], vec![], "closed_periods"),
+    ];
+    for (args, env, key) in cases {
+        let out = dedupd()
+            .args(["dedupe", "--input", "/nonexistent/input", "--output"])
+            .arg(&output)
+            .args(&args)
+            .envs(env.iter().copied())
+            .output()
+            .expect("run");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(&format!("`{key}`")), "{args:?}: {stderr}");
+        assert!(!output.exists(), "{args:?} created the output before failing");
+    }
+    let config = dir.path().join("dedupd.toml");
+    std::fs::write(&config, "hot_ttl = \"1d\"\nhorizon_days = 3\n").expect("write");
+    let out = dedupd()
+        .args(["dedupe", "--input", "-", "--output"])
+        .arg(&output)
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .expect("run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("horizon_days"), "{stderr}");
+    assert!(!output.exists());
+}
+
+#[test]
+fn demo_prints_the_bucket_table_matching_what_it_generated() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dedupd()
+        .args(["demo", "--offline", "--events", "5000", "--work-dir"])
+        .arg(dir.path())
+        .output()
+        .expect("run demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    for bucket in ["accepted", "duplicate", "conflict", "rejected"] {
+        let row = stdout.lines().find(|l| l.starts_with(bucket)).unwrap_or_else(|| panic!("no {bucket} row: {stdout}"));
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(cols[1], cols[2], "{bucket}: got vs expected in {stdout}");
+    }
+}
