@@ -15,7 +15,7 @@
 mod kafka_common;
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use dedupd::kafka::demo::produce_traffic;
@@ -100,13 +100,48 @@ impl Drop for Tansu {
     }
 }
 
-/// Starts a worker process on `brokers`; its stderr goes to a file (a pipe
+/// A started worker process and its metrics address.
+struct Worker {
+    child: Child,
+    metrics: std::net::SocketAddr,
+}
+
+/// `GET path` on the worker's metrics endpoint: (status, body).
+fn http_get(addr: std::net::SocketAddr, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes()).ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    let status = buf.split(' ').nth(1)?.parse().ok()?;
+    Some((status, buf))
+}
+
+/// Waits until the worker answers 200 on `/readyz` (assigned and repaired).
+async fn wait_ready(w: &mut Worker, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = w.child.try_wait().expect("try_wait") {
+            panic!("worker exited with {status} before it was ready: {}", stderr_of(&mut w.child));
+        }
+        if matches!(http_get(w.metrics, "/readyz"), Some((200, _))) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "worker not ready within {timeout:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Starts a worker process on `brokers`; its output goes to a file (a pipe
 /// nobody drains could block it).
-fn spawn_worker(brokers: &str, group: &str, topics: &Topics, instance: &str) -> Child {
+fn spawn_worker(brokers: &str, group: &str, topics: &Topics, instance: &str) -> Worker {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
+    let metrics = std::net::SocketAddr::from(([127, 0, 0, 1], port));
     let exe = std::env::current_exe().expect("test binary");
     let log = std::env::temp_dir().join(format!("dedupd-child-{}-{group}-{instance}.log", std::process::id()));
     let log = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("child log");
-    Command::new(exe)
+    let child = Command::new(exe)
         .args(["child_worker_process_entry", "--exact", "--nocapture", "--ignored", "--test-threads=1"])
         .env("DEDUPD_CHILD_WORKER", "1")
         .env("DEDUPD_CHILD_BROKERS", brokers)
@@ -116,10 +151,13 @@ fn spawn_worker(brokers: &str, group: &str, topics: &Topics, instance: &str) -> 
             format!("{},{},{},{}", topics.input, topics.output, topics.conflicts, topics.rejected),
         )
         .env("DEDUPD_CHILD_INSTANCE", instance)
-        .stdout(Stdio::null())
+        .env("DEDUPD_CHILD_METRICS", metrics.to_string())
+        .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "dedupd=info".into()))
+        .stdout(log.try_clone().expect("child log"))
         .stderr(log)
         .spawn()
-        .expect("spawn worker process")
+        .expect("spawn worker process");
+    Worker { child, metrics }
 }
 
 fn signal(child: &Child, sig: i32) {
@@ -145,6 +183,7 @@ fn child_worker_process_entry() {
     let topics = Topics { input: t[0].clone(), output: t[1].clone(), conflicts: t[2].clone(), rejected: t[3].clone() };
     let mut s = settings(&var("DEDUPD_CHILD_BROKERS"), &var("DEDUPD_CHILD_GROUP"), &topics, DeliveryMode::AtLeastOnce);
     s.instance_id = Some(var("DEDUPD_CHILD_INSTANCE"));
+    s.metrics_addr = Some(var("DEDUPD_CHILD_METRICS").parse().expect("metrics addr"));
     s.batch.max_records = 2000;
     s.batch.max_wait = Duration::from_millis(20);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
@@ -195,7 +234,14 @@ async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_
     );
     let producer = traffic_producer(&brokers);
     let (p, input, records) = (producer.clone(), topics.input.clone(), s.records.clone());
-    let load = tokio::spawn(async move { produce_traffic(&p, &input, PARTITIONS, &records).await });
+    // Paced over the crash loop, so every worker life has input to chew on.
+    let load = tokio::spawn(async move {
+        for chunk in records.chunks(records.len().div_ceil(20)) {
+            produce_traffic(&p, &input, PARTITIONS, chunk).await?;
+            tokio::time::sleep(Duration::from_secs(4)).await;
+        }
+        Ok::<(), dedupd::kafka::KafkaError>(())
+    });
 
     let mut rng_state = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = move || {
@@ -206,29 +252,33 @@ async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_
     };
     let mut kills = 0;
     while kills < 10 {
-        let mut child = spawn_worker(&brokers, "crashloop", &topics, "w1");
-        let wait_ms = 1000 + next() % 4000;
+        let mut w = spawn_worker(&brokers, "crashloop", &topics, "w1");
+        // Kill only once it is consuming (assigned and repaired), at a random
+        // point of its processing.
+        wait_ready(&mut w, Duration::from_secs(90)).await;
+        let wait_ms = 200 + next() % 2500;
         tokio::time::sleep(Duration::from_millis(wait_ms)).await;
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            panic!("worker exited on its own with {status}: {}", stderr_of(&mut child));
+        if let Some(status) = w.child.try_wait().expect("try_wait") {
+            panic!("worker exited on its own with {status}: {}", stderr_of(&mut w.child));
         }
-        signal(&child, libc::SIGKILL);
-        let _ = child.wait();
+        signal(&w.child, libc::SIGKILL);
+        let _ = w.child.wait();
         kills += 1;
-        eprintln!("SIGKILL #{kills} after {wait_ms} ms");
+        eprintln!("SIGKILL #{kills} {wait_ms} ms after ready");
     }
     load.await.expect("join").expect("produce");
 
-    let mut child = spawn_worker(&brokers, "crashloop", &topics, "w1");
+    let mut w = spawn_worker(&brokers, "crashloop", &topics, "w1");
+    let child = &mut w.child;
     let deadline = Instant::now() + Duration::from_secs(400);
     while !all_input_done(&brokers, "crashloop", &topics.input) {
         assert!(Instant::now() < deadline, "final worker did not finish the input");
         if let Some(status) = child.try_wait().expect("try_wait") {
-            panic!("worker exited on its own with {status}: {}", stderr_of(&mut child));
+            panic!("worker exited on its own with {status}: {}", stderr_of(child));
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    signal(&child, libc::SIGTERM);
+    signal(child, libc::SIGTERM);
     let stop_deadline = Instant::now() + Duration::from_secs(60);
     let status = loop {
         if let Some(status) = child.try_wait().expect("try_wait") {
@@ -237,7 +287,7 @@ async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_
         assert!(Instant::now() < stop_deadline, "worker did not exit within 60 s of SIGTERM");
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    let err = stderr_of(&mut child);
+    let err = stderr_of(child);
     assert!(status.success(), "SIGTERM must end the worker with exit 0, got {status}: {err}");
 
     let output = read_topic(&brokers, &topics.output);
@@ -275,20 +325,22 @@ async fn survivor_takes_over_a_sigkilled_peers_partitions_and_output_stays_exact
     // survivor must repair them from the output topic before consuming.
     let mut a = spawn_worker(&brokers, "pair", &topics, "a");
     let mut b = spawn_worker(&brokers, "pair", &topics, "b");
-    tokio::time::sleep(Duration::from_secs(6)).await;
-    signal(&a, libc::SIGKILL);
-    let _ = a.wait();
+    wait_ready(&mut a, Duration::from_secs(90)).await;
+    wait_ready(&mut b, Duration::from_secs(90)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    signal(&a.child, libc::SIGKILL);
+    let _ = a.child.wait();
     load.await.expect("join").expect("produce");
     let deadline = Instant::now() + Duration::from_secs(300);
     while !all_input_done(&brokers, "pair", &topics.input) {
         assert!(Instant::now() < deadline, "survivor did not finish the input");
-        if let Some(status) = b.try_wait().expect("try_wait") {
-            panic!("survivor exited with {status}: {}", stderr_of(&mut b));
+        if let Some(status) = b.child.try_wait().expect("try_wait") {
+            panic!("survivor exited with {status}: {}", stderr_of(&mut b.child));
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    signal(&b, libc::SIGTERM);
-    let status = b.wait().expect("wait");
+    signal(&b.child, libc::SIGTERM);
+    let status = b.child.wait().expect("wait");
     assert!(status.success(), "survivor exit: {status}");
     let output = read_topic(&brokers, &topics.output);
     assert_exactly_once(&output, &s);

@@ -93,10 +93,10 @@ pub fn producer_config(settings: &RunSettings, transactional_id: Option<&str>) -
         .set("acks", "all")
         .set("linger.ms", "5")
         .set("compression.type", "zstd")
-        .set("message.timeout.ms", &settings.operation_timeout.as_millis().to_string());
+        .set("message.timeout.ms", settings.operation_timeout.as_millis().to_string());
     if let Some(id) = transactional_id {
         cfg.set("transactional.id", id)
-            .set("transaction.timeout.ms", &(settings.operation_timeout.as_millis() * 2).to_string());
+            .set("transaction.timeout.ms", (settings.operation_timeout.as_millis() * 2).to_string());
     }
     apply_properties(&mut cfg, &settings.kafka_properties, ClientKind::Producer);
     if settings.delivery == DeliveryMode::AtLeastOnce {

@@ -249,18 +249,43 @@ pub async fn produce_traffic(
         if let Some(v) = &r.value {
             fr = fr.payload(v.as_slice());
         }
-        let f = producer.send(fr, Duration::from_secs(30));
+        // send_result enqueues now (an async `send` would only enqueue when
+        // awaited, one record per linger interval).
+        let f = loop {
+            match producer.send_result(fr) {
+                Ok(f) => break f,
+                Err((
+                    rdkafka::error::KafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::QueueFull),
+                    back,
+                )) => {
+                    fr = back;
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                Err((e, _)) => return Err(KafkaError::Client { operation: "producing demo traffic", source: e }),
+            }
+        };
         pending.push(f);
-        if pending.len() >= 1000 {
+        if pending.len() >= 10_000 {
             for f in pending.drain(..) {
-                f.await.map_err(|(e, _)| KafkaError::Client { operation: "producing demo traffic", source: e })?;
+                await_delivery(f).await?;
             }
         }
     }
     for f in pending {
-        f.await.map_err(|(e, _)| KafkaError::Client { operation: "producing demo traffic", source: e })?;
+        await_delivery(f).await?;
     }
     Ok(())
+}
+
+async fn await_delivery(f: rdkafka::producer::DeliveryFuture) -> Result<(), KafkaError> {
+    match f.await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err((e, _))) => Err(KafkaError::Client { operation: "producing demo traffic", source: e }),
+        Err(_) => Err(KafkaError::Client {
+            operation: "producing demo traffic",
+            source: rdkafka::error::KafkaError::Canceled,
+        }),
+    }
 }
 
 /// Runs the demo: mock cluster, traffic, the worker, until every input

@@ -99,7 +99,7 @@ impl Publisher {
     }
 }
 
-fn topic<'a>(topics: &'a Topics, d: Destination) -> &'a str {
+fn topic(topics: &Topics, d: Destination) -> &str {
     match d {
         Destination::Output => &topics.output,
         Destination::Conflicts => &topics.conflicts,
