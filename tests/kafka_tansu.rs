@@ -234,14 +234,11 @@ async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_
     );
     let producer = traffic_producer(&brokers);
     let (p, input, records) = (producer.clone(), topics.input.clone(), s.records.clone());
-    // Paced over the crash loop, so every worker life has input to chew on.
-    let load = tokio::spawn(async move {
-        for chunk in records.chunks(records.len().div_ceil(20)) {
-            produce_traffic(&p, &input, PARTITIONS, chunk).await?;
-            tokio::time::sleep(Duration::from_secs(4)).await;
-        }
-        Ok::<(), dedupd::kafka::KafkaError>(())
-    });
+    // All input first: the worker then crashes while working through the
+    // backlog (a concurrent producer makes Tansu's sqlite engine the
+    // bottleneck on this 2-core machine and starves the worker's fetches).
+    let load = tokio::spawn(async move { produce_traffic(&p, &input, PARTITIONS, &records).await });
+    load.await.expect("join").expect("produce");
 
     let mut rng_state = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = move || {
@@ -266,8 +263,6 @@ async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_
         kills += 1;
         eprintln!("SIGKILL #{kills} {wait_ms} ms after ready");
     }
-    load.await.expect("join").expect("produce");
-
     let mut w = spawn_worker(&brokers, "crashloop", &topics, "w1");
     let child = &mut w.child;
     let deadline = Instant::now() + Duration::from_secs(400);
