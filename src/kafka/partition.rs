@@ -95,9 +95,13 @@ async fn pipeline(
                     }
                 },
                 _ = tokio::time::sleep(Duration::from_secs(1)), if uncommitted.is_some() => {
+                    // Idle with a commit not yet confirmed by the broker:
+                    // send it again (commits are idempotent).
                     if let Some(next) = uncommitted {
-                        if commit_input(shared, partition, next).await {
+                        if shared.committed_offset(partition) >= Some(next) {
                             uncommitted = None;
+                        } else {
+                            commit_input(shared, partition, next);
                         }
                     }
                     continue;
@@ -133,9 +137,7 @@ async fn pipeline(
         if at_least_once {
             let started = Instant::now();
             uncommitted = Some(next);
-            if commit_input(shared, partition, next).await {
-                uncommitted = None;
-            }
+            commit_input(shared, partition, next);
             StageTimed { stage: Stage::commit, duration: started.elapsed() }.emit(&shared.metrics);
         }
         if *stop.borrow() {
@@ -143,7 +145,14 @@ async fn pipeline(
         }
     }
     if let Some(next) = uncommitted {
-        commit_input(shared, partition, next).await;
+        // Last chance before the partition is released: send the commit and
+        // give the broker a moment to confirm it. Unconfirmed, the next owner
+        // replays the tail and recognises it as replays.
+        commit_input(shared, partition, next);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+        while shared.committed_offset(partition) < Some(next) && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
     Ok(())
 }
@@ -152,10 +161,26 @@ fn join_error(e: tokio::task::JoinError) -> KafkaError {
     KafkaError::Task { detail: e.to_string() }
 }
 
+/// Repairs `partition`, retrying broker errors a few times with backoff: a
+/// slow or restarting broker must not kill the worker on its first timeout.
+/// Local-state errors and foreign output records fail at once.
 async fn repair(shared: &Arc<Shared>, partition: i32) -> Result<(), KafkaError> {
-    let s = shared.clone();
-    let outcome =
-        tokio::task::spawn_blocking(move || s.repairer.repair_blocking(partition)).await.map_err(join_error)??;
+    const ATTEMPTS: u32 = 5;
+    let mut backoff = Duration::from_millis(500);
+    let mut attempt = 1;
+    let outcome = loop {
+        let s = shared.clone();
+        match tokio::task::spawn_blocking(move || s.repairer.repair_blocking(partition)).await.map_err(join_error)? {
+            Ok(outcome) => break outcome,
+            Err(e @ KafkaError::Client { .. }) if attempt < ATTEMPTS => {
+                tracing::warn!(partition, attempt, error = %e, "repair failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff *= 2;
+                attempt += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    };
     RepairCompleted {
         partition,
         from_offset: outcome.from_offset,
@@ -223,29 +248,21 @@ async fn process_batch(shared: &Arc<Shared>, partition: i32, batch: Vec<OwnedMes
     }
 }
 
-/// Commits the next input offset of `partition` (at-least-once mode),
-/// synchronously on a blocking thread. Returns whether it was committed.
-async fn commit_input(shared: &Arc<Shared>, partition: i32, next: i64) -> bool {
-    let Some(consumer) = shared.consumer() else { return false };
-    let topic = shared.settings.topics.input.clone();
-    let result = tokio::task::spawn_blocking(move || {
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(&topic, partition, Offset::Offset(next))?;
-        consumer.commit(&tpl, CommitMode::Sync)
-    })
-    .await;
-    match result {
-        Ok(Ok(())) => true,
-        Ok(Err(e)) => {
-            // A failed commit leaves the offset behind, never ahead: the
-            // records replay and are recognised as replays. Retried later.
-            tracing::warn!(partition, next, error = %e, "input offset commit failed");
-            false
-        }
-        Err(e) => {
-            tracing::warn!(partition, error = %e, "input offset commit task failed");
-            false
-        }
+/// Sends an asynchronous commit of the next input offset of `partition`
+/// (at-least-once mode). Never blocks: a broker slow to answer OffsetCommit
+/// (Tansu was seen to take seconds) must not stall the pipeline. The broker's
+/// answer arrives in the consumer's commit callback, which records it in
+/// [`Shared::committed_offset`].
+fn commit_input(shared: &Arc<Shared>, partition: i32, next: i64) {
+    let Some(consumer) = shared.consumer() else { return };
+    let mut tpl = TopicPartitionList::new();
+    if let Err(e) = tpl.add_partition_offset(&shared.settings.topics.input, partition, Offset::Offset(next)) {
+        tracing::warn!(partition, error = %e, "cannot build the offset commit");
+        return;
+    }
+    if let Err(e) = consumer.commit(&tpl, CommitMode::Async) {
+        // Behind, never ahead: retried while idle; replays are recognised.
+        tracing::warn!(partition, next, error = %e, "input offset commit failed");
     }
 }
 

@@ -86,6 +86,9 @@ pub(crate) struct Shared {
     pending_repairs: AtomicUsize,
     assignment_seen: AtomicBool,
     pub batches: AtomicU64,
+    /// Input offsets the broker confirmed as committed (commit callback).
+    /// A std `Mutex`: touched briefly from the callback and the pipelines.
+    committed: Mutex<HashMap<i32, i64>>,
 }
 
 impl Shared {
@@ -98,6 +101,11 @@ impl Shared {
         tracing::error!(error = %e, "fatal worker error");
         self.metrics.set_unhealthy();
         let _ = self.fatal.send(e);
+    }
+
+    /// The highest next-offset of `partition` the broker confirmed.
+    pub(crate) fn committed_offset(&self, partition: i32) -> Option<i64> {
+        self.committed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(&partition).copied()
     }
 
     pub(crate) fn partition_repaired(&self) {
@@ -226,6 +234,23 @@ fn partitions_of(tpl: &rdkafka::TopicPartitionList, topic: &str) -> Vec<i32> {
 }
 
 impl ConsumerContext for WorkerContext {
+    fn commit_callback(&self, result: rdkafka::error::KafkaResult<()>, offsets: &rdkafka::TopicPartitionList) {
+        match result {
+            Ok(()) => {
+                let mut committed = self.shared.committed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                for e in offsets.elements() {
+                    if let (true, rdkafka::Offset::Offset(o)) =
+                        (e.topic() == self.shared.settings.topics.input, e.offset())
+                    {
+                        let c = committed.entry(e.partition()).or_insert(o);
+                        *c = (*c).max(o);
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "input offset commit failed"),
+        }
+    }
+
     fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(tpl) = rebalance {
             self.revoke(&partitions_of(tpl, &self.shared.settings.topics.input));
@@ -372,6 +397,7 @@ pub async fn run(
         pending_repairs: AtomicUsize::new(0),
         assignment_seen: AtomicBool::new(false),
         batches: AtomicU64::new(0),
+        committed: Mutex::new(HashMap::new()),
     });
     let context =
         WorkerContext { shared: shared.clone(), tasks: Mutex::new(HashMap::new()), runtime: Handle::current() };
