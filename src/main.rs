@@ -44,6 +44,22 @@ enum Command {
         #[command(flatten)]
         tuning: TuningArgs,
     },
+    /// Checks every checksum of a state directory; exits 1 on any corruption.
+    Verify {
+        #[arg(long, env = "DEDUPD_STATE_DIR")]
+        state_dir: PathBuf,
+    },
+    /// Where and when an event was seen.
+    Inspect {
+        #[arg(long, env = "DEDUPD_STATE_DIR")]
+        state_dir: PathBuf,
+        #[arg(long)]
+        tenant: String,
+        #[arg(long)]
+        event_id: String,
+        #[command(flatten)]
+        tuning: TuningArgs,
+    },
     /// Sample traffic with retries, conflicts and bad records; prints the buckets.
     Demo {
         /// Distinct events to generate.
@@ -92,6 +108,17 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let summary = run_dedupe(&opts, &settings, &SystemClock)?;
             // The summary is the last line on stderr, machine-readable.
             eprintln!("{}", serde_json::to_string(&summary)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Verify { state_dir } => {
+            let (report, clean) = dedupd::state::verify_state_dir(&state_dir)?;
+            print!("{report}");
+            Ok(if clean { ExitCode::SUCCESS } else { ExitCode::from(1) })
+        }
+        Command::Inspect { state_dir, tenant, event_id, tuning } => {
+            let (settings, _) = engine_settings(&tuning)?;
+            let answer = dedupd::state::inspect(&state_dir, &tenant, &event_id, settings)?;
+            println!("{}", serde_json::to_string_pretty(&answer)?);
             Ok(ExitCode::SUCCESS)
         }
         Command::Demo { events, work_dir, offline: _ } => {

@@ -7,8 +7,8 @@
 use rocksdb::{BlockBasedOptions, Cache, DBCompressionType, DBRecoveryMode, Options};
 
 use super::error::KeystoreError;
-use super::horizon::{Floor, FloorFilterFactory};
 use super::histogram::merge_meta;
+use super::horizon::{Floor, FloorFilterFactory};
 
 const DAY_MS: i64 = 86_400_000;
 
