@@ -171,8 +171,7 @@ fn run(ops: Vec<Op>, interval: bool, small_wal: bool) {
                 let mut candidate = model.durable.clone();
                 let mut checkpoints = model.durable_checkpoints.clone();
                 let mut matched = candidate == got;
-                let mut used = 0;
-                for (i, b) in model.pending.iter().enumerate() {
+                for b in &model.pending {
                     if matched {
                         break;
                     }
@@ -181,13 +180,11 @@ fn run(ops: Vec<Op>, interval: bool, small_wal: bool) {
                         checkpoints.insert(e.key.output.partition, e.key.output.offset);
                     }
                     matched = candidate == got;
-                    used = i + 1;
                 }
                 assert!(
                     matched,
                     "after a crash the store holds neither the durable data nor a prefix of the pending batches"
                 );
-                let _ = used;
                 model.durable = got;
                 model.durable_checkpoints = checkpoints.clone();
                 model.checkpoints = checkpoints;

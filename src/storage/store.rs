@@ -158,10 +158,9 @@ impl UsageStore {
         // WAL replay: files from wal_start on, contiguous, the last may be torn.
         let wal_files = wal::list(&wal_dir)?;
         let live: Vec<&(u64, PathBuf)> = wal_files.iter().filter(|(seq, _)| *seq >= manifest.wal_start).collect();
-        for (i, (seq, path)) in live.iter().enumerate() {
+        for (i, (seq, _)) in live.iter().enumerate() {
             if *seq != manifest.wal_start + i as u64 {
                 let missing = manifest.wal_start + i as u64;
-                let _ = path;
                 return Err(StorageError::MissingWal {
                     file: wal::wal_path(&wal_dir, missing),
                     expected_first: manifest.wal_start,
