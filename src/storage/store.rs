@@ -192,12 +192,16 @@ impl UsageStore {
             })?;
             report.wal_files_replayed += 1;
             report.wal_frames += scan.frames;
-            if let Some(detail) = scan.torn {
-                // Cut the torn bytes off durably so a later append never sits
-                // behind garbage that the next recovery would call mid-log.
-                let f = std::fs::OpenOptions::new().write(true).open(path).at(path)?;
+            // fsync what was replayed: the crashed process may have left it in
+            // the page cache only (interval policy), and from now on it counts
+            // as stored. A torn tail is cut off first, durably, so a later
+            // append never sits behind garbage the next recovery would call mid-log.
+            let f = std::fs::OpenOptions::new().write(true).open(path).at(path)?;
+            if scan.torn.is_some() {
                 f.set_len(scan.valid_len).at(path)?;
-                f.sync_all().at(path)?;
+            }
+            f.sync_all().at(path)?;
+            if let Some(detail) = scan.torn {
                 report.torn_tail = Some(TornTail {
                     file: (*path).clone(),
                     offset: scan.valid_len,
