@@ -324,3 +324,15 @@ fn the_failpoint_environment_variable_aborts_the_process_at_the_named_step() {
     assert_eq!(store.segments().len(), 1);
     assert_eq!(contents(&store).len(), 10);
 }
+
+#[test]
+fn a_crash_during_the_very_first_open_leaves_a_store_that_opens_empty() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let crashing = StoreOptions { crash_at: Some("manifest_after_temp".to_string()), ..StoreOptions::default() };
+    let r = UsageStore::open(dir.path(), crashing, Arc::new(NoopObserver));
+    assert!(matches!(r, Err(StorageError::Failpoint { name: "manifest_after_temp" })));
+    let (mut store, report) =
+        UsageStore::open(dir.path(), StoreOptions::default(), Arc::new(NoopObserver)).expect("open");
+    assert!(report.created);
+    assert_eq!(store.append(&events(0..3, 0)).expect("append"), 3);
+}

@@ -133,8 +133,17 @@ impl UsageStore {
                 (loaded.current, loaded.previous, loaded.highest_generation)
             }
             None => {
-                if !wal_files.is_empty() || has_segment_files(&seg_dir)? {
+                // Empty WAL files without a manifest are what a crash during the
+                // very first open leaves behind: nothing was ever stored.
+                let mut wal_bytes = 0u64;
+                for (_, path) in &wal_files {
+                    wal_bytes += std::fs::metadata(path).at(path)?.len();
+                }
+                if wal_bytes > 0 || has_segment_files(&seg_dir)? {
                     return Err(StorageError::NoValidManifest { dir: man_dir, tried: 0 });
+                }
+                for (_, path) in &wal_files {
+                    fsutil::remove_if_exists(path)?;
                 }
                 // Fresh store: WAL 1 exists before the manifest that names it,
                 // so a live manifest always finds its first WAL file.
