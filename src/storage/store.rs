@@ -673,3 +673,14 @@ impl UsageStore {
         f.set_len(keep).at(&path)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_store_can_move_to_a_blocking_thread() {
+        fn is_send<T: Send>() {}
+        is_send::<UsageStore>();
+    }
+}
