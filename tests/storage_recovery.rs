@@ -109,6 +109,11 @@ fn flushed_segments_serve_get_and_recent_keys_like_the_memtable() {
     let p1: Vec<_> = all.iter().filter(|e| e.key.output.partition == 1).map(|e| e.key).collect();
     assert_eq!(newest3, p1[p1.len() - 3..].to_vec());
 
+    let all_partitions = store.recent_keys_all(since, usize::MAX).expect("recent all");
+    assert_eq!(all_partitions.keys().copied().collect::<Vec<_>>(), vec![0, 1]);
+    assert_eq!(all_partitions[&1], keys);
+    assert_eq!(all_partitions[&0], store.recent_keys(0, since, usize::MAX).expect("recent"));
+
     store.close().expect("close");
     let (store, report) = UsageStore::open(dir.path(), opts, Arc::new(NoopObserver)).expect("reopen");
     assert_eq!(report.wal_events_replayed, 0, "close flushed everything");

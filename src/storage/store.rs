@@ -14,6 +14,13 @@ use super::{failpoint, fsutil, RecoveryPath, StorageError, StorageObserver, Stor
 use crate::classify::SeenKey;
 use crate::event::IdHash;
 
+/// Keeps the newest `limit` of keys sorted oldest first.
+fn keep_newest(keys: &mut Vec<SeenKey>, limit: usize) {
+    if keys.len() > limit {
+        keys.drain(..keys.len() - limit);
+    }
+}
+
 /// A torn WAL tail found and truncated on open.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TornTail {
@@ -367,9 +374,33 @@ impl UsageStore {
     /// to the observer with its path) plus the memtable. At most `limit`, the
     /// newest kept; sorted by `first_seen_ms` ascending.
     pub fn recent_keys(&self, partition: i32, since_ms: i64, limit: usize) -> Result<Vec<SeenKey>, StorageError> {
+        let mut out = self.collect_recent(since_ms, |k| k.output.partition == partition)?;
+        keep_newest(&mut out, limit);
+        Ok(out)
+    }
+
+    /// [`UsageStore::recent_keys`] for every partition in one pass over the
+    /// sidecars (a start-up with many partitions reads each segment once).
+    pub fn recent_keys_all(
+        &self,
+        since_ms: i64,
+        limit_per_partition: usize,
+    ) -> Result<BTreeMap<i32, Vec<SeenKey>>, StorageError> {
+        let mut by_partition: BTreeMap<i32, Vec<SeenKey>> = BTreeMap::new();
+        for k in self.collect_recent(since_ms, |_| true)? {
+            by_partition.entry(k.output.partition).or_default().push(k);
+        }
+        for keys in by_partition.values_mut() {
+            keep_newest(keys, limit_per_partition);
+        }
+        Ok(by_partition)
+    }
+
+    /// Keys first seen after `since_ms` that pass `keep`, sorted by first-seen time.
+    fn collect_recent(&self, since_ms: i64, keep: impl Fn(&SeenKey) -> bool) -> Result<Vec<SeenKey>, StorageError> {
         self.check_poison()?;
         let mut out: Vec<SeenKey> = Vec::new();
-        let wanted = |k: &SeenKey| k.output.partition == partition && k.first_seen_ms > since_ms;
+        let wanted = |k: &SeenKey| k.first_seen_ms > since_ms && keep(k);
         for meta in &self.manifest.segments {
             if meta.max_first_seen_ms <= since_ms {
                 continue;
@@ -389,15 +420,13 @@ impl UsageStore {
                     out.truncate(mark);
                     self.observer.recovery_segment(RecoveryPath::Fallback);
                     let seg = SegmentFile::open(&segment::segment_path(&self.seg_dir, meta.id))?;
-                    out.extend(seg.read_keys()?.into_iter().filter(wanted));
+                    out.extend(seg.read_keys()?.into_iter().filter(|k| wanted(k)));
                 }
             }
         }
-        out.extend(self.memtable.keys().copied().filter(wanted));
+        out.extend(self.memtable.keys().copied().filter(|k| wanted(k)));
+        // Rows are in ingest order, so this is nearly sorted already and cheap.
         out.sort_by_key(|k| (k.first_seen_ms, k.output.offset));
-        if out.len() > limit {
-            out.drain(..out.len() - limit);
-        }
         Ok(out)
     }
 
