@@ -126,8 +126,26 @@ fn main() -> R<()> {
 
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     if want("classify") {
-        let settings =
-            ClassifierSettings { hot_ttl_ms: 7 * DAY_MS, hot_capacity: 1 << 20, horizon_ms: HORIZON_MS, detect_replays: true };
+        // The store alone, without the classifier: absent ids.
+        let ids: Vec<IdHash> = (0..1_000_000).map(|_| random_id(&mut rng)).collect();
+        let mut out = Vec::new();
+        let t = Instant::now();
+        for chunk in ids.chunks(BATCH) {
+            ks.get_many(0, chunk, &mut out)?;
+        }
+        let d = t.elapsed();
+        println!(
+            "lookup: {:.0} absent-key get_many lookups/s (one thread, batches of {BATCH})",
+            per_sec(ids.len() as u64, d)
+        );
+    }
+    if want("classify") {
+        let settings = ClassifierSettings {
+            hot_ttl_ms: 7 * DAY_MS,
+            hot_capacity: 1 << 20,
+            horizon_ms: HORIZON_MS,
+            detect_replays: true,
+        };
         let classifier = PartitionClassifier::new(0, settings);
         for (name, dup_share) in [("99%-new", 0.01f64), ("100%-duplicate", 1.0)] {
             let events = env_u64("DEDUPD_BENCH_CLASSIFY_EVENTS", 2_000_000);
@@ -248,11 +266,8 @@ fn mechanism(base: &std::path::Path, keys: u64) -> R<()> {
             o
         };
         let names: Vec<String> = (0..buckets).map(|b| format!("bucket{b}")).collect();
-        let db = DB::open_cf_descriptors(
-            &db_opts,
-            &dir,
-            names.iter().map(|n| ColumnFamilyDescriptor::new(n, cf_opts())),
-        )?;
+        let db =
+            DB::open_cf_descriptors(&db_opts, &dir, names.iter().map(|n| ColumnFamilyDescriptor::new(n, cf_opts())))?;
         let per = keys / buckets;
         let writer_opts = cf_opts();
         for (b, name) in names.iter().enumerate() {

@@ -30,7 +30,11 @@ fn store(dir: &std::path::Path) -> Result<KeyStore, Box<dyn std::error::Error>> 
 }
 
 fn candidate(event_id: &str, payload: u8, offset: i64) -> Candidate {
-    Candidate { id_hash: id_hash("acme", event_id), payload_hash: PayloadHash([payload; 16]), source: Position::new(P, offset) }
+    Candidate {
+        id_hash: id_hash("acme", event_id),
+        payload_hash: PayloadHash([payload; 16]),
+        source: Position::new(P, offset),
+    }
 }
 
 /// Classifies `batch`, then publishes the accepted ones (output offsets from
@@ -80,7 +84,9 @@ fn a_retry_past_the_hot_ttl_is_caught_by_the_key_store_as_duplicate_conflict_or_
 
     let retry = [candidate("a", 1, 50), candidate("b", 9, 51), candidate("a", 1, 10), candidate("new", 3, 52)];
     let v = run_batch(&mut c, &ks, &clock, &retry, &mut out)?;
-    assert!(matches!(v[0], Verdict::Duplicate { tier: Tier::KeyStore, first } if first.output == Some(Position::new(P, 0))));
+    assert!(
+        matches!(v[0], Verdict::Duplicate { tier: Tier::KeyStore, first } if first.output == Some(Position::new(P, 0)))
+    );
     assert!(
         matches!(v[1], Verdict::Conflict { tier: Tier::KeyStore, first } if first.payload_hash == PayloadHash([2; 16]))
     );
@@ -129,7 +135,9 @@ fn a_retry_past_the_horizon_is_accepted_as_new_and_remembered_again() -> TestRes
     clock.advance_ms(HOT_TTL + SECOND);
     c.evict_expired(clock.now_ms());
     let v = c.classify(&[candidate("a", 7, 61)], &ks, clock.now_ms())?;
-    assert!(matches!(v[0], Verdict::Duplicate { tier: Tier::KeyStore, first } if first.payload_hash == PayloadHash([7; 16])));
+    assert!(
+        matches!(v[0], Verdict::Duplicate { tier: Tier::KeyStore, first } if first.payload_hash == PayloadHash([7; 16]))
+    );
     Ok(())
 }
 

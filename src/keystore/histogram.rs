@@ -83,11 +83,7 @@ pub(crate) fn parse_cell_key(k: &[u8]) -> Option<(i64, i32)> {
 /// The meta column family's merge operator: histogram cells add counts and
 /// widen their time range; any other key keeps its newest operand (no other
 /// key is written by merge, this only makes the operator total).
-pub(crate) fn merge_meta(
-    key: &[u8],
-    existing: Option<&[u8]>,
-    operands: &rocksdb::MergeOperands,
-) -> Option<Vec<u8>> {
+pub(crate) fn merge_meta(key: &[u8], existing: Option<&[u8]>, operands: &rocksdb::MergeOperands) -> Option<Vec<u8>> {
     if key.first() != Some(&META_HISTOGRAM) {
         return operands.iter().last().or(existing).map(<[u8]>::to_vec);
     }

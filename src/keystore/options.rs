@@ -7,8 +7,8 @@
 use rocksdb::{BlockBasedOptions, Cache, DBCompressionType, DBRecoveryMode, Options};
 
 use super::error::KeystoreError;
-use super::horizon::{Floor, FloorFilterFactory};
 use super::histogram::merge_meta;
+use super::horizon::{Floor, FloorFilterFactory};
 
 const DAY_MS: i64 = 86_400_000;
 
@@ -63,7 +63,7 @@ impl Default for KeyStoreOptions {
             keep_revoked_partitions: true,
             sync_writes: false,
             bloom_bits_per_key: 10.0,
-            block_bytes: 16 << 10,
+            block_bytes: 4 << 10,
             histogram_bucket_ms: 3_600_000,
             periodic_compaction_secs: 86_400,
         }

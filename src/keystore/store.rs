@@ -20,7 +20,9 @@ use super::codec::{
 use super::error::{hex, KeystoreError};
 use super::histogram::{cell_key, parse_cell_key, BucketStats, Histogram};
 use super::horizon::Floor;
-use super::options::{db_options, keys_cf_options, meta_cf_options, sst_writer_options, KeyStoreOptions, KEYS_CF, META_CF};
+use super::options::{
+    db_options, keys_cf_options, meta_cf_options, sst_writer_options, KeyStoreOptions, KEYS_CF, META_CF,
+};
 
 /// Share of `max_bytes` the live keys may fill: the rest is headroom for
 /// keys already below the floor that compaction has not rewritten yet
@@ -198,7 +200,8 @@ impl KeyStore {
             return Ok(());
         }
         let floor = self.floor.get();
-        let mut seen_in_batch: HashSet<IdHash, IdBuildHasher> = HashSet::with_capacity_and_hasher(keys.len(), IdBuildHasher);
+        let mut seen_in_batch: HashSet<IdHash, IdBuildHasher> =
+            HashSet::with_capacity_and_hasher(keys.len(), IdBuildHasher);
         let fresh: Vec<&SeenKey> = keys
             .iter()
             .filter(|k| stored.is_none_or(|c| k.output.offset > c))
@@ -247,10 +250,8 @@ impl KeyStore {
 
     /// The remembered key of `id`, if it is above the floor.
     pub fn get(&self, partition: i32, id: &IdHash) -> Result<Option<SeenKey>, KeystoreError> {
-        let v = self
-            .db
-            .get_pinned_cf(self.keys_cf()?, encode_key(partition, id))
-            .map_err(KeystoreError::rocks("get"))?;
+        let v =
+            self.db.get_pinned_cf(self.keys_cf()?, encode_key(partition, id)).map_err(KeystoreError::rocks("get"))?;
         let floor = self.floor.get();
         match v {
             None => Ok(None),
@@ -259,7 +260,12 @@ impl KeyStore {
     }
 
     /// One batched MultiGet for `ids`; `out` gets exactly one answer per id.
-    pub fn get_many(&self, partition: i32, ids: &[IdHash], out: &mut Vec<Option<SeenKey>>) -> Result<(), KeystoreError> {
+    pub fn get_many(
+        &self,
+        partition: i32,
+        ids: &[IdHash],
+        out: &mut Vec<Option<SeenKey>>,
+    ) -> Result<(), KeystoreError> {
         out.clear();
         let keys: Vec<[u8; KEY_LEN]> = ids.iter().map(|id| encode_key(partition, id)).collect();
         let floor = self.floor.get();
