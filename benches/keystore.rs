@@ -82,6 +82,7 @@ fn store_opts() -> KeyStoreOptions {
     KeyStoreOptions {
         horizon_ms: HORIZON_MS,
         block_bytes: env_u64("DEDUPD_BENCH_BLOCK_BYTES", d.block_bytes as u64) as usize,
+        write_buffer_bytes: env_u64("DEDUPD_BENCH_WRITE_BUFFER_BYTES", d.write_buffer_bytes as u64) as usize,
         ..d
     }
 }
