@@ -19,11 +19,16 @@
 //!   index, manifest, recovery (sync, no async runtime).
 //! - [`keystore`]: the long-horizon key store on RocksDB (sync).
 //! - [`offline`]: `dedupd dedupe`, the engine over NDJSON files (sync).
+//! - [`kafka`]: the worker (`dedupd run`, `dedupd demo`): consumer group,
+//!   publishing, repair (async).
+//! - [`metrics`]: the Prometheus registry and the HTTP endpoint.
 
 pub mod classify;
 pub mod config;
 pub mod event;
+pub mod kafka;
 pub mod keystore;
+pub mod metrics;
 pub mod offline;
 pub mod state;
 pub mod storage;

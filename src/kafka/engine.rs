@@ -1,0 +1,232 @@
+//! The seam between the Kafka worker and the dedupe engine.
+//!
+//! The worker needs a small, synchronous surface from local state: classify a
+//! batch read-only, apply what was published, say where its checkpoint is,
+//! find an original for a conflict diff. [`Engine`] is that surface;
+//! [`StateEngine`] implements it over `crate::state::LocalState` (durable
+//! with a state directory, in memory without: then every assignment rebuilds
+//! the partition from the output topic, correct and just slower to start).
+//!
+//! Every method may block (fsync, RocksDB): the worker calls them from
+//! `spawn_blocking`, never on a runtime thread.
+
+use crate::event::{IdHash, UsageEvent, Validator};
+use crate::state::{LocalState, StateError};
+
+pub use crate::classify::{InputRecord, Outcome};
+pub use crate::state::StoredEvent;
+
+/// Sizes and windows of local state, for the metrics page.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    pub hot_cache_entries: u64,
+    pub keystore_bytes: u64,
+    pub oldest_hot_first_seen_ms: Option<i64>,
+    pub oldest_keystore_first_seen_ms: Option<i64>,
+}
+
+/// A failure of local state. The worker treats it as fatal for the process:
+/// state that cannot persist must not keep classifying (a failed fsync poisons
+/// the store; the process restarts and repairs from the output topic).
+#[derive(Debug, thiserror::Error)]
+#[error("local state failed during {operation} on partition {partition}: {source}")]
+pub struct EngineError {
+    pub operation: &'static str,
+    pub partition: i32,
+    #[source]
+    pub source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+/// What the worker needs from local state. See the module doc.
+pub trait Engine: Send + 'static {
+    /// Takes ownership of `partition`: loads what local state holds for it.
+    fn assign(&mut self, partition: i32, now_ms: i64) -> Result<(), EngineError>;
+    /// Releases `partition` (its memory; durable state stays on disk).
+    fn revoke(&mut self, partition: i32);
+    /// The last output offset of `partition` applied, `None` if none.
+    fn checkpoint(&self, partition: i32) -> Option<i64>;
+    /// Classifies a batch read-only. Nothing is remembered until
+    /// [`Engine::apply_published`].
+    fn classify(&self, partition: i32, records: &[InputRecord<'_>], now_ms: i64) -> Result<Vec<Outcome>, EngineError>;
+    /// Remembers published events. Idempotent by output offset: events at or
+    /// below the checkpoint are skipped.
+    fn apply_published(&mut self, partition: i32, events: &[StoredEvent], now_ms: i64) -> Result<(), EngineError>;
+    /// The accepted event with this id, if local state still holds it.
+    fn original(&self, partition: i32, id: &IdHash) -> Option<UsageEvent>;
+    fn stats(&self, now_ms: i64) -> EngineStats;
+    /// Periodic upkeep (expiry, compaction).
+    fn maintain(&mut self, now_ms: i64) -> Result<(), EngineError>;
+    /// Flushes everything durable; called once at shutdown.
+    fn close(&mut self) -> Result<(), EngineError>;
+}
+
+/// [`Engine`] over the engine's [`LocalState`].
+#[derive(Debug)]
+pub struct StateEngine {
+    /// `None` once closed (closing consumes the state).
+    state: Option<LocalState>,
+    validator: Validator,
+}
+
+impl StateEngine {
+    pub fn new(state: LocalState, validator: Validator) -> StateEngine {
+        StateEngine { state: Some(state), validator }
+    }
+
+    fn state(&self, operation: &'static str, partition: i32) -> Result<&LocalState, EngineError> {
+        self.state.as_ref().ok_or_else(|| closed(operation, partition))
+    }
+
+    fn state_mut(&mut self, operation: &'static str, partition: i32) -> Result<&mut LocalState, EngineError> {
+        self.state.as_mut().ok_or_else(|| closed(operation, partition))
+    }
+}
+
+fn closed(operation: &'static str, partition: i32) -> EngineError {
+    EngineError { operation, partition, source: "local state is closed".into() }
+}
+
+fn state_error(operation: &'static str, partition: i32) -> impl FnOnce(StateError) -> EngineError {
+    move |e| EngineError { operation, partition, source: Box::new(e) }
+}
+
+impl Engine for StateEngine {
+    fn assign(&mut self, partition: i32, now_ms: i64) -> Result<(), EngineError> {
+        self.state_mut("assign", partition)?.assign(partition, now_ms).map_err(state_error("assign", partition))
+    }
+
+    fn revoke(&mut self, partition: i32) {
+        if let Some(s) = self.state.as_mut() {
+            if let Err(e) = s.revoke(partition) {
+                tracing::warn!(partition, error = %e, "releasing partition state failed");
+            }
+        }
+    }
+
+    fn checkpoint(&self, partition: i32) -> Option<i64> {
+        self.state.as_ref().and_then(|s| s.checkpoint(partition))
+    }
+
+    fn classify(&self, partition: i32, records: &[InputRecord<'_>], now_ms: i64) -> Result<Vec<Outcome>, EngineError> {
+        self.state("classify", partition)?
+            .classify(partition, &self.validator, records, now_ms)
+            .map_err(state_error("classify", partition))
+    }
+
+    fn apply_published(&mut self, partition: i32, events: &[StoredEvent], now_ms: i64) -> Result<(), EngineError> {
+        self.state_mut("apply", partition)?
+            .apply_published(partition, events, now_ms)
+            .map(|_| ())
+            .map_err(state_error("apply", partition))
+    }
+
+    fn original(&self, partition: i32, id: &IdHash) -> Option<UsageEvent> {
+        match self.state.as_ref().map(|s| s.original(partition, id)) {
+            Some(Ok(e)) => e,
+            Some(Err(e)) => {
+                // The diff is a courtesy on the conflicts topic; the conflict
+                // itself is still reported, without field names.
+                tracing::warn!(partition, error = %e, "reading a conflict's original failed");
+                None
+            }
+            None => None,
+        }
+    }
+
+    fn stats(&self, now_ms: i64) -> EngineStats {
+        let Some(s) = self.state.as_ref() else { return EngineStats::default() };
+        let st = s.stats(now_ms);
+        EngineStats {
+            hot_cache_entries: st.hot_cache_entries as u64,
+            keystore_bytes: st.keystore_bytes,
+            oldest_hot_first_seen_ms: st.hot_oldest_first_seen_ms,
+            oldest_keystore_first_seen_ms: st.keystore_oldest_first_seen_ms,
+        }
+    }
+
+    fn maintain(&mut self, now_ms: i64) -> Result<(), EngineError> {
+        match self.state.as_mut() {
+            Some(s) => s.maintain(now_ms).map_err(state_error("maintain", -1)),
+            None => Ok(()),
+        }
+    }
+
+    fn close(&mut self) -> Result<(), EngineError> {
+        match self.state.take() {
+            Some(s) => s.close().map_err(state_error("close", -1)),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::classify::SeenKey;
+    use crate::config::EngineSettings;
+    use crate::event::{Position, RejectReason};
+
+    const NOW: i64 = 1_790_000_000_000;
+
+    fn engine() -> StateEngine {
+        let settings = EngineSettings::default();
+        StateEngine::new(LocalState::in_memory(settings.clone(), true), settings.validator())
+    }
+
+    fn ev(id: &str, qty: &str) -> Vec<u8> {
+        format!(r#"{{"event_id":"{id}","tenant_id":"t","customer_id":"c","meter":"m","quantity":"{qty}","timestamp":{NOW}}}"#)
+            .into_bytes()
+    }
+
+    #[test]
+    fn published_then_redelivered_record_is_a_replay_and_a_retry_is_a_duplicate() {
+        let mut e = engine();
+        e.assign(0, NOW).expect("assign");
+        let a = ev("a", "1");
+        let recs = [InputRecord { source: Position::new(0, 10), payload: Some(&a) }];
+        let out = e.classify(0, &recs, NOW).expect("classify");
+        let Outcome::Accepted { event, id_hash, payload_hash } = &out[0] else { panic!("{out:?}") };
+        let key = SeenKey {
+            id_hash: *id_hash,
+            payload_hash: *payload_hash,
+            first_seen_ms: NOW,
+            source: Position::new(0, 10),
+            output: Position::new(0, 0),
+        };
+        e.apply_published(0, &[StoredEvent { key, event: event.clone() }], NOW).expect("apply");
+        assert_eq!(e.checkpoint(0), Some(0));
+        let b = ev("a", "1.0");
+        let c = ev("a", "2");
+        let recs = [
+            InputRecord { source: Position::new(0, 10), payload: Some(&a) },
+            InputRecord { source: Position::new(0, 11), payload: Some(&b) },
+            InputRecord { source: Position::new(0, 12), payload: Some(&c) },
+            InputRecord { source: Position::new(0, 13), payload: None },
+        ];
+        let out = e.classify(0, &recs, NOW).expect("classify");
+        assert!(matches!(out[0], Outcome::Replayed { .. }));
+        assert!(matches!(out[1], Outcome::Duplicate { .. }));
+        assert!(matches!(out[2], Outcome::Conflict { .. }));
+        assert!(matches!(&out[3], Outcome::Rejected(r) if r.reason == RejectReason::MalformedJson));
+    }
+
+    #[test]
+    fn apply_at_or_below_the_checkpoint_changes_nothing() {
+        let mut e = engine();
+        e.assign(1, NOW).expect("assign");
+        let a = ev("x", "1");
+        let recs = [InputRecord { source: Position::new(1, 0), payload: Some(&a) }];
+        let out = e.classify(1, &recs, NOW).expect("classify");
+        let Outcome::Accepted { event, id_hash, payload_hash } = &out[0] else { panic!("{out:?}") };
+        let key = |off| SeenKey {
+            id_hash: *id_hash,
+            payload_hash: *payload_hash,
+            first_seen_ms: NOW,
+            source: Position::new(1, 0),
+            output: Position::new(1, off),
+        };
+        e.apply_published(1, &[StoredEvent { key: key(5), event: event.clone() }], NOW).expect("apply");
+        e.apply_published(1, &[StoredEvent { key: key(3), event: event.clone() }], NOW).expect("apply");
+        assert_eq!(e.checkpoint(1), Some(5));
+    }
+}

@@ -1,0 +1,47 @@
+//! Errors of the Kafka worker.
+
+use crate::kafka::engine::EngineError;
+use crate::metrics::MetricsError;
+
+/// Why the worker could not start or had to stop.
+#[derive(Debug, thiserror::Error)]
+pub enum KafkaError {
+    #[error("kafka client error while {operation}: {source}")]
+    Client {
+        operation: &'static str,
+        #[source]
+        source: rdkafka::error::KafkaError,
+    },
+    #[error("topic `{topic}` does not exist on {brokers} (create it before starting dedupd)")]
+    TopicMissing { topic: String, brokers: String },
+    #[error(
+        "input topic `{input}` has {input_partitions} partitions but output topic `{output}` has {output_partitions}: \
+         they must be co-partitioned (output partition p is the changelog of input partition p)"
+    )]
+    PartitionMismatch { input: String, input_partitions: usize, output: String, output_partitions: usize },
+    #[error(
+        "the broker at {brokers} does not support Kafka transactions ({detail}); \
+         exactly-once delivery needs them: run with `--delivery at-least-once` against this broker"
+    )]
+    TransactionsUnsupported { brokers: String, detail: String },
+    #[error("this instance was fenced by a newer producer with transactional id `{transactional_id}`: {source}")]
+    Fenced {
+        transactional_id: String,
+        #[source]
+        source: rdkafka::error::KafkaError,
+    },
+    #[error("output record {partition}@{offset} of topic `{topic}` is not a dedupd record: {detail}")]
+    ForeignOutputRecord { topic: String, partition: i32, offset: i64, detail: String },
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Metrics(#[from] MetricsError),
+    #[error("a worker task failed: {detail}")]
+    Task { detail: String },
+}
+
+impl KafkaError {
+    pub(crate) fn client(operation: &'static str) -> impl FnOnce(rdkafka::error::KafkaError) -> KafkaError {
+        move |source| KafkaError::Client { operation, source }
+    }
+}

@@ -1,0 +1,32 @@
+//! The Kafka worker (`dedupd run`): consumer group, per-partition pipelines,
+//! exactly-once or at-least-once publishing, side topics, repair from the
+//! output topic, and the in-process demo (DESIGN §1, §6).
+//!
+//! Async (tokio + rdkafka); local state is reached through the sync
+//! [`Engine`] seam on blocking threads.
+//!
+//! - [`settings`]: [`RunSettings`], [`DeliveryMode`].
+//! - [`clients`]: librdkafka configurations and start-up broker checks.
+//! - [`engine`]: the seam to local state ([`StateEngine`] over `LocalState`).
+//! - [`records`]: the output, conflicts and rejected record formats.
+//! - [`publisher`]: transactional group commit, or idempotent publish.
+//! - [`repair`]: reading an output partition back into local state.
+//! - [`partition`]: one input partition's pipeline.
+//! - [`worker`]: [`run`], rebalance callbacks, shutdown.
+//! - [`demo`]: `dedupd demo` on librdkafka's mock cluster.
+
+pub mod clients;
+pub mod demo;
+pub mod engine;
+mod error;
+mod partition;
+pub mod publisher;
+pub mod records;
+pub mod repair;
+pub mod settings;
+pub mod worker;
+
+pub use engine::{Engine, EngineError, EngineStats, InputRecord, Outcome, StateEngine, StoredEvent};
+pub use error::KafkaError;
+pub use settings::{BatchLimits, DeliveryMode, RunSettings, Topics};
+pub use worker::{run, shutdown_signal, RunReport, WorkerParts};

@@ -1,0 +1,329 @@
+//! The pipeline of one assigned input partition: repair, then batches of
+//! classify → publish → apply (→ commit, at-least-once), one batch at a time.
+//!
+//! One batch at a time is what makes classification exact: a batch is
+//! classified against state that already holds every earlier batch of the
+//! partition. Parallelism comes from partitions, each its own task.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hashbrown::HashMap;
+use rdkafka::consumer::{CommitMode, Consumer};
+use rdkafka::message::{Message, OwnedMessage};
+use rdkafka::{Offset, TopicPartitionList};
+use tokio::sync::{mpsc, watch};
+
+use crate::classify::Tier;
+use crate::event::{IdHash, Position, UsageEvent};
+use crate::kafka::engine::{InputRecord, Outcome, StoredEvent};
+use crate::kafka::error::KafkaError;
+use crate::kafka::publisher::PublishError;
+use crate::kafka::records::{accepted_record, conflict_record, rejected_record, OutRecord};
+use crate::kafka::repair::lock_engine;
+use crate::kafka::settings::DeliveryMode;
+use crate::kafka::worker::{InputQueue, Shared};
+use crate::metrics::{BatchClassified, RepairCompleted, Stage, StageTimed};
+
+/// A classified batch, ready to publish.
+struct Prepared {
+    records: Vec<OutRecord>,
+    /// For each accepted event: its index in `records` and the key and event
+    /// to apply once the output offset is known.
+    accepted: Vec<(usize, StoredEvent)>,
+    summary: BatchClassified,
+}
+
+/// Runs the pipeline of `partition` until `stop` flips or the queue ends.
+/// `_done` is dropped when the task ends, however it ends: the rebalance
+/// callback waits on it before giving the partition up.
+pub(crate) async fn run_partition(
+    shared: Arc<Shared>,
+    partition: i32,
+    queue: InputQueue,
+    mut stop: watch::Receiver<bool>,
+    mut strays: mpsc::UnboundedReceiver<OwnedMessage>,
+    _done: std::sync::mpsc::Sender<()>,
+) {
+    let result = pipeline(&shared, partition, &queue, &mut stop, &mut strays).await;
+    let engine = shared.engine.clone();
+    let _ = tokio::task::spawn_blocking(move || lock_engine(&engine).revoke(partition)).await;
+    if let Err(e) = result {
+        shared.fail(e);
+    }
+}
+
+async fn pipeline(
+    shared: &Arc<Shared>,
+    partition: i32,
+    queue: &InputQueue,
+    stop: &mut watch::Receiver<bool>,
+    strays: &mut mpsc::UnboundedReceiver<OwnedMessage>,
+) -> Result<(), KafkaError> {
+    let now = shared.clock.now_ms();
+    let engine = shared.engine.clone();
+    tokio::task::spawn_blocking(move || lock_engine(&engine).assign(partition, now)).await.map_err(join_error)??;
+    repair(shared, partition).await?;
+    shared.partition_repaired();
+
+    let limits = shared.settings.batch;
+    let at_least_once = shared.settings.delivery == DeliveryMode::AtLeastOnce;
+    // At-least-once: the next input offset published and applied but not yet
+    // committed (the last commit failed, e.g. mid-rebalance). Retried when
+    // the partition is idle and before the task ends, so an idle partition
+    // does not leave its offset behind forever.
+    let mut uncommitted: Option<i64> = None;
+    loop {
+        let mut batch: Vec<OwnedMessage> = Vec::new();
+        // Messages librdkafka delivered to the main queue before this
+        // partition's queue was split come first: they precede it.
+        while let Ok(m) = strays.try_recv() {
+            batch.push(m);
+        }
+        if batch.is_empty() {
+            tokio::select! {
+                // Biased, stop first: a revoke must not wait for input.
+                biased;
+                _ = stop.changed() => break,
+                m = queue.recv() => match m {
+                    Ok(m) => batch.push(m.detach()),
+                    Err(e) => {
+                        tracing::warn!(partition, error = %e, "input consumer error");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+                _ = tokio::time::sleep(Duration::from_secs(1)), if uncommitted.is_some() => {
+                    if let Some(next) = uncommitted {
+                        if commit_input(shared, partition, next).await {
+                            uncommitted = None;
+                        }
+                    }
+                    continue;
+                }
+            }
+        }
+        let deadline = tokio::time::Instant::now() + limits.max_wait;
+        let mut stopping = false;
+        while batch.len() < limits.max_records {
+            tokio::select! {
+                biased;
+                // Stopping while collecting: abandon the unpublished batch.
+                // Nothing of it was published or committed, so the next
+                // owner consumes it from the committed offset.
+                _ = stop.changed() => {
+                    stopping = true;
+                    break;
+                }
+                m = queue.recv() => match m {
+                    Ok(m) => batch.push(m.detach()),
+                    Err(e) => {
+                        tracing::warn!(partition, error = %e, "input consumer error");
+                        break;
+                    }
+                },
+                _ = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+        if stopping {
+            break;
+        }
+        let next = process_batch(shared, partition, batch).await?;
+        if at_least_once {
+            let started = Instant::now();
+            uncommitted = Some(next);
+            if commit_input(shared, partition, next).await {
+                uncommitted = None;
+            }
+            StageTimed { stage: Stage::commit, duration: started.elapsed() }.emit(&shared.metrics);
+        }
+        if *stop.borrow() {
+            break;
+        }
+    }
+    if let Some(next) = uncommitted {
+        commit_input(shared, partition, next).await;
+    }
+    Ok(())
+}
+
+fn join_error(e: tokio::task::JoinError) -> KafkaError {
+    KafkaError::Task { detail: e.to_string() }
+}
+
+async fn repair(shared: &Arc<Shared>, partition: i32) -> Result<(), KafkaError> {
+    let s = shared.clone();
+    let outcome =
+        tokio::task::spawn_blocking(move || s.repairer.repair_blocking(partition)).await.map_err(join_error)??;
+    RepairCompleted {
+        partition,
+        from_offset: outcome.from_offset,
+        records: outcome.records,
+        duration: outcome.duration,
+    }
+    .emit(&shared.metrics);
+    Ok(())
+}
+
+/// Classifies, publishes, applies and (at-least-once) commits one batch.
+/// Finishes it even when a revoke arrives meanwhile: the rebalance callback
+/// waits for this, so two owners never publish the same record.
+/// Returns the next input offset to consume (to commit, at-least-once).
+async fn process_batch(shared: &Arc<Shared>, partition: i32, batch: Vec<OwnedMessage>) -> Result<i64, KafkaError> {
+    let Some(last_offset) = batch.iter().map(|m| m.offset()).max() else {
+        return Err(KafkaError::Task { detail: "empty batch".into() });
+    };
+    let batch = Arc::new(batch);
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let now_ms = shared.clock.now_ms();
+        let started = Instant::now();
+        let (s, b) = (shared.clone(), batch.clone());
+        let prepared =
+            tokio::task::spawn_blocking(move || prepare(&s, partition, &b, now_ms)).await.map_err(join_error)??;
+        StageTimed { stage: Stage::classify, duration: started.elapsed() }.emit(&shared.metrics);
+
+        let started = Instant::now();
+        let published = shared.publisher.publish(partition, prepared.records, last_offset + 1).await;
+        StageTimed { stage: Stage::publish, duration: started.elapsed() }.emit(&shared.metrics);
+        let published = match published {
+            Ok(p) => p,
+            Err(PublishError::Fatal { source }) => {
+                return Err(KafkaError::Fenced { transactional_id: shared.transactional_id.clone(), source });
+            }
+            Err(PublishError::Retriable { detail }) => {
+                tracing::warn!(partition, %detail, backoff_ms = backoff.as_millis() as u64, "publish failed; repairing, then retrying the batch");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                // Whatever of the batch did reach the output is read back, so
+                // the retry sees those records as replays, not new events.
+                repair(shared, partition).await?;
+                continue;
+            }
+        };
+
+        let started = Instant::now();
+        let mut stored = Vec::with_capacity(prepared.accepted.len());
+        for (index, mut s) in prepared.accepted {
+            let Some(&(p, offset)) = published.get(index) else {
+                return Err(KafkaError::Task { detail: "publisher returned fewer positions than records".into() });
+            };
+            s.key.output = Position::new(p, offset);
+            stored.push(s);
+        }
+        let engine = shared.engine.clone();
+        tokio::task::spawn_blocking(move || lock_engine(&engine).apply_published(partition, &stored, now_ms))
+            .await
+            .map_err(join_error)??;
+        StageTimed { stage: Stage::apply, duration: started.elapsed() }.emit(&shared.metrics);
+
+        prepared.summary.emit(&shared.metrics);
+        return Ok(last_offset + 1);
+    }
+}
+
+/// Commits the next input offset of `partition` (at-least-once mode),
+/// synchronously on a blocking thread. Returns whether it was committed.
+async fn commit_input(shared: &Arc<Shared>, partition: i32, next: i64) -> bool {
+    let Some(consumer) = shared.consumer() else { return false };
+    let topic = shared.settings.topics.input.clone();
+    let result = tokio::task::spawn_blocking(move || {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&topic, partition, Offset::Offset(next))?;
+        consumer.commit(&tpl, CommitMode::Sync)
+    })
+    .await;
+    match result {
+        Ok(Ok(())) => true,
+        Ok(Err(e)) => {
+            // A failed commit leaves the offset behind, never ahead: the
+            // records replay and are recognised as replays. Retried later.
+            tracing::warn!(partition, next, error = %e, "input offset commit failed");
+            false
+        }
+        Err(e) => {
+            tracing::warn!(partition, error = %e, "input offset commit task failed");
+            false
+        }
+    }
+}
+
+/// Decode → validate → classify → build the records to publish. Blocking
+/// (the engine may read RocksDB).
+fn prepare(shared: &Shared, partition: i32, batch: &[OwnedMessage], now_ms: i64) -> Result<Prepared, KafkaError> {
+    let inputs: Vec<InputRecord<'_>> = batch
+        .iter()
+        .map(|m| InputRecord { source: Position::new(partition, m.offset()), payload: m.payload() })
+        .collect();
+    let engine = lock_engine(&shared.engine);
+    let outcomes = engine.classify(partition, &inputs, now_ms)?;
+    let mut summary = BatchClassified { partition, ..Default::default() };
+    let mut records = Vec::with_capacity(batch.len());
+    let mut accepted = Vec::new();
+    let mut in_batch: HashMap<IdHash, UsageEvent> = HashMap::new();
+    let mut reasons: HashMap<crate::event::RejectReason, u64> = HashMap::new();
+    let mut tenants: HashMap<String, u64> = HashMap::new();
+    // Input headers are ignored by design: the payload alone is the event,
+    // so unknown or hostile headers cannot change a record's bucket.
+    for ((m, input), outcome) in batch.iter().zip(&inputs).zip(outcomes) {
+        if m.key().is_none() {
+            summary.unkeyed += 1;
+        }
+        match outcome {
+            Outcome::Accepted { event, id_hash, payload_hash } => {
+                summary.accepted += 1;
+                records.push(accepted_record(&event, id_hash, payload_hash, input.source, now_ms));
+                let key = crate::classify::SeenKey {
+                    id_hash,
+                    payload_hash,
+                    first_seen_ms: now_ms,
+                    source: input.source,
+                    // Filled in with the offset the broker assigns.
+                    output: Position::new(partition, -1),
+                };
+                in_batch.insert(id_hash, event.clone());
+                accepted.push((records.len() - 1, StoredEvent { key, event }));
+            }
+            Outcome::Duplicate { .. } => summary.duplicate += 1,
+            Outcome::Replayed { .. } => summary.replayed += 1,
+            Outcome::Conflict { event, id_hash, payload_hash, tier, first } => {
+                summary.conflict += 1;
+                *tenants.entry(event.tenant_id.clone()).or_default() += 1;
+                let original = if tier == Tier::Batch {
+                    in_batch.get(&id_hash).cloned()
+                } else {
+                    engine.original(partition, &id_hash)
+                };
+                records.push(conflict_record(
+                    &event,
+                    id_hash,
+                    payload_hash,
+                    tier,
+                    &first,
+                    original.as_ref(),
+                    input.source,
+                    now_ms,
+                    shared.layout.conflicts_partitions,
+                ));
+            }
+            Outcome::Rejected(rejection) => {
+                summary.rejected += 1;
+                *reasons.entry(rejection.reason).or_default() += 1;
+                records.push(rejected_record(
+                    &rejection,
+                    m.key(),
+                    m.payload(),
+                    input.source,
+                    now_ms,
+                    shared.settings.max_rejected_raw_bytes,
+                    shared.layout.rejected_partitions,
+                ));
+            }
+        }
+    }
+    summary.rejected_by_reason = reasons.into_iter().collect();
+    summary.conflicts_by_tenant = tenants.into_iter().collect();
+    shared.batches.fetch_add(1, Ordering::Relaxed);
+    Ok(Prepared { records, accepted, summary })
+}

@@ -1,0 +1,364 @@
+//! The records dedupd writes, and reading output records back (repair).
+//!
+//! ```text
+//! output topic (partition p = input partition p)
+//!   key        tenant_id \0 event_id          deterministic: retries and replays key alike
+//!   value      canonical JSON of the event    (crate::event::to_canonical_json)
+//!   timestamp  ingest time (first_seen_ms)    retention never drops a back-dated event early
+//!   headers    dedupd.source.partition  decimal   input position of the accepted record
+//!              dedupd.source.offset     decimal
+//!              dedupd.ingest.ms         decimal   = first_seen_ms
+//!              dedupd.id.hash           32 hex    identity (tenant-scoped)
+//!              dedupd.payload.hash      32 hex    canonical payload
+//!
+//! conflicts topic (partition p mod its partition count)
+//!   key        tenant_id \0 event_id
+//!   value      JSON: tenant_id, event_id, id_hash, tier, first {payload_hash, source,
+//!              output, first_seen_ms}, conflict {payload_hash, source, ingest_ms},
+//!              differing_fields (null when the original is no longer held), event
+//!   headers    dedupd.source.*, dedupd.ingest.ms, dedupd.id.hash, dedupd.payload.hash
+//!
+//! rejected topic (partition p mod its partition count)
+//!   key        the input record's key, as is
+//!   value      the raw input bytes, as is (null for a tombstone), truncated to
+//!              max_rejected_raw_bytes
+//!   headers    dedupd.reason            reason code (DESIGN §4)
+//!              dedupd.detail            human-readable detail (≤ 1 KiB)
+//!              dedupd.source.partition / dedupd.source.offset / dedupd.ingest.ms
+//!              dedupd.raw.bytes         length of the raw input
+//!              dedupd.raw.truncated     "true" when value holds a prefix only
+//!              dedupd.raw.blake3        hex blake3 of the whole raw input, when truncated
+//! ```
+
+use rdkafka::message::{Header, Headers, OwnedHeaders};
+use serde_json::value::RawValue;
+
+use crate::classify::{FirstSeen, SeenKey, Tier};
+use crate::event::{
+    id_hash, payload_hash, to_canonical_json, IdHash, PayloadHash, Position, Rejection, UsageEvent, Validator,
+};
+use crate::kafka::engine::StoredEvent;
+
+pub const H_SOURCE_PARTITION: &str = "dedupd.source.partition";
+pub const H_SOURCE_OFFSET: &str = "dedupd.source.offset";
+pub const H_INGEST_MS: &str = "dedupd.ingest.ms";
+pub const H_ID_HASH: &str = "dedupd.id.hash";
+pub const H_PAYLOAD_HASH: &str = "dedupd.payload.hash";
+pub const H_REASON: &str = "dedupd.reason";
+pub const H_DETAIL: &str = "dedupd.detail";
+pub const H_RAW_BYTES: &str = "dedupd.raw.bytes";
+pub const H_RAW_TRUNCATED: &str = "dedupd.raw.truncated";
+pub const H_RAW_BLAKE3: &str = "dedupd.raw.blake3";
+
+const MAX_DETAIL_BYTES: usize = 1024;
+
+/// Which of the three topics a record goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Destination {
+    Output,
+    Conflicts,
+    Rejected,
+}
+
+/// One record to produce.
+#[derive(Clone, Debug)]
+pub struct OutRecord {
+    pub destination: Destination,
+    pub partition: i32,
+    pub key: Option<Vec<u8>>,
+    pub value: Option<Vec<u8>>,
+    pub headers: Vec<(&'static str, Vec<u8>)>,
+    pub timestamp_ms: i64,
+}
+
+impl OutRecord {
+    pub fn owned_headers(&self) -> OwnedHeaders {
+        let mut h = OwnedHeaders::new_with_capacity(self.headers.len());
+        for (k, v) in &self.headers {
+            h = h.insert(Header { key: k, value: Some(v) });
+        }
+        h
+    }
+}
+
+/// The output key of an event: `tenant_id \0 event_id`.
+pub fn event_key(e: &UsageEvent) -> Vec<u8> {
+    let mut k = Vec::with_capacity(e.tenant_id.len() + 1 + e.event_id.len());
+    k.extend_from_slice(e.tenant_id.as_bytes());
+    k.push(0);
+    k.extend_from_slice(e.event_id.as_bytes());
+    k
+}
+
+fn position_headers(h: &mut Vec<(&'static str, Vec<u8>)>, source: Position, ingest_ms: i64) {
+    h.push((H_SOURCE_PARTITION, source.partition.to_string().into_bytes()));
+    h.push((H_SOURCE_OFFSET, source.offset.to_string().into_bytes()));
+    h.push((H_INGEST_MS, ingest_ms.to_string().into_bytes()));
+}
+
+/// The output record of an accepted event.
+pub fn accepted_record(e: &UsageEvent, id: IdHash, ph: PayloadHash, source: Position, ingest_ms: i64) -> OutRecord {
+    let mut headers = Vec::with_capacity(5);
+    position_headers(&mut headers, source, ingest_ms);
+    headers.push((H_ID_HASH, id.to_hex().into_bytes()));
+    headers.push((H_PAYLOAD_HASH, ph.to_hex().into_bytes()));
+    OutRecord {
+        destination: Destination::Output,
+        partition: source.partition,
+        key: Some(event_key(e)),
+        value: Some(to_canonical_json(e).into_bytes()),
+        headers,
+        timestamp_ms: ingest_ms,
+    }
+}
+
+/// Names of the fields in which two events of the same id differ.
+pub fn differing_fields(a: &UsageEvent, b: &UsageEvent) -> Vec<&'static str> {
+    let mut d = Vec::new();
+    let mut check = |name: &'static str, differs: bool| {
+        if differs {
+            d.push(name);
+        }
+    };
+    check("customer_id", a.customer_id != b.customer_id);
+    check("meter", a.meter != b.meter);
+    check("quantity", a.quantity.normalize() != b.quantity.normalize());
+    check("timestamp", a.timestamp_ms != b.timestamp_ms);
+    check("kind", a.kind != b.kind);
+    check("correction_ref", a.correction_ref != b.correction_ref);
+    check("resource_id", a.resource_id != b.resource_id);
+    check("unit", a.unit != b.unit);
+    check("source", a.source != b.source);
+    check("dimensions", a.dimensions != b.dimensions);
+    d
+}
+
+fn position_json(p: Position) -> serde_json::Value {
+    serde_json::json!({"partition": p.partition, "offset": p.offset})
+}
+
+/// The conflicts-topic record of a conflicting delivery. `original` is the
+/// first accepted event when local state still holds it.
+#[allow(clippy::too_many_arguments)]
+pub fn conflict_record(
+    e: &UsageEvent,
+    id: IdHash,
+    ph: PayloadHash,
+    tier: Tier,
+    first: &FirstSeen,
+    original: Option<&UsageEvent>,
+    source: Position,
+    ingest_ms: i64,
+    partitions: usize,
+) -> OutRecord {
+    let canonical = to_canonical_json(e);
+    let event = RawValue::from_string(canonical).ok();
+    let value = serde_json::json!({
+        "tenant_id": e.tenant_id,
+        "event_id": e.event_id,
+        "id_hash": id.to_hex(),
+        "tier": tier.as_str(),
+        "first": {
+            "payload_hash": first.payload_hash.to_hex(),
+            "source": position_json(first.source),
+            "output": first.output.map(position_json),
+            "first_seen_ms": first.first_seen_ms,
+        },
+        "conflict": {
+            "payload_hash": ph.to_hex(),
+            "source": position_json(source),
+            "ingest_ms": ingest_ms,
+        },
+        "differing_fields": original.map(|o| differing_fields(o, e)),
+        "event": event,
+    });
+    let mut headers = Vec::with_capacity(5);
+    position_headers(&mut headers, source, ingest_ms);
+    headers.push((H_ID_HASH, id.to_hex().into_bytes()));
+    headers.push((H_PAYLOAD_HASH, ph.to_hex().into_bytes()));
+    OutRecord {
+        destination: Destination::Conflicts,
+        partition: side_partition(source.partition, partitions),
+        key: Some(event_key(e)),
+        value: Some(value.to_string().into_bytes()),
+        headers,
+        timestamp_ms: ingest_ms,
+    }
+}
+
+/// The rejected-topic record of an input record.
+pub fn rejected_record(
+    rejection: &Rejection,
+    key: Option<&[u8]>,
+    raw: Option<&[u8]>,
+    source: Position,
+    ingest_ms: i64,
+    max_raw_bytes: usize,
+    partitions: usize,
+) -> OutRecord {
+    let mut headers = Vec::with_capacity(8);
+    headers.push((crate::kafka::records::H_REASON, rejection.reason.as_str().as_bytes().to_vec()));
+    let mut detail = rejection.detail.as_str();
+    if detail.len() > MAX_DETAIL_BYTES {
+        let mut cut = MAX_DETAIL_BYTES;
+        while !detail.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        detail = &detail[..cut];
+    }
+    headers.push((H_DETAIL, detail.as_bytes().to_vec()));
+    position_headers(&mut headers, source, ingest_ms);
+    let value = raw.map(|raw| {
+        headers.push((H_RAW_BYTES, raw.len().to_string().into_bytes()));
+        if raw.len() > max_raw_bytes {
+            headers.push((H_RAW_TRUNCATED, b"true".to_vec()));
+            headers.push((H_RAW_BLAKE3, blake3::hash(raw).to_hex().as_bytes().to_vec()));
+            raw[..max_raw_bytes].to_vec()
+        } else {
+            headers.push((H_RAW_TRUNCATED, b"false".to_vec()));
+            raw.to_vec()
+        }
+    });
+    OutRecord {
+        destination: Destination::Rejected,
+        partition: side_partition(source.partition, partitions),
+        key: key.map(<[u8]>::to_vec),
+        value,
+        headers,
+        timestamp_ms: ingest_ms,
+    }
+}
+
+/// Side topics need not be co-partitioned; partition p goes to p mod n.
+fn side_partition(p: i32, partitions: usize) -> i32 {
+    let n = i32::try_from(partitions.max(1)).unwrap_or(i32::MAX);
+    p.rem_euclid(n)
+}
+
+fn header<'a, H: Headers>(h: &'a H, name: &str) -> Option<&'a [u8]> {
+    h.iter().find(|x| x.key == name).and_then(|x| x.value)
+}
+
+fn header_i64<H: Headers>(h: &H, name: &str) -> Result<i64, String> {
+    let v = header(h, name).ok_or_else(|| format!("header {name} missing"))?;
+    std::str::from_utf8(v).ok().and_then(|s| s.parse().ok()).ok_or_else(|| format!("header {name} is not a number"))
+}
+
+/// Reads one output record back into the event and key it stands for.
+/// Checks the hashes in the headers against the event: a record that does
+/// not hash to its own headers was not written by this dedupd.
+pub fn parse_output<H: Headers>(
+    validator: &Validator,
+    position: Position,
+    headers: Option<&H>,
+    value: Option<&[u8]>,
+) -> Result<StoredEvent, String> {
+    let h = headers.ok_or("no headers")?;
+    let value = value.ok_or("null value")?;
+    let event = validator.read_output(value).map_err(|r| format!("value does not read back: {r}"))?;
+    let id = id_hash(&event.tenant_id, &event.event_id);
+    let ph = payload_hash(&event);
+    let hex = |name| {
+        header(h, name).and_then(|v| std::str::from_utf8(v).ok()).ok_or_else(|| format!("header {name} missing"))
+    };
+    if IdHash::from_hex(hex(H_ID_HASH)?) != Some(id) {
+        return Err("id hash header does not match the event".into());
+    }
+    if PayloadHash::from_hex(hex(H_PAYLOAD_HASH)?) != Some(ph) {
+        return Err("payload hash header does not match the event".into());
+    }
+    let source_partition = i32::try_from(header_i64(h, H_SOURCE_PARTITION)?).map_err(|e| e.to_string())?;
+    let key = SeenKey {
+        id_hash: id,
+        payload_hash: ph,
+        first_seen_ms: header_i64(h, H_INGEST_MS)?,
+        source: Position::new(source_partition, header_i64(h, H_SOURCE_OFFSET)?),
+        output: position,
+    };
+    Ok(StoredEvent { key, event })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{Limits, RejectReason};
+
+    const NOW: i64 = 1_790_000_000_000;
+
+    fn validator() -> Validator {
+        Validator::new(Limits::default(), vec![], "salt")
+    }
+
+    fn event(qty: &str) -> UsageEvent {
+        let raw = format!(
+            r#"{{"event_id":"e1","tenant_id":"acme","customer_id":"c","meter":"m","quantity":"{qty}","timestamp":{NOW},"dimensions":{{"b":"2","a":"1"}}}}"#
+        );
+        validator().validate(raw.as_bytes(), NOW).expect("valid")
+    }
+
+    #[test]
+    fn output_record_reads_back_to_the_same_key() {
+        let e = event("1.50");
+        let id = id_hash(&e.tenant_id, &e.event_id);
+        let ph = payload_hash(&e);
+        let r = accepted_record(&e, id, ph, Position::new(2, 41), NOW + 5);
+        assert_eq!(r.key.as_deref(), Some(&b"acme\0e1"[..]));
+        assert_eq!(r.timestamp_ms, NOW + 5);
+        let back = parse_output(&validator(), Position::new(2, 7), Some(&r.owned_headers()), r.value.as_deref())
+            .expect("reads back");
+        assert_eq!(back.event, e);
+        assert_eq!(
+            back.key,
+            SeenKey {
+                id_hash: id,
+                payload_hash: ph,
+                first_seen_ms: NOW + 5,
+                source: Position::new(2, 41),
+                output: Position::new(2, 7)
+            }
+        );
+    }
+
+    #[test]
+    fn output_record_with_a_tampered_hash_is_refused() {
+        let e = event("1");
+        let r = accepted_record(&e, id_hash("x", "y"), payload_hash(&e), Position::new(0, 1), NOW);
+        let err = parse_output(&validator(), Position::new(0, 0), Some(&r.owned_headers()), r.value.as_deref());
+        assert!(matches!(err, Err(m) if m.contains("id hash")));
+    }
+
+    #[test]
+    fn conflict_record_names_the_fields_that_differ() {
+        let a = event("1");
+        let b = event("2");
+        let id = id_hash(&a.tenant_id, &a.event_id);
+        let first = FirstSeen {
+            payload_hash: payload_hash(&a),
+            first_seen_ms: NOW,
+            source: Position::new(0, 1),
+            output: Some(Position::new(0, 0)),
+            batch_index: None,
+        };
+        let r =
+            conflict_record(&b, id, payload_hash(&b), Tier::HotCache, &first, Some(&a), Position::new(0, 9), NOW, 1);
+        let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().expect("value")).expect("json");
+        assert_eq!(v["differing_fields"], serde_json::json!(["quantity"]));
+        assert_eq!(v["first"]["payload_hash"], payload_hash(&a).to_hex());
+        assert_eq!(v["conflict"]["payload_hash"], payload_hash(&b).to_hex());
+        assert_eq!(v["event"]["quantity"], "2");
+    }
+
+    #[test]
+    fn huge_rejected_raw_is_truncated_with_its_length_and_hash() {
+        let raw = vec![0xffu8; 1 << 20];
+        let rej = Rejection::new(RejectReason::RecordTooLarge, "x".repeat(5000));
+        let r = rejected_record(&rej, None, Some(&raw), Position::new(3, 3), NOW, 1000, 2);
+        assert_eq!(r.value.as_ref().map(Vec::len), Some(1000));
+        assert_eq!(r.partition, 1);
+        let get = |k| r.headers.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone());
+        assert_eq!(get(H_RAW_BYTES), Some(b"1048576".to_vec()));
+        assert_eq!(get(H_RAW_TRUNCATED), Some(b"true".to_vec()));
+        assert_eq!(get(H_DETAIL).map(|d| d.len()), Some(MAX_DETAIL_BYTES));
+        assert_eq!(get(H_REASON), Some(b"record_too_large".to_vec()));
+    }
+}

@@ -1,0 +1,511 @@
+//! `dedupd run`: start-up checks, the consumer group, the partition tasks,
+//! the rebalance callbacks and shutdown.
+//!
+//! ```text
+//!            ┌──────────── main task ─────────────┐
+//!            │ consumer.recv(): serves rebalances │──post_rebalance(Assign)──► spawn partition task p
+//!            │ (and forwards stray messages)      │──pre_rebalance(Revoke)───► stop p, wait until done
+//!            └────────────────────────────────────┘
+//!  partition task p: repair p ─► [batch ─► classify ─► publish ─► apply ─► commit]*
+//!                                                        │
+//!                         exactly-once: publisher task (one transaction for all waiting batches)
+//!                         at-least-once: shared idempotent producer
+//!  maintenance task: engine.maintain + state gauges     metrics task: /metrics /healthz /readyz
+//! ```
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
+
+use hashbrown::HashMap;
+use rdkafka::client::ClientContext;
+use rdkafka::consumer::stream_consumer::StreamPartitionQueue;
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::message::{Message, OwnedMessage};
+use rdkafka::producer::{FutureProducer, Producer};
+use rdkafka::statistics::Statistics;
+use tokio::runtime::{Handle, RuntimeFlavor};
+use tokio::sync::{mpsc, watch};
+
+use crate::classify::Clock;
+use crate::event::Validator;
+use crate::kafka::clients::{self, TopicLayout};
+use crate::kafka::engine::Engine;
+use crate::kafka::error::KafkaError;
+use crate::kafka::partition::run_partition;
+use crate::kafka::publisher::{self, Publisher};
+use crate::kafka::repair::{lock_engine, Repairer};
+use crate::kafka::settings::{DeliveryMode, RunSettings};
+use crate::metrics::{AssignmentChanged, Bucket, LagObserved, Metrics, MetricsServer, StateObserved};
+
+pub type InputConsumer = StreamConsumer<WorkerContext>;
+pub type InputQueue = StreamPartitionQueue<WorkerContext>;
+
+/// What [`run`] needs besides settings: the engine and its collaborators.
+pub struct WorkerParts {
+    /// Validates input (and reads output back during repair).
+    pub validator: Validator,
+    /// Local state; `crate::state::LocalState` in production.
+    pub engine: Box<dyn Engine>,
+    pub clock: Arc<dyn Clock>,
+    /// Shared with the caller so tests and the demo can read the counters.
+    pub metrics: Arc<Metrics>,
+}
+
+/// What a finished run did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RunReport {
+    pub accepted: u64,
+    pub duplicate: u64,
+    pub conflict: u64,
+    pub rejected: u64,
+    pub replayed: u64,
+    pub repaired_records: u64,
+    pub batches: u64,
+}
+
+/// State shared by the main task, partition tasks and rebalance callbacks.
+pub(crate) struct Shared {
+    pub settings: RunSettings,
+    pub layout: TopicLayout,
+    /// A std `Mutex`, not tokio's: it is only ever taken on blocking threads
+    /// (engine calls may fsync), never held across an await, and the
+    /// rebalance callback runs outside any async context.
+    pub engine: Arc<Mutex<Box<dyn Engine>>>,
+    pub repairer: Repairer,
+    pub publisher: Publisher,
+    pub metrics: Arc<Metrics>,
+    pub clock: Arc<dyn Clock>,
+    pub transactional_id: String,
+    /// Weak: the consumer owns the context that owns this; a strong
+    /// reference would be a cycle that never closes the consumer.
+    consumer: Arc<OnceLock<Weak<InputConsumer>>>,
+    fatal: mpsc::UnboundedSender<KafkaError>,
+    pending_repairs: AtomicUsize,
+    assignment_seen: AtomicBool,
+    pub batches: AtomicU64,
+}
+
+impl Shared {
+    pub(crate) fn consumer(&self) -> Option<Arc<InputConsumer>> {
+        self.consumer.get().and_then(Weak::upgrade)
+    }
+
+    /// Reports a fatal error to the main task, which stops the worker.
+    pub(crate) fn fail(&self, e: KafkaError) {
+        tracing::error!(error = %e, "fatal worker error");
+        self.metrics.set_unhealthy();
+        let _ = self.fatal.send(e);
+    }
+
+    pub(crate) fn partition_repaired(&self) {
+        let before = self.pending_repairs.fetch_sub(1, Ordering::SeqCst);
+        self.update_ready(before.saturating_sub(1));
+    }
+
+    fn update_ready(&self, pending: usize) {
+        self.metrics.set_ready(self.assignment_seen.load(Ordering::SeqCst) && pending == 0);
+    }
+}
+
+/// A running partition task, as the rebalance callback sees it.
+struct PartitionHandle {
+    stop: watch::Sender<bool>,
+    /// Disconnects when the task ends (its sender is dropped).
+    done: std::sync::mpsc::Receiver<()>,
+    strays: mpsc::UnboundedSender<OwnedMessage>,
+}
+
+/// The consumer context: rebalance callbacks and statistics.
+pub struct WorkerContext {
+    shared: Arc<Shared>,
+    /// A std `Mutex`: taken in librdkafka callbacks (sync) and briefly in the
+    /// main task, never across an await.
+    tasks: Mutex<HashMap<i32, PartitionHandle>>,
+    runtime: Handle,
+}
+
+impl WorkerContext {
+    fn tasks(&self) -> std::sync::MutexGuard<'_, HashMap<i32, PartitionHandle>> {
+        self.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn assign(&self, partitions: Vec<i32>) {
+        let Some(consumer) = self.shared.consumer() else { return };
+        let topic = &self.shared.settings.topics.input;
+        let mut started = Vec::new();
+        for p in partitions {
+            if self.tasks().contains_key(&p) {
+                continue;
+            }
+            let Some(queue) = consumer.split_partition_queue(topic, p) else {
+                self.shared.fail(KafkaError::Task { detail: format!("cannot split the queue of input partition {p}") });
+                continue;
+            };
+            let (stop, stop_rx) = watch::channel(false);
+            let (done_tx, done) = std::sync::mpsc::channel();
+            let (strays, strays_rx) = mpsc::unbounded_channel();
+            self.shared.pending_repairs.fetch_add(1, Ordering::SeqCst);
+            self.runtime.spawn(run_partition(self.shared.clone(), p, queue, stop_rx, strays_rx, done_tx));
+            self.tasks().insert(p, PartitionHandle { stop, done, strays });
+            started.push(p);
+        }
+        self.shared.assignment_seen.store(true, Ordering::SeqCst);
+        self.shared.update_ready(self.shared.pending_repairs.load(Ordering::SeqCst));
+        AssignmentChanged { assigned: started, revoked: vec![], owned_now: self.tasks().len() }
+            .emit(&self.shared.metrics);
+    }
+
+    /// Stops the tasks of `partitions` and waits (bounded) until each has
+    /// finished or abandoned its batch: only then may another owner start.
+    fn revoke(&self, partitions: &[i32]) {
+        let handles: Vec<(i32, PartitionHandle)> =
+            partitions.iter().filter_map(|p| self.tasks().remove(p).map(|h| (*p, h))).collect();
+        for (_, h) in &handles {
+            let _ = h.stop.send(true);
+        }
+        let timeout = self.shared.settings.revoke_timeout;
+        let wait = || {
+            let deadline = std::time::Instant::now() + timeout;
+            for (p, h) in &handles {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = h.done.recv_timeout(left) {
+                    tracing::error!(
+                        partition = p,
+                        ?timeout,
+                        "partition task did not stop in time; releasing it anyway"
+                    );
+                }
+            }
+        };
+        block_outside_runtime(wait);
+        let mut ready = self.shared.pending_repairs.load(Ordering::SeqCst);
+        ready = ready.min(self.tasks().len());
+        self.shared.pending_repairs.store(ready, Ordering::SeqCst);
+        self.shared.update_ready(ready);
+        AssignmentChanged { assigned: vec![], revoked: partitions.to_vec(), owned_now: self.tasks().len() }
+            .emit(&self.shared.metrics);
+    }
+
+    fn forward_stray(&self, m: OwnedMessage) {
+        match self.tasks().get(&m.partition()) {
+            Some(h) => {
+                let _ = h.strays.send(m);
+            }
+            None => tracing::warn!(partition = m.partition(), offset = m.offset(), "message for an unowned partition"),
+        }
+    }
+}
+
+/// Runs a blocking wait from a callback that may be on a runtime worker
+/// thread: `block_in_place` lets the runtime move its other tasks (the very
+/// partition tasks being waited on) to other threads meanwhile.
+fn block_outside_runtime<T>(f: impl FnOnce() -> T) -> T {
+    match Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
+impl ClientContext for WorkerContext {
+    fn stats(&self, statistics: Statistics) {
+        let Some(topic) = statistics.topics.get(&self.shared.settings.topics.input) else { return };
+        let owned: Vec<i32> = self.tasks().keys().copied().collect();
+        for (&partition, p) in &topic.partitions {
+            if owned.contains(&partition) && p.consumer_lag >= 0 {
+                LagObserved { partition, lag_records: p.consumer_lag }.emit(&self.shared.metrics);
+            }
+        }
+    }
+}
+
+fn partitions_of(tpl: &rdkafka::TopicPartitionList, topic: &str) -> Vec<i32> {
+    tpl.elements().iter().filter(|e| e.topic() == topic).map(|e| e.partition()).collect()
+}
+
+impl ConsumerContext for WorkerContext {
+    fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(tpl) = rebalance {
+            self.revoke(&partitions_of(tpl, &self.shared.settings.topics.input));
+        }
+        if let Rebalance::Error(e) = rebalance {
+            tracing::warn!(error = %e, "rebalance error");
+        }
+    }
+
+    fn post_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Assign(tpl) = rebalance {
+            self.assign(partitions_of(tpl, &self.shared.settings.topics.input));
+        }
+    }
+}
+
+fn engine_stats(engine: &Mutex<Box<dyn Engine>>, now_ms: i64) -> StateObserved {
+    let s = lock_engine(engine).stats(now_ms);
+    let age = |ms: Option<i64>| ms.map(|m| Duration::from_millis(u64::try_from(now_ms.saturating_sub(m)).unwrap_or(0)));
+    StateObserved {
+        hot_cache_entries: s.hot_cache_entries,
+        keystore_bytes: s.keystore_bytes,
+        hot_window: age(s.oldest_hot_first_seen_ms),
+        keystore_window: age(s.oldest_keystore_first_seen_ms),
+    }
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, KafkaError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| KafkaError::Task { detail: e.to_string() })
+}
+
+/// Creates the producer and, for exactly-once, checks the broker speaks
+/// transactions and fences any previous instance with the same id.
+async fn start_publisher(
+    settings: &RunSettings,
+    transactional_id: &str,
+    consumer_slot: Arc<OnceLock<Weak<InputConsumer>>>,
+) -> Result<(Publisher, Option<tokio::task::JoinHandle<()>>, FutureProducer), KafkaError> {
+    let topics = Arc::new(settings.topics.clone());
+    let timeout = settings.operation_timeout;
+    match settings.delivery {
+        DeliveryMode::AtLeastOnce => {
+            let producer: FutureProducer = clients::producer_config(settings, None)
+                .create()
+                .map_err(KafkaError::client("creating the producer"))?;
+            Ok((Publisher::Idempotent { producer: producer.clone(), topics }, None, producer))
+        }
+        DeliveryMode::ExactlyOnce => {
+            let s = settings.clone();
+            let probe = blocking(move || clients::missing_transaction_apis(&s, Duration::from_secs(10))).await?;
+            match probe {
+                Ok(Some(missing)) if !missing.is_empty() => {
+                    return Err(KafkaError::TransactionsUnsupported {
+                        brokers: settings.brokers.clone(),
+                        detail: format!("it does not serve {}", missing.join(", ")),
+                    });
+                }
+                Ok(_) => {}
+                Err(detail) => tracing::warn!(%detail, "could not probe the broker's APIs; relying on librdkafka"),
+            }
+            let producer: FutureProducer = clients::producer_config(settings, Some(transactional_id))
+                .create()
+                .map_err(KafkaError::client("creating the transactional producer"))?;
+            let p = producer.clone();
+            blocking(move || p.init_transactions(timeout)).await?.map_err(|e| {
+                let unsupported = matches!(
+                    e.rdkafka_error_code(),
+                    Some(
+                        RDKafkaErrorCode::UnsupportedVersion
+                            | RDKafkaErrorCode::UnsupportedFeature
+                            | RDKafkaErrorCode::UnsupportedForMessageFormat
+                    )
+                );
+                if unsupported {
+                    KafkaError::TransactionsUnsupported { brokers: settings.brokers.clone(), detail: e.to_string() }
+                } else {
+                    KafkaError::Client { operation: "initialising transactions", source: e }
+                }
+            })?;
+            let cgm: publisher::GroupMetadataSource =
+                Arc::new(move || consumer_slot.get().and_then(Weak::upgrade).and_then(|c| c.group_metadata()));
+            let (publisher, task) = publisher::start_transactional(producer.clone(), topics, cgm, timeout);
+            Ok((publisher, Some(task), producer))
+        }
+    }
+}
+
+/// Runs the worker until `shutdown` completes (then: stop taking input,
+/// finish in-flight batches, commit, flush, close local state) or a fatal
+/// error. Needs a multi-threaded tokio runtime: rebalance callbacks block
+/// while revoked partitions finish their batch.
+pub async fn run(
+    settings: RunSettings,
+    parts: WorkerParts,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<RunReport, KafkaError> {
+    if Handle::current().runtime_flavor() != RuntimeFlavor::MultiThread {
+        return Err(KafkaError::Task { detail: "dedupd run needs a multi-threaded tokio runtime".into() });
+    }
+    let WorkerParts { validator, engine, clock, metrics } = parts;
+    let s = settings.clone();
+    let timeout = settings.operation_timeout;
+    let layout = blocking(move || clients::check_topics(&s, timeout)).await??;
+
+    let (server_stop, server_stop_rx) = watch::channel(false);
+    let server_task = match settings.metrics_addr {
+        Some(addr) => {
+            let server = MetricsServer::bind(addr, metrics.clone()).await?;
+            tracing::info!(addr = %server.local_addr(), "metrics endpoint listening");
+            let mut rx = server_stop_rx.clone();
+            Some(tokio::spawn(server.serve(async move {
+                let _ = rx.wait_for(|stop| *stop).await;
+            })))
+        }
+        None => None,
+    };
+
+    let transactional_id = settings.transactional_id(rand::random::<u64>());
+    let consumer_slot: Arc<OnceLock<Weak<InputConsumer>>> = Arc::new(OnceLock::new());
+    let (publisher, publisher_task, producer) =
+        start_publisher(&settings, &transactional_id, consumer_slot.clone()).await?;
+
+    let engine = Arc::new(Mutex::new(engine));
+    let (fatal_tx, mut fatal_rx) = mpsc::unbounded_channel();
+    let repairer = Repairer {
+        config: clients::repair_consumer_config(&settings),
+        output_topic: settings.topics.output.clone(),
+        validator,
+        engine: engine.clone(),
+        clock: clock.clone(),
+        stall_timeout: settings.operation_timeout,
+    };
+    let shared = Arc::new(Shared {
+        settings: settings.clone(),
+        layout,
+        engine: engine.clone(),
+        repairer,
+        publisher,
+        metrics: metrics.clone(),
+        clock: clock.clone(),
+        transactional_id,
+        consumer: consumer_slot.clone(),
+        fatal: fatal_tx,
+        pending_repairs: AtomicUsize::new(0),
+        assignment_seen: AtomicBool::new(false),
+        batches: AtomicU64::new(0),
+    });
+    let context =
+        WorkerContext { shared: shared.clone(), tasks: Mutex::new(HashMap::new()), runtime: Handle::current() };
+    let consumer: Arc<InputConsumer> = Arc::new(
+        clients::input_consumer_config(&settings)
+            .create_with_context(context)
+            .map_err(KafkaError::client("creating the input consumer"))?,
+    );
+    let _ = consumer_slot.set(Arc::downgrade(&consumer));
+    consumer.subscribe(&[&settings.topics.input]).map_err(KafkaError::client("subscribing to the input topic"))?;
+
+    let maintain_task = {
+        let (engine, metrics, clock) = (engine.clone(), metrics.clone(), clock.clone());
+        let mut stop = server_stop_rx.clone();
+        let every = settings.maintain_interval;
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = stop.wait_for(|s| *s) => break,
+                    _ = tokio::time::sleep(every) => {}
+                }
+                let (engine, clock) = (engine.clone(), clock.clone());
+                let result = tokio::task::spawn_blocking(move || {
+                    let now = clock.now_ms();
+                    let r = lock_engine(&engine).maintain(now);
+                    (r, engine_stats(&engine, now))
+                })
+                .await;
+                if let Ok((r, stats)) = result {
+                    stats.emit(&metrics);
+                    if let Err(e) = r {
+                        tracing::warn!(error = %e, "local state maintenance failed");
+                    }
+                }
+            }
+        })
+    };
+
+    let mut fatal = None;
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            // Biased: shutdown first, then fatal errors, then the consumer,
+            // so a busy main queue can never delay a stop.
+            biased;
+            _ = &mut shutdown => break,
+            e = fatal_rx.recv() => {
+                fatal = e;
+                break;
+            }
+            m = consumer.recv() => match m {
+                Ok(m) => consumer.context().forward_stray(m.detach()),
+                Err(e) => {
+                    tracing::warn!(error = %e, "input consumer error");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+        }
+    }
+    tracing::info!(fatal = fatal.is_some(), "stopping: finishing in-flight batches");
+
+    // Stop every partition task; each finishes (or abandons, if unpublished)
+    // its batch. The wait is bounded by revoke_timeout.
+    let owned: Vec<i32> = consumer.context().tasks().keys().copied().collect();
+    let ctx_consumer = consumer.clone();
+    blocking(move || ctx_consumer.context().revoke(&owned)).await?;
+
+    let p = producer.clone();
+    if let Err(e) = blocking(move || p.flush(timeout)).await? {
+        tracing::warn!(error = %e, "producer flush at shutdown failed");
+    }
+    drop(shared.publisher.clone());
+    // Closing the consumer leaves the group (or, with static membership,
+    // keeps the slot until the session times out). Blocking: off the runtime.
+    let c = consumer;
+    blocking(move || {
+        c.unsubscribe();
+        drop(c);
+    })
+    .await?;
+    if let Some(t) = publisher_task {
+        t.abort();
+    }
+    let _ = server_stop.send(true);
+    let _ = maintain_task.await;
+    let e = engine.clone();
+    let closed = blocking(move || lock_engine(&e).close()).await?;
+    if let Some(t) = server_task {
+        match t.await {
+            Ok(Err(e)) => tracing::warn!(error = %e, "metrics endpoint failed"),
+            Err(e) => tracing::warn!(error = %e, "metrics endpoint task failed"),
+            Ok(Ok(())) => {}
+        }
+    }
+    if let Some(e) = fatal {
+        return Err(e);
+    }
+    closed?;
+    Ok(RunReport {
+        accepted: metrics.events(Bucket::accepted),
+        duplicate: metrics.events(Bucket::duplicate),
+        conflict: metrics.events(Bucket::conflict),
+        rejected: metrics.events(Bucket::rejected),
+        replayed: metrics.events(Bucket::replayed),
+        repaired_records: metrics.repair_records(),
+        batches: shared.batches.load(Ordering::Relaxed),
+    })
+}
+
+/// Completes on SIGTERM or SIGINT: the shutdown future for [`run`] in the
+/// binary. If the handlers cannot be installed it never completes (the
+/// process then stops only by being killed, which repair makes safe).
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let term = async {
+        match signal(SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        _ = term => tracing::info!("SIGTERM: shutting down"),
+        r = tokio::signal::ctrl_c() => match r {
+            Ok(()) => tracing::info!("SIGINT: shutting down"),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGINT");
+                std::future::pending::<()>().await;
+            }
+        },
+    }
+}

@@ -1,0 +1,755 @@
+//! Metrics: the registry of every DESIGN §8 metric, one typed struct per
+//! observable event, and the HTTP endpoint (`/metrics`, `/healthz`, `/readyz`).
+//!
+//! Every label set is bounded: buckets, reasons, tiers, stages and recovery
+//! paths are closed enums pre-registered at start (so a dashboard sees zeros,
+//! not gaps); partitions are bounded by the topic; tenants are capped at
+//! [`MAX_TENANT_LABELS`] distinct values, the rest count under `_other`.
+//!
+//! The endpoint serves the Prometheus text format 0.0.4. prometheus-client
+//! encodes OpenMetrics, whose counter families are named without `_total`
+//! and end with `# EOF`; [`Metrics::encode`] rewrites those two details so
+//! `promtool check metrics` accepts the page.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+use crate::event::RejectReason;
+
+/// Most distinct tenant label values of `dedupd_conflicts_total`.
+pub const MAX_TENANT_LABELS: usize = 256;
+/// The tenant label for conflicts of tenants beyond the cap.
+pub const OTHER_TENANT: &str = "_other";
+
+/// The bucket an input record ends in (DESIGN §1, §5).
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum Bucket {
+    accepted,
+    duplicate,
+    conflict,
+    rejected,
+    replayed,
+}
+
+impl Bucket {
+    pub const ALL: [Bucket; 5] =
+        [Bucket::accepted, Bucket::duplicate, Bucket::conflict, Bucket::rejected, Bucket::replayed];
+}
+
+/// A stage of the per-batch pipeline (DESIGN §6).
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum Stage {
+    /// Decode, validate, hash and classify.
+    classify,
+    /// Produce to output and side topics and wait for acknowledgement
+    /// (exactly-once: until the transaction commits).
+    publish,
+    /// Apply the published events to local state.
+    apply,
+    /// Commit input offsets (at-least-once only; inside the transaction otherwise).
+    commit,
+    /// Read the output partition back into local state.
+    repair,
+}
+
+impl Stage {
+    pub const ALL: [Stage; 5] = [Stage::classify, Stage::publish, Stage::apply, Stage::commit, Stage::repair];
+}
+
+/// A state tier whose remembered window is reported.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum WindowTier {
+    hot_cache,
+    keystore,
+}
+
+/// How a usage-store segment was recovered at start (DESIGN §7).
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum RecoveryPath {
+    sidecar,
+    fallback,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BucketLabels {
+    bucket: Bucket,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantLabels {
+    tenant: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TierLabels {
+    tier: WindowTier,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StageLabels {
+    stage: Stage,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PathLabels {
+    path: RecoveryPath,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PartitionLabels {
+    partition: i32,
+}
+
+fn duration_histogram() -> Histogram {
+    // 100 µs .. ~100 s: fsyncs at the low end, slow transactions at the top.
+    Histogram::new(exponential_buckets(0.0001, 2.0, 21))
+}
+
+/// Every metric of DESIGN §8 plus `dedupd_unkeyed_records_total`.
+///
+/// Cheap to share: every field is an `Arc`ed atomic; clone the `Arc<Metrics>`.
+pub struct Metrics {
+    registry: Registry,
+    events: Family<BucketLabels, Counter>,
+    conflicts: Family<TenantLabels, Counter>,
+    /// Tenants that already own a label value. A std `Mutex`: held for one
+    /// set lookup per conflict-carrying batch, never across an await.
+    conflict_tenants: Mutex<HashSet<String>>,
+    rejected: Family<ReasonLabels, Counter>,
+    dedupe_window: Family<TierLabels, Gauge<f64, AtomicU64>>,
+    hot_cache_entries: Gauge,
+    keystore_bytes: Gauge,
+    batch_duration: Family<StageLabels, Histogram, fn() -> Histogram>,
+    wal_fsync_duration: Histogram,
+    repair_records: Counter,
+    recovery_segments: Family<PathLabels, Counter>,
+    consumer_lag: Family<PartitionLabels, Gauge>,
+    assigned_partitions: Gauge,
+    unkeyed_records: Counter,
+    healthy: AtomicBool,
+    ready: AtomicBool,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").field("ready", &self.is_ready()).finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("dedupd");
+        let events = Family::<BucketLabels, Counter>::default();
+        let conflicts = Family::<TenantLabels, Counter>::default();
+        let rejected = Family::<ReasonLabels, Counter>::default();
+        let dedupe_window = Family::<TierLabels, Gauge<f64, AtomicU64>>::default();
+        let hot_cache_entries = Gauge::default();
+        let keystore_bytes = Gauge::default();
+        let batch_duration =
+            Family::<StageLabels, Histogram, fn() -> Histogram>::new_with_constructor(duration_histogram);
+        let wal_fsync_duration = duration_histogram();
+        let repair_records = Counter::default();
+        let recovery_segments = Family::<PathLabels, Counter>::default();
+        let consumer_lag = Family::<PartitionLabels, Gauge>::default();
+        let assigned_partitions = Gauge::default();
+        let unkeyed_records = Counter::default();
+
+        registry.register("events", "Input records by bucket", events.clone());
+        registry.register("conflicts", "Conflicts (same id, different payload) by tenant", conflicts.clone());
+        registry.register("rejected", "Rejected records by reason code", rejected.clone());
+        registry.register(
+            "dedupe_window_seconds",
+            "Age of the oldest key still remembered, by tier",
+            dedupe_window.clone(),
+        );
+        registry.register(
+            "hot_cache_entries",
+            "Keys in the hot caches of assigned partitions",
+            hot_cache_entries.clone(),
+        );
+        registry.register("keystore_bytes", "Approximate size of the key store on disk", keystore_bytes.clone());
+        registry.register("batch_duration_seconds", "Time per batch, by pipeline stage", batch_duration.clone());
+        registry.register("wal_fsync_duration_seconds", "Usage-store WAL fsync time", wal_fsync_duration.clone());
+        registry.register(
+            "repair_records",
+            "Output records read back into local state by repair",
+            repair_records.clone(),
+        );
+        registry.register(
+            "recovery_segments",
+            "Usage-store segments recovered at start, by path",
+            recovery_segments.clone(),
+        );
+        registry.register(
+            "consumer_lag_records",
+            "Records between the consumer position and the high watermark, by input partition",
+            consumer_lag.clone(),
+        );
+        registry.register(
+            "assigned_partitions",
+            "Input partitions owned by this instance",
+            assigned_partitions.clone(),
+        );
+        registry.register(
+            "unkeyed_records",
+            "Input records without a key (retries of them may land on other partitions)",
+            unkeyed_records.clone(),
+        );
+
+        // Pre-register every closed label value so series exist from the start.
+        for bucket in Bucket::ALL {
+            let _ = events.get_or_create(&BucketLabels { bucket });
+        }
+        for reason in RejectReason::ALL {
+            let _ = rejected.get_or_create(&ReasonLabels { reason: reason.as_str().to_owned() });
+        }
+        for tier in [WindowTier::hot_cache, WindowTier::keystore] {
+            let _ = dedupe_window.get_or_create(&TierLabels { tier });
+        }
+        for stage in Stage::ALL {
+            let _ = batch_duration.get_or_create(&StageLabels { stage });
+        }
+        for path in [RecoveryPath::sidecar, RecoveryPath::fallback] {
+            let _ = recovery_segments.get_or_create(&PathLabels { path });
+        }
+
+        Metrics {
+            registry,
+            events,
+            conflicts,
+            conflict_tenants: Mutex::new(HashSet::new()),
+            rejected,
+            dedupe_window,
+            hot_cache_entries,
+            keystore_bytes,
+            batch_duration,
+            wal_fsync_duration,
+            repair_records,
+            recovery_segments,
+            consumer_lag,
+            assigned_partitions,
+            unkeyed_records,
+            healthy: AtomicBool::new(true),
+            ready: AtomicBool::new(false),
+        }
+    }
+
+    /// The page served on `/metrics`: Prometheus text format 0.0.4.
+    pub fn encode(&self) -> String {
+        let mut open_metrics = String::with_capacity(16 * 1024);
+        if prometheus_client::encoding::text::encode(&mut open_metrics, &self.registry).is_err() {
+            // Encoding into a String cannot fail; an empty page is the honest
+            // answer if it ever does.
+            return String::new();
+        }
+        to_prometheus_text(&open_metrics)
+    }
+
+    /// Count of `bucket` so far (tests and the demo's table).
+    pub fn events(&self, bucket: Bucket) -> u64 {
+        self.events.get_or_create(&BucketLabels { bucket }).get()
+    }
+
+    pub fn rejected(&self, reason: RejectReason) -> u64 {
+        self.rejected.get_or_create(&ReasonLabels { reason: reason.as_str().to_owned() }).get()
+    }
+
+    pub fn repair_records(&self) -> u64 {
+        self.repair_records.get()
+    }
+
+    pub fn unkeyed_records(&self) -> u64 {
+        self.unkeyed_records.get()
+    }
+
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::SeqCst);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+
+    /// Marks the worker unhealthy (a fatal error is being handled).
+    pub fn set_unhealthy(&self) {
+        self.healthy.store(false, Ordering::SeqCst);
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::SeqCst)
+    }
+
+    fn tenant_label(&self, tenant: &str) -> String {
+        let mut known = match self.conflict_tenants.lock() {
+            Ok(g) => g,
+            // The set only ever grows; a panic mid-insert leaves it usable.
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        if known.contains(tenant) {
+            return tenant.to_owned();
+        }
+        if known.len() < MAX_TENANT_LABELS {
+            known.insert(tenant.to_owned());
+            return tenant.to_owned();
+        }
+        OTHER_TENANT.to_owned()
+    }
+}
+
+/// Rewrites prometheus-client's OpenMetrics text into the 0.0.4 text format:
+/// counter families take their `_total` sample name in `# HELP`/`# TYPE`,
+/// `# UNIT` and `# EOF` lines go.
+fn to_prometheus_text(open_metrics: &str) -> String {
+    let mut counters: HashSet<&str> = HashSet::new();
+    for line in open_metrics.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            if let Some(name) = rest.strip_suffix(" counter") {
+                counters.insert(name);
+            }
+        }
+    }
+    let mut out = String::with_capacity(open_metrics.len());
+    for line in open_metrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = line
+            .strip_prefix("# HELP ")
+            .map(|r| ("# HELP ", r))
+            .or_else(|| line.strip_prefix("# TYPE ").map(|r| ("# TYPE ", r)));
+        if let Some((prefix, rest)) = meta {
+            let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+            if counters.contains(name) && !name.ends_with("_total") {
+                out.push_str(prefix);
+                out.push_str(name);
+                out.push_str("_total ");
+                out.push_str(tail);
+                out.push('\n');
+                continue;
+            }
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------
+// Observable events: one struct per thing that happens, emitted once per
+// batch (never once per record), so logs and metrics move together.
+// ---------------------------------------------------------------------------
+
+/// The buckets of one classified and published batch.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BatchClassified {
+    pub partition: i32,
+    pub accepted: u64,
+    pub duplicate: u64,
+    pub conflict: u64,
+    pub rejected: u64,
+    pub replayed: u64,
+    pub unkeyed: u64,
+    /// Rejections by reason.
+    pub rejected_by_reason: Vec<(RejectReason, u64)>,
+    /// Conflicts by tenant.
+    pub conflicts_by_tenant: Vec<(String, u64)>,
+}
+
+impl BatchClassified {
+    pub fn emit(&self, m: &Metrics) {
+        for (bucket, n) in [
+            (Bucket::accepted, self.accepted),
+            (Bucket::duplicate, self.duplicate),
+            (Bucket::conflict, self.conflict),
+            (Bucket::rejected, self.rejected),
+            (Bucket::replayed, self.replayed),
+        ] {
+            if n > 0 {
+                m.events.get_or_create(&BucketLabels { bucket }).inc_by(n);
+            }
+        }
+        for (reason, n) in &self.rejected_by_reason {
+            m.rejected.get_or_create(&ReasonLabels { reason: reason.as_str().to_owned() }).inc_by(*n);
+        }
+        for (tenant, n) in &self.conflicts_by_tenant {
+            let tenant = m.tenant_label(tenant);
+            m.conflicts.get_or_create(&TenantLabels { tenant }).inc_by(*n);
+        }
+        if self.unkeyed > 0 {
+            m.unkeyed_records.inc_by(self.unkeyed);
+        }
+        if self.conflict > 0 || self.rejected > 0 {
+            tracing::info!(
+                partition = self.partition,
+                accepted = self.accepted,
+                duplicate = self.duplicate,
+                conflict = self.conflict,
+                rejected = self.rejected,
+                replayed = self.replayed,
+                "batch had conflicts or rejects"
+            );
+        } else {
+            tracing::debug!(
+                partition = self.partition,
+                accepted = self.accepted,
+                duplicate = self.duplicate,
+                replayed = self.replayed,
+                "batch published"
+            );
+        }
+    }
+}
+
+/// One pipeline stage of one batch took `duration`.
+#[derive(Clone, Copy, Debug)]
+pub struct StageTimed {
+    pub stage: Stage,
+    pub duration: Duration,
+}
+
+impl StageTimed {
+    pub fn emit(&self, m: &Metrics) {
+        m.batch_duration.get_or_create(&StageLabels { stage: self.stage }).observe(self.duration.as_secs_f64());
+    }
+}
+
+/// Repair read `records` output records of `partition` into local state.
+#[derive(Clone, Copy, Debug)]
+pub struct RepairCompleted {
+    pub partition: i32,
+    pub from_offset: i64,
+    pub records: u64,
+    pub duration: Duration,
+}
+
+impl RepairCompleted {
+    pub fn emit(&self, m: &Metrics) {
+        m.repair_records.inc_by(self.records);
+        StageTimed { stage: Stage::repair, duration: self.duration }.emit(m);
+        tracing::info!(
+            partition = self.partition,
+            from_offset = self.from_offset,
+            records = self.records,
+            millis = self.duration.as_millis() as u64,
+            "repair done"
+        );
+    }
+}
+
+/// The instance's assignment changed.
+#[derive(Clone, Debug)]
+pub struct AssignmentChanged {
+    pub assigned: Vec<i32>,
+    pub revoked: Vec<i32>,
+    pub owned_now: usize,
+}
+
+impl AssignmentChanged {
+    pub fn emit(&self, m: &Metrics) {
+        m.assigned_partitions.set(self.owned_now as i64);
+        for p in &self.revoked {
+            m.consumer_lag.remove(&PartitionLabels { partition: *p });
+        }
+        tracing::info!(assigned = ?self.assigned, revoked = ?self.revoked, owned = self.owned_now, "assignment changed");
+    }
+}
+
+/// Consumer lag of one input partition, from librdkafka statistics.
+#[derive(Clone, Copy, Debug)]
+pub struct LagObserved {
+    pub partition: i32,
+    pub lag_records: i64,
+}
+
+impl LagObserved {
+    pub fn emit(&self, m: &Metrics) {
+        m.consumer_lag.get_or_create(&PartitionLabels { partition: self.partition }).set(self.lag_records.max(0));
+    }
+}
+
+/// A snapshot of the local state's size and memory.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StateObserved {
+    pub hot_cache_entries: u64,
+    pub keystore_bytes: u64,
+    /// Age of the oldest hot-cache key, if any.
+    pub hot_window: Option<Duration>,
+    /// Age of the oldest key-store key, if any.
+    pub keystore_window: Option<Duration>,
+}
+
+impl StateObserved {
+    pub fn emit(&self, m: &Metrics) {
+        m.hot_cache_entries.set(i64::try_from(self.hot_cache_entries).unwrap_or(i64::MAX));
+        m.keystore_bytes.set(i64::try_from(self.keystore_bytes).unwrap_or(i64::MAX));
+        for (tier, w) in [(WindowTier::hot_cache, self.hot_window), (WindowTier::keystore, self.keystore_window)] {
+            m.dedupe_window.get_or_create(&TierLabels { tier }).set(w.map_or(0.0, |d| d.as_secs_f64()));
+        }
+    }
+}
+
+/// One WAL fsync of the usage store.
+#[derive(Clone, Copy, Debug)]
+pub struct WalFsynced {
+    pub duration: Duration,
+}
+
+impl WalFsynced {
+    pub fn emit(&self, m: &Metrics) {
+        m.wal_fsync_duration.observe(self.duration.as_secs_f64());
+    }
+}
+
+/// Usage-store recovery at start.
+#[derive(Clone, Copy, Debug)]
+pub struct SegmentsRecovered {
+    pub sidecar: u64,
+    pub fallback: u64,
+}
+
+impl SegmentsRecovered {
+    pub fn emit(&self, m: &Metrics) {
+        m.recovery_segments.get_or_create(&PathLabels { path: RecoveryPath::sidecar }).inc_by(self.sidecar);
+        m.recovery_segments.get_or_create(&PathLabels { path: RecoveryPath::fallback }).inc_by(self.fallback);
+        if self.fallback > 0 {
+            tracing::warn!(fallback = self.fallback, "segments recovered by scan: sidecar missing or corrupt");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// HTTP endpoint
+// ---------------------------------------------------------------------------
+
+/// Failure to serve the metrics endpoint.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    #[error("cannot bind the metrics endpoint on {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error("metrics endpoint on {addr} failed: {source}")]
+    Serve { addr: SocketAddr, source: std::io::Error },
+}
+
+/// A bound metrics endpoint; [`MetricsServer::serve`] runs it.
+#[derive(Debug)]
+pub struct MetricsServer {
+    listener: tokio::net::TcpListener,
+    addr: SocketAddr,
+    metrics: Arc<Metrics>,
+}
+
+impl MetricsServer {
+    /// Binds `addr` (port 0 picks a free port; see [`MetricsServer::local_addr`]).
+    pub async fn bind(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<MetricsServer, MetricsError> {
+        let listener =
+            tokio::net::TcpListener::bind(addr).await.map_err(|source| MetricsError::Bind { addr, source })?;
+        let addr = listener.local_addr().map_err(|source| MetricsError::Bind { addr, source })?;
+        Ok(MetricsServer { listener, addr, metrics })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Serves until `shutdown` completes.
+    pub async fn serve(
+        self,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> Result<(), MetricsError> {
+        use axum::http::{header, StatusCode};
+        use axum::routing::get;
+
+        let m = self.metrics.clone();
+        let metrics_route = get(move || {
+            let m = m.clone();
+            async move { ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], m.encode()) }
+        });
+        let m = self.metrics.clone();
+        let healthz = get(move || {
+            let m = m.clone();
+            async move {
+                if m.is_healthy() {
+                    (StatusCode::OK, "ok\n")
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "unhealthy\n")
+                }
+            }
+        });
+        let m = self.metrics.clone();
+        let readyz = get(move || {
+            let m = m.clone();
+            async move {
+                if m.is_ready() {
+                    (StatusCode::OK, "ready\n")
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "not ready: repair in progress or no assignment yet\n")
+                }
+            }
+        });
+        let app =
+            axum::Router::new().route("/metrics", metrics_route).route("/healthz", healthz).route("/readyz", readyz);
+        let addr = self.addr;
+        axum::serve(self.listener, app)
+            .with_graceful_shutdown(shutdown)
+            .await
+            .map_err(|source| MetricsError::Serve { addr, source })
+    }
+}
+
+/// The usage store reports fsync latency and recovery paths here, so the
+/// storage layer never depends on the metrics layer.
+impl crate::storage::StorageObserver for Metrics {
+    fn wal_fsync(&self, took: std::time::Duration) {
+        self.wal_fsync_duration.observe(took.as_secs_f64());
+    }
+
+    fn recovery_segment(&self, path: crate::storage::RecoveryPath) {
+        let path = match path {
+            crate::storage::RecoveryPath::Sidecar => RecoveryPath::sidecar,
+            crate::storage::RecoveryPath::Fallback => RecoveryPath::fallback,
+        };
+        self.recovery_segments.get_or_create(&PathLabels { path }).inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn families(page: &str) -> (HashSet<String>, Vec<String>) {
+        let mut typed = HashSet::new();
+        let mut samples = Vec::new();
+        for line in page.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                typed.insert(rest.split(' ').next().unwrap_or("").to_owned());
+            } else if !line.starts_with('#') && !line.is_empty() {
+                let name = line.split(['{', ' ']).next().unwrap_or("").to_owned();
+                samples.push(name);
+            }
+        }
+        (typed, samples)
+    }
+
+    #[test]
+    fn page_names_every_design_metric() {
+        let m = Metrics::new();
+        let page = m.encode();
+        for name in [
+            "dedupd_events_total",
+            "dedupd_conflicts_total",
+            "dedupd_rejected_total",
+            "dedupd_dedupe_window_seconds",
+            "dedupd_hot_cache_entries",
+            "dedupd_keystore_bytes",
+            "dedupd_batch_duration_seconds",
+            "dedupd_wal_fsync_duration_seconds",
+            "dedupd_repair_records_total",
+            "dedupd_recovery_segments_total",
+            "dedupd_consumer_lag_records",
+            "dedupd_assigned_partitions",
+            "dedupd_unkeyed_records_total",
+        ] {
+            assert!(page.contains(&format!("# TYPE {name} ")), "{name} missing from\n{page}");
+        }
+        assert!(!page.contains("# EOF"));
+    }
+
+    #[test]
+    fn every_sample_belongs_to_a_typed_family() {
+        let m = Metrics::new();
+        BatchClassified { conflict: 1, conflicts_by_tenant: vec![("acme".into(), 1)], ..Default::default() }.emit(&m);
+        LagObserved { partition: 3, lag_records: 7 }.emit(&m);
+        let (typed, samples) = families(&m.encode());
+        assert!(!samples.is_empty());
+        for s in samples {
+            let family_ok = typed.contains(&s)
+                || ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .any(|suf| s.strip_suffix(suf).is_some_and(|b| typed.contains(b)));
+            assert!(family_ok, "sample {s} has no # TYPE line");
+        }
+    }
+
+    #[test]
+    fn batch_event_moves_bucket_and_reason_counters() {
+        let m = Metrics::new();
+        BatchClassified {
+            accepted: 5,
+            duplicate: 2,
+            rejected: 1,
+            unkeyed: 3,
+            rejected_by_reason: vec![(RejectReason::MalformedJson, 1)],
+            ..Default::default()
+        }
+        .emit(&m);
+        assert_eq!(m.events(Bucket::accepted), 5);
+        assert_eq!(m.events(Bucket::duplicate), 2);
+        assert_eq!(m.rejected(RejectReason::MalformedJson), 1);
+        assert_eq!(m.unkeyed_records(), 3);
+        assert!(m.encode().contains("dedupd_events_total{bucket=\"accepted\"} 5"));
+    }
+
+    #[test]
+    fn tenant_labels_are_capped() {
+        let m = Metrics::new();
+        let many: Vec<(String, u64)> = (0..MAX_TENANT_LABELS + 10).map(|i| (format!("t{i}"), 1)).collect();
+        BatchClassified { conflicts_by_tenant: many, ..Default::default() }.emit(&m);
+        let page = m.encode();
+        let series = page.lines().filter(|l| l.starts_with("dedupd_conflicts_total{")).count();
+        assert_eq!(series, MAX_TENANT_LABELS + 1);
+        assert!(page.contains("dedupd_conflicts_total{tenant=\"_other\"} 10"));
+    }
+
+    #[tokio::test]
+    async fn readyz_answers_503_until_ready() {
+        let m = Arc::new(Metrics::new());
+        let server = MetricsServer::bind("127.0.0.1:0".parse().expect("addr"), m.clone()).await.expect("bind");
+        let addr = server.local_addr();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(server.serve(async move {
+            let _ = rx.await;
+        }));
+        let get = |path: &'static str| async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+                .await
+                .expect("write");
+            let mut buf = String::new();
+            s.read_to_string(&mut buf).await.expect("read");
+            buf
+        };
+        assert!(get("/readyz").await.starts_with("HTTP/1.1 503"));
+        assert!(get("/healthz").await.starts_with("HTTP/1.1 200"));
+        m.set_ready(true);
+        assert!(get("/readyz").await.starts_with("HTTP/1.1 200"));
+        assert!(get("/metrics").await.contains("dedupd_events_total"));
+        let _ = tx.send(());
+        task.await.expect("join").expect("serve");
+    }
+}

@@ -1,0 +1,271 @@
+//! `scripts/bench`: end-to-end throughput and latency of the worker through
+//! a local Tansu broker, beside a plain consume→produce passthrough built
+//! from the same client configurations, on the same broker, in the same run.
+//!
+//! Ignored by default (it measures, it does not check); `scripts/bench` runs
+//! it with `--ignored --nocapture`. Two phases per pipeline, on fresh topics:
+//!
+//! - throughput: `BENCH_EVENTS` events are appended first, then the pipeline
+//!   starts; events/s = events / (time until the last output record is read);
+//! - latency: events appended at `BENCH_RATE`/s for `BENCH_SECONDS`; latency
+//!   = time an output record is read − the wall time its input was appended
+//!   (carried in the event's `timestamp`).
+//!
+//! Both pipelines use at-least-once delivery (Tansu has no EndTxn).
+
+mod kafka_common;
+
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dedupd::kafka::clients::{input_consumer_config, producer_config};
+use dedupd::kafka::demo::{produce_traffic, TrafficRecord};
+use dedupd::kafka::{run, DeliveryMode, RunSettings};
+use futures::StreamExt;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::Message;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+
+use kafka_common::*;
+
+const PARTITIONS: i32 = 4;
+
+fn env_or(k: &str, default: u64) -> u64 {
+    std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+}
+
+struct Broker {
+    child: Child,
+    bin: PathBuf,
+    url: String,
+    brokers: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_tansu() -> Option<Broker> {
+    let bin = std::env::var("TANSU_BIN").map(PathBuf::from).ok().or_else(|| {
+        let home = std::env::var_os("HOME")?;
+        let p = PathBuf::from(home).join(".cargo/bin/tansu");
+        p.is_file().then_some(p)
+    })?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).ok()?.port();
+    let dir = tempfile::tempdir().ok()?;
+    let url = format!("tcp://127.0.0.1:{port}");
+    let engine = std::env::var("BENCH_TANSU_STORAGE").unwrap_or_else(|_| "sqlite://tansu.db".into());
+    let child = Command::new(&bin)
+        .arg("broker")
+        .args(["--storage-engine", &engine, "--listener-url", &url, "--advertised-listener-url", &url])
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    Some(Broker { child, bin, url, brokers: format!("127.0.0.1:{port}"), _dir: dir })
+}
+
+impl Broker {
+    fn create_topic(&self, name: &str, partitions: i32) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            let ok = Command::new(&self.bin)
+                .args(["topic", "create", name, "--partitions", &partitions.to_string(), "--broker", &self.url])
+                .output()
+                .map(|o| o.status.success())
+                .unwrap_or(false);
+            if ok {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        panic!("could not create {name}");
+    }
+}
+
+fn events(n: usize, first: usize, stamp_ms: Option<i64>) -> Vec<TrafficRecord> {
+    (first..first + n).map(|i| event("bench", &format!("b{i:09}"), "1.5", stamp_ms.unwrap_or_else(now_ms))).collect()
+}
+
+/// Reads the output topic, recording (read time − event timestamp) per record,
+/// until `expected` records were read.
+async fn read_output(settings: &RunSettings, expected: usize) -> (Vec<i64>, Instant) {
+    let mut s = settings.clone();
+    s.group = format!("{}-reader", settings.group);
+    let mut cfg = input_consumer_config(&s);
+    cfg.set("isolation.level", "read_uncommitted");
+    let c: StreamConsumer = cfg.create().expect("reader");
+    c.subscribe(&[&settings.topics.output]).expect("subscribe");
+    let mut lat = Vec::with_capacity(expected);
+    let mut stream = c.stream();
+    let mut last = Instant::now();
+    while lat.len() < expected {
+        let Some(Ok(m)) = stream.next().await else { continue };
+        let read_at = now_ms();
+        last = Instant::now();
+        let ts = m
+            .payload()
+            .and_then(|p| serde_json::from_slice::<serde_json::Value>(p).ok())
+            .and_then(|v| {
+                v["timestamp"].as_str().map(str::to_owned).or_else(|| v["timestamp"].as_i64().map(|n| n.to_string()))
+            })
+            .and_then(|t| {
+                t.parse::<i64>().ok().or_else(|| {
+                    time::OffsetDateTime::parse(&t, &time::format_description::well_known::Rfc3339)
+                        .ok()
+                        .map(|d| (d.unix_timestamp_nanos() / 1_000_000) as i64)
+                })
+            });
+        lat.push(ts.map_or(0, |t| read_at - t));
+    }
+    (lat, last)
+}
+
+/// The passthrough: consume input, produce each record's value unchanged to
+/// output partition = input partition, commit after acks. Same client
+/// configurations as the worker.
+async fn passthrough(settings: RunSettings, stop: Arc<AtomicBool>) {
+    let c: StreamConsumer = input_consumer_config(&settings).create().expect("consumer");
+    c.subscribe(&[&settings.topics.input]).expect("subscribe");
+    let p: FutureProducer = producer_config(&settings, None).create().expect("producer");
+    let mut pending = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        let m = match tokio::time::timeout(Duration::from_millis(20), c.recv()).await {
+            Ok(Ok(m)) => m,
+            _ => {
+                for f in pending.drain(..) {
+                    let _ = f.await;
+                }
+                let _ = c.commit_consumer_state(rdkafka::consumer::CommitMode::Async);
+                continue;
+            }
+        };
+        let mut r: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&settings.topics.output).partition(m.partition());
+        if let Some(k) = m.key() {
+            r = r.key(k);
+        }
+        if let Some(v) = m.payload() {
+            r = r.payload(v);
+        }
+        if let Ok(f) = p.send_result(r) {
+            pending.push(f);
+        }
+        let _ = c.store_offset_from_message(&m);
+        if pending.len() >= settings.batch.max_records {
+            for f in pending.drain(..) {
+                let _ = f.await;
+            }
+            let _ = c.commit_consumer_state(rdkafka::consumer::CommitMode::Async);
+        }
+    }
+}
+
+fn percentile(sorted: &[i64], q: f64) -> i64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Figures {
+    events_per_s: f64,
+    p50_ms: i64,
+    p99_ms: i64,
+}
+
+async fn measure(broker: &Broker, name: &str, worker: bool) -> Figures {
+    let n = env_or("BENCH_EVENTS", 100_000) as usize;
+    let rate = env_or("BENCH_RATE", 2_000);
+    let secs = env_or("BENCH_SECONDS", 10);
+    let mut figures = Figures { events_per_s: 0.0, p50_ms: 0, p99_ms: 0 };
+    for phase in ["throughput", "latency"] {
+        let topics = topics(&format!("bench-{name}-{phase}"));
+        for (t, p) in
+            [(&topics.input, PARTITIONS), (&topics.output, PARTITIONS), (&topics.conflicts, 1), (&topics.rejected, 1)]
+        {
+            broker.create_topic(t, p);
+        }
+        let mut settings =
+            settings(&broker.brokers, &format!("bench-{name}-{phase}"), &topics, DeliveryMode::AtLeastOnce);
+        settings.batch.max_records = 2000;
+        settings.batch.max_wait = Duration::from_millis(5);
+        let producer = traffic_producer(&broker.brokers);
+        let expected = if phase == "throughput" { n } else { (rate * secs) as usize };
+        if phase == "throughput" {
+            produce_traffic(&producer, &topics.input, PARTITIONS, &events(n, 0, Some(now_ms())))
+                .await
+                .expect("produce");
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let reader = {
+            let s = settings.clone();
+            tokio::spawn(async move { read_output(&s, expected).await })
+        };
+        let started = Instant::now();
+        let pipeline = if worker {
+            let (parts, _) = parts();
+            tokio::spawn(async move {
+                let _ = run(settings, parts, async move {
+                    let _ = stop_rx.await;
+                })
+                .await;
+            })
+        } else {
+            let s = stop.clone();
+            tokio::spawn(passthrough(settings, s))
+        };
+        if phase == "latency" {
+            let per_tick = (rate / 100).max(1) as usize;
+            let mut next = 0usize;
+            let mut tick = tokio::time::interval(Duration::from_millis(10));
+            while next < expected {
+                tick.tick().await;
+                let k = per_tick.min(expected - next);
+                produce_traffic(&producer, &topics.input, PARTITIONS, &events(k, next, None)).await.expect("produce");
+                next += k;
+            }
+        }
+        let (mut lat, last) =
+            tokio::time::timeout(Duration::from_secs(600), reader).await.expect("reader timed out").expect("reader");
+        stop.store(true, Ordering::Relaxed);
+        let _ = stop_tx.send(());
+        let _ = pipeline.await;
+        lat.sort_unstable();
+        if phase == "throughput" {
+            figures.events_per_s = n as f64 / last.duration_since(started).as_secs_f64();
+        } else {
+            figures.p50_ms = percentile(&lat, 0.50);
+            figures.p99_ms = percentile(&lat, 0.99);
+        }
+    }
+    figures
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: run by scripts/bench"]
+async fn bench_worker_against_passthrough_on_tansu() {
+    let Some(broker) = start_tansu() else {
+        eprintln!("*** SKIPPED: tansu is not installed; no figures ***");
+        return;
+    };
+    let pass = measure(&broker, "passthrough", false).await;
+    let dedupd = measure(&broker, "dedupd", true).await;
+    println!("pipeline      events/s   p50 ms   p99 ms");
+    println!("passthrough {:>10.0} {:>8} {:>8}", pass.events_per_s, pass.p50_ms, pass.p99_ms);
+    println!("dedupd      {:>10.0} {:>8} {:>8}", dedupd.events_per_s, dedupd.p50_ms, dedupd.p99_ms);
+    println!("ratio (dedupd / passthrough events/s): {:.2}", dedupd.events_per_s / pass.events_per_s.max(1.0));
+}
