@@ -82,6 +82,7 @@ fn store_opts() -> KeyStoreOptions {
     KeyStoreOptions {
         horizon_ms: HORIZON_MS,
         block_bytes: env_u64("DEDUPD_BENCH_BLOCK_BYTES", d.block_bytes as u64) as usize,
+        write_buffer_bytes: env_u64("DEDUPD_BENCH_WRITE_BUFFER_BYTES", d.write_buffer_bytes as u64) as usize,
         ..d
     }
 }
@@ -125,6 +126,20 @@ fn main() -> R<()> {
     );
 
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    if want("classify") {
+        // The store alone, without the classifier: absent ids.
+        let ids: Vec<IdHash> = (0..1_000_000).map(|_| random_id(&mut rng)).collect();
+        let mut out = Vec::new();
+        let t = Instant::now();
+        for chunk in ids.chunks(BATCH) {
+            ks.get_many(0, chunk, &mut out)?;
+        }
+        let d = t.elapsed();
+        println!(
+            "lookup: {:.0} absent-key get_many lookups/s (one thread, batches of {BATCH})",
+            per_sec(ids.len() as u64, d)
+        );
+    }
     if want("classify") {
         let settings = ClassifierSettings {
             hot_ttl_ms: 7 * DAY_MS,

@@ -11,9 +11,24 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use dedupd::storage::testutil::sample_event;
-use dedupd::storage::{FsyncPolicy, NoopObserver, StoreOptions, StoredEvent, UsageStore};
+use dedupd::storage::{FsyncPolicy, NoopObserver, StorageObserver, StoreOptions, StoredEvent, UsageStore};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 const BATCH: usize = 1000;
+
+/// Sums WAL fsync latency, to tell disk time from CPU time in the ingest figures.
+#[derive(Default)]
+struct FsyncTimer {
+    count: AtomicU64,
+    nanos: AtomicU64,
+}
+
+impl StorageObserver for FsyncTimer {
+    fn wal_fsync(&self, took: Duration) {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.nanos.fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+    }
+}
 
 fn batch(base: u64) -> Vec<StoredEvent> {
     (0..BATCH as u64).map(|i| sample_event(base + i, 0, (base + i) as i64)).collect()
@@ -43,7 +58,8 @@ fn ingest(c: &mut Criterion) {
     ] {
         let dir = tempfile::tempdir().expect("tempdir");
         let opts = StoreOptions { fsync: policy, ..StoreOptions::default() };
-        let (mut store, _) = UsageStore::open(dir.path(), opts, Arc::new(NoopObserver)).expect("open");
+        let timer = Arc::new(FsyncTimer::default());
+        let (mut store, _) = UsageStore::open(dir.path(), opts, timer.clone()).expect("open");
         let mut next_offset = 0i64;
         group.bench_function(name, |b| {
             b.iter_custom(|iters| {
@@ -63,6 +79,13 @@ fn ingest(c: &mut Criterion) {
             })
         });
         store.close().expect("close");
+        let count = timer.count.load(Ordering::Relaxed).max(1);
+        eprintln!(
+            "{name}: {} WAL fsyncs for {} events, mean fsync {:.2} ms",
+            count,
+            next_offset,
+            timer.nanos.load(Ordering::Relaxed) as f64 / count as f64 / 1e6
+        );
     }
     group.finish();
 }

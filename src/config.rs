@@ -77,10 +77,10 @@ pub struct TuningArgs {
     /// key store's window below this [default: 30d].
     #[arg(long, env = "DEDUPD_KEYSTORE_WINDOW_FLOOR", value_name = "DURATION")]
     pub keystore_window_floor: Option<String>,
-    /// RocksDB block cache size [default: 64MiB].
+    /// RocksDB block cache size [default: 128MiB].
     #[arg(long, env = "DEDUPD_KEYSTORE_BLOCK_CACHE", value_name = "BYTES")]
     pub keystore_block_cache: Option<String>,
-    /// RocksDB memtable (write buffer) size [default: 32MiB].
+    /// RocksDB memtable (write buffer) size [default: 64MiB].
     #[arg(long, env = "DEDUPD_KEYSTORE_WRITE_BUFFER", value_name = "BYTES")]
     pub keystore_write_buffer: Option<String>,
     /// RocksDB background flush and compaction threads [default: 2].
@@ -236,8 +236,8 @@ impl Default for EngineSettings {
             horizon: Duration::from_secs(35 * 86_400),
             keystore_max_bytes: None,
             keystore_window_floor: Duration::from_secs(30 * 86_400),
-            keystore_block_cache_bytes: 64 << 20,
-            keystore_write_buffer_bytes: 32 << 20,
+            keystore_block_cache_bytes: 128 << 20,
+            keystore_write_buffer_bytes: 64 << 20,
             keystore_background_jobs: 2,
             keep_revoked_partitions: true,
             fsync: FsyncSetting::Always,

@@ -8,7 +8,12 @@ use clap::{Parser, Subcommand};
 
 use dedupd::classify::SystemClock;
 use dedupd::config::{EngineSettings, FileConfig, TuningArgs};
+use dedupd::kafka::demo::DemoSettings;
+use dedupd::kafka::{DeliveryMode, RunSettings, StateEngine, Topics, WorkerParts};
+use dedupd::metrics::Metrics;
 use dedupd::offline::{run_dedupe, DedupeOptions, Stdio};
+use dedupd::state::LocalState;
+use std::sync::Arc;
 
 #[derive(Parser, Debug)]
 #[command(name = "dedupd", version, about = "Exactly-once deduplication of usage events for billing")]
@@ -21,6 +26,13 @@ struct Cli {
 #[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// The Kafka worker: input topic to output topic, exactly once.
+    Run {
+        #[command(flatten)]
+        run: RunArgs,
+        #[command(flatten)]
+        tuning: TuningArgs,
+    },
     /// Offline mode: dedupe NDJSON with the same engine as the Kafka worker.
     Dedupe {
         /// NDJSON input file, or - for standard input.
@@ -44,11 +56,31 @@ enum Command {
         #[command(flatten)]
         tuning: TuningArgs,
     },
-    /// Sample traffic with retries, conflicts and bad records; prints the buckets.
+    /// Checks every checksum of a state directory; exits 1 on any corruption.
+    Verify {
+        #[arg(long, env = "DEDUPD_STATE_DIR")]
+        state_dir: PathBuf,
+    },
+    /// Where and when an event was seen.
+    Inspect {
+        #[arg(long, env = "DEDUPD_STATE_DIR")]
+        state_dir: PathBuf,
+        #[arg(long)]
+        tenant: String,
+        #[arg(long)]
+        event_id: String,
+        #[command(flatten)]
+        tuning: TuningArgs,
+    },
+    /// Sample traffic with retries, conflicts and bad records through the real
+    /// worker on an in-process Kafka (librdkafka's mock cluster); prints the buckets.
     Demo {
         /// Distinct events to generate.
-        #[arg(long, default_value_t = 100_000)]
+        #[arg(long, default_value_t = 20_000)]
         events: u64,
+        /// Where to serve metrics during the demo.
+        #[arg(long, default_value = "127.0.0.1:0")]
+        metrics_addr: std::net::SocketAddr,
         /// Keep the demo's files here (default: a new temporary directory).
         #[arg(long)]
         work_dir: Option<PathBuf>,
@@ -58,9 +90,114 @@ enum Command {
     },
 }
 
-fn init_tracing() {
+/// The flags of `dedupd run` (DESIGN §9). Each also reads `DEDUPD_<FLAG>` and
+/// a key of the TOML file.
+#[derive(clap::Args, Debug, Default)]
+struct RunArgs {
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "DEDUPD_BROKERS")]
+    brokers: Option<String>,
+    /// Consumer group id (also the transactional id's prefix).
+    #[arg(long, env = "DEDUPD_GROUP")]
+    group: Option<String>,
+    #[arg(long, env = "DEDUPD_INPUT_TOPIC")]
+    input_topic: Option<String>,
+    /// Accepted events; must have as many partitions as the input topic.
+    #[arg(long, env = "DEDUPD_OUTPUT_TOPIC")]
+    output_topic: Option<String>,
+    #[arg(long, env = "DEDUPD_CONFLICTS_TOPIC")]
+    conflicts_topic: Option<String>,
+    #[arg(long, env = "DEDUPD_REJECTED_TOPIC")]
+    rejected_topic: Option<String>,
+    /// Durable local state; without it state lives in memory and is rebuilt
+    /// from the output topic at every start.
+    #[arg(long, env = "DEDUPD_STATE_DIR")]
+    state_dir: Option<PathBuf>,
+    /// Serve /metrics, /healthz and /readyz here.
+    #[arg(long, env = "DEDUPD_METRICS_ADDR")]
+    metrics_addr: Option<String>,
+    /// exactly-once (Kafka transactions) or at-least-once [default: exactly-once].
+    #[arg(long, env = "DEDUPD_DELIVERY")]
+    delivery: Option<String>,
+    /// Static group membership (`group.instance.id`), e.g. the pod name.
+    #[arg(long, env = "DEDUPD_INSTANCE_ID")]
+    instance_id: Option<String>,
+    /// Extra librdkafka property `key=value` (TLS, SASL, tuning); repeatable.
+    #[arg(long = "kafka-property", env = "DEDUPD_KAFKA_PROPERTIES", value_delimiter = ',')]
+    kafka_properties: Vec<String>,
+    /// Most records per batch [default: 2000].
+    #[arg(long, env = "DEDUPD_BATCH_MAX_RECORDS")]
+    batch_max_records: Option<u64>,
+    /// Longest wait to fill a batch [default: 20ms].
+    #[arg(long, env = "DEDUPD_BATCH_MAX_WAIT")]
+    batch_max_wait: Option<String>,
+}
+
+fn need(key: &'static str, flag: Option<&String>, file: Option<&String>) -> anyhow::Result<String> {
+    flag.or(file).cloned().ok_or_else(|| {
+        anyhow::anyhow!(
+            "missing `{key}`: give --{} or DEDUPD_{} or `{key}` in the config file",
+            key.replace('_', "-"),
+            key.to_uppercase()
+        )
+    })
+}
+
+impl RunArgs {
+    /// Merges the flags over the file's run keys; fails naming the key.
+    fn resolve(&self, file: &FileConfig) -> anyhow::Result<(RunSettings, Option<PathBuf>)> {
+        let topics = Topics {
+            input: need("input_topic", self.input_topic.as_ref(), file.input_topic.as_ref())?,
+            output: need("output_topic", self.output_topic.as_ref(), file.output_topic.as_ref())?,
+            conflicts: need("conflicts_topic", self.conflicts_topic.as_ref(), file.conflicts_topic.as_ref())?,
+            rejected: need("rejected_topic", self.rejected_topic.as_ref(), file.rejected_topic.as_ref())?,
+        };
+        let mut s = RunSettings::new(
+            need("brokers", self.brokers.as_ref(), file.brokers.as_ref())?,
+            need("group", self.group.as_ref(), file.group.as_ref())?,
+            topics,
+        );
+        if let Some(d) = self.delivery.as_ref().or(file.delivery.as_ref()) {
+            s.delivery = DeliveryMode::parse(d).ok_or_else(|| {
+                anyhow::anyhow!("invalid `delivery` (flag --delivery, env DEDUPD_DELIVERY): {d:?} is neither exactly-once nor at-least-once")
+            })?;
+        }
+        s.instance_id = self.instance_id.clone().or_else(|| file.instance_id.clone());
+        if let Some(a) = self.metrics_addr.as_ref().or(file.metrics_addr.as_ref()) {
+            s.metrics_addr = Some(a.parse().map_err(|e| {
+                anyhow::anyhow!("invalid `metrics_addr` (flag --metrics-addr, env DEDUPD_METRICS_ADDR): {a:?}: {e}")
+            })?);
+        }
+        let props: Vec<String> = if self.kafka_properties.is_empty() {
+            file.kafka_properties.clone().unwrap_or_default()
+        } else {
+            self.kafka_properties.clone()
+        };
+        for p in props {
+            let (k, v) = p.split_once('=').ok_or_else(|| {
+                anyhow::anyhow!("invalid `kafka_properties` (flag --kafka-property): {p:?} is not key=value")
+            })?;
+            s.kafka_properties.push((k.trim().to_owned(), v.trim().to_owned()));
+        }
+        if let Some(n) = self.batch_max_records.or(file.batch_max_records) {
+            if n == 0 {
+                anyhow::bail!("invalid `batch_max_records` (flag --batch-max-records): must be at least 1");
+            }
+            s.batch.max_records = usize::try_from(n)?;
+        }
+        if let Some(w) = self.batch_max_wait.as_ref().or(file.batch_max_wait.as_ref()) {
+            s.batch.max_wait = dedupd::config::parse_duration(w)
+                .map_err(|why| anyhow::anyhow!("invalid `batch_max_wait` (flag --batch-max-wait): {why}"))?;
+        }
+        let state_dir = self.state_dir.clone().or_else(|| file.state_dir.clone());
+        Ok((s, state_dir))
+    }
+}
+
+/// Logs go to stderr; `DEDUPD_LOG` overrides `default_level`.
+fn init_tracing(default_level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("DEDUPD_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
 }
 
@@ -74,7 +211,8 @@ fn engine_settings(tuning: &TuningArgs) -> anyhow::Result<(EngineSettings, FileC
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing();
+    // The demo prints a table for a person; per-batch logs would bury it.
+    init_tracing(if matches!(cli.command, Command::Demo { .. }) { "warn" } else { "info" });
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
@@ -94,7 +232,58 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             eprintln!("{}", serde_json::to_string(&summary)?);
             Ok(ExitCode::SUCCESS)
         }
-        Command::Demo { events, work_dir, offline: _ } => {
+        Command::Verify { state_dir } => {
+            let (report, clean) = dedupd::state::verify_state_dir(&state_dir)?;
+            print!("{report}");
+            Ok(if clean { ExitCode::SUCCESS } else { ExitCode::from(1) })
+        }
+        Command::Inspect { state_dir, tenant, event_id, tuning } => {
+            let (settings, _) = engine_settings(&tuning)?;
+            let answer = dedupd::state::inspect(&state_dir, &tenant, &event_id, settings)?;
+            println!("{}", serde_json::to_string_pretty(&answer)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Run { run, tuning } => {
+            let (settings, file) = engine_settings(&tuning)?;
+            let (run_settings, state_dir) = run.resolve(&file)?;
+            let metrics = Arc::new(Metrics::new());
+            let state = LocalState::open_observed(state_dir.as_deref(), settings.clone(), true, metrics.clone())?;
+            let parts = WorkerParts {
+                validator: settings.validator(),
+                engine: Box::new(StateEngine::new(state, settings.validator())),
+                clock: Arc::new(SystemClock),
+                metrics,
+            };
+            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let report = runtime.block_on(dedupd::kafka::run(run_settings, parts, dedupd::kafka::shutdown_signal()))?;
+            tracing::info!(?report, "dedupd stopped");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Demo { events, work_dir, offline: false, metrics_addr } => {
+            let _ = work_dir;
+            let settings = EngineSettings::default();
+            let metrics = Arc::new(Metrics::new());
+            let parts = WorkerParts {
+                validator: settings.validator(),
+                engine: Box::new(StateEngine::new(LocalState::in_memory(settings.clone(), true), settings.validator())),
+                clock: Arc::new(SystemClock),
+                metrics,
+            };
+            let demo = DemoSettings {
+                events: usize::try_from(events)?,
+                metrics_addr: Some(metrics_addr),
+                ..DemoSettings::default()
+            };
+            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let report = runtime.block_on(dedupd::kafka::demo::demo(demo, parts))?;
+            println!("dedupd demo: the real worker on an in-process Kafka (librdkafka mock cluster)");
+            print!("{}", report.table());
+            if let Some(addr) = report.metrics_addr {
+                println!("metrics were served at http://{addr}/metrics");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Demo { events, work_dir, offline: true, .. } => {
             let dir = match work_dir {
                 Some(d) => d,
                 None => std::env::temp_dir().join(format!("dedupd-demo-{}", std::process::id())),

@@ -621,6 +621,22 @@ impl MetricsServer {
     }
 }
 
+/// The usage store reports fsync latency and recovery paths here, so the
+/// storage layer never depends on the metrics layer.
+impl crate::storage::StorageObserver for Metrics {
+    fn wal_fsync(&self, took: std::time::Duration) {
+        self.wal_fsync_duration.observe(took.as_secs_f64());
+    }
+
+    fn recovery_segment(&self, path: crate::storage::RecoveryPath) {
+        let path = match path {
+            crate::storage::RecoveryPath::Sidecar => RecoveryPath::sidecar,
+            crate::storage::RecoveryPath::Fallback => RecoveryPath::fallback,
+        };
+        self.recovery_segments.get_or_create(&PathLabels { path }).inc();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

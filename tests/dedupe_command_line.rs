@@ -15,14 +15,20 @@ fn last_line(s: &[u8]) -> serde_json::Value {
     serde_json::from_str(line).unwrap_or_else(|e| panic!("last stderr line {line:?} is not JSON: {e}"))
 }
 
-fn now_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_millis() as i64
+/// One event time for the whole test binary, so every rendering of an id
+/// is the same payload unless a test changes it on purpose.
+fn event_time_ms() -> i64 {
+    static AT: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *AT.get_or_init(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_millis() as i64
+            - 60_000
+    })
 }
 
 fn event(id: &str, quantity: &str) -> String {
     format!(
         r#"{{"event_id":"{id}","tenant_id":"acme","customer_id":"cus_1","meter":"api_calls","quantity":{quantity},"timestamp":{}}}"#,
-        now_ms() - 60_000
+        event_time_ms()
     )
 }
 
@@ -225,4 +231,130 @@ fn demo_prints_the_bucket_table_matching_what_it_generated() {
         let cols: Vec<&str> = row.split_whitespace().collect();
         assert_eq!(cols[1], cols[2], "{bucket}: got vs expected in {stdout}");
     }
+}
+
+fn dedupe_with_state(
+    input: &std::path::Path,
+    output: &std::path::Path,
+    state: &std::path::Path,
+) -> std::process::Output {
+    dedupd()
+        .args(["dedupe", "--input"])
+        .arg(input)
+        .arg("--output")
+        .arg(output)
+        .arg("--state-dir")
+        .arg(state)
+        .output()
+        .expect("run dedupe")
+}
+
+#[test]
+fn state_dir_remembers_across_runs_and_admits_one_process() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (state, output) = (dir.path().join("state"), dir.path().join("out.ndjson"));
+    let first = dir.path().join("first.ndjson");
+    std::fs::write(&first, format!("{}\n{}\n", event("p1", "1"), event("p2", "2"))).expect("write");
+
+    let out = dedupe_with_state(&first, &output, &state);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        last_line(&out.stderr),
+        serde_json::json!({"accepted": 2, "duplicates": 0, "conflicts": 0, "rejected": 0})
+    );
+    // The same file again accepts nothing.
+    let out = dedupe_with_state(&first, &output, &state);
+    assert_eq!(
+        last_line(&out.stderr),
+        serde_json::json!({"accepted": 0, "duplicates": 2, "conflicts": 0, "rejected": 0})
+    );
+    // A retry in a later run is a duplicate; a changed payload a conflict.
+    let later = dir.path().join("later.ndjson");
+    std::fs::write(&later, format!("{}\n{}\n{}\n", event("p1", "1.000"), event("p2", "3"), event("p3", "1")))
+        .expect("write");
+    let out = dedupe_with_state(&later, &output, &state);
+    assert_eq!(
+        last_line(&out.stderr),
+        serde_json::json!({"accepted": 1, "duplicates": 1, "conflicts": 1, "rejected": 0})
+    );
+    assert_eq!(std::fs::read_to_string(&output).expect("output").lines().count(), 3, "appended, never rewritten");
+
+    // A second process on the same directory fails at once.
+    let mut holder = dedupd()
+        .args(["dedupe", "--input", "-", "--output"])
+        .arg(&output)
+        .arg("--state-dir")
+        .arg(&state)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn holder");
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    let started = std::time::Instant::now();
+    let out = dedupe_with_state(&later, &output, &state);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains(&state.display().to_string()), "names the directory: {stderr}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5), "waited for the lock instead of failing");
+    drop(holder.stdin.take());
+    assert!(holder.wait().expect("holder exits").success());
+
+    // verify and inspect see what the runs left.
+    let v = dedupd().args(["verify", "--state-dir"]).arg(&state).output().expect("verify");
+    assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stdout));
+    assert!(String::from_utf8_lossy(&v.stdout).contains("verify: ok"));
+    let i = dedupd()
+        .args(["inspect", "--tenant", "acme", "--event-id", "p2", "--state-dir"])
+        .arg(&state)
+        .output()
+        .expect("inspect");
+    assert!(i.status.success(), "{}", String::from_utf8_lossy(&i.stderr));
+    let answer: serde_json::Value = serde_json::from_slice(&i.stdout).expect("inspect prints JSON");
+    assert_eq!(answer["known"], true);
+    assert_eq!(answer["event"]["quantity"], "2", "the first payload is canonical");
+    assert_eq!(answer["output"]["offset"], 1);
+    let unknown = dedupd()
+        .args(["inspect", "--tenant", "globex", "--event-id", "p2", "--state-dir"])
+        .arg(&state)
+        .output()
+        .expect("inspect");
+    let answer: serde_json::Value = serde_json::from_slice(&unknown.stdout).expect("inspect prints JSON");
+    assert_eq!(answer["known"], false, "ids are scoped by tenant");
+}
+
+#[test]
+fn verify_exits_nonzero_on_a_corrupted_state_dir() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (state, output) = (dir.path().join("state"), dir.path().join("out.ndjson"));
+    let input = dir.path().join("in.ndjson");
+    let lines: Vec<String> = (0..3000).map(|i| event(&format!("v{i}"), "1")).collect();
+    std::fs::write(&input, lines.join("\n")).expect("write");
+    let out = dedupd()
+        .args(["dedupe", "--memtable-events", "1000", "--input"])
+        .arg(&input)
+        .arg("--output")
+        .arg(&output)
+        .arg("--state-dir")
+        .arg(&state)
+        .output()
+        .expect("run");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // Flip a byte in the middle of every segment file.
+    let mut flipped = 0;
+    for entry in std::fs::read_dir(state.join("usage/segments")).expect("segments dir") {
+        let p = entry.expect("entry").path();
+        if p.extension().and_then(|e| e.to_str()) == Some("seg") {
+            let mut bytes = std::fs::read(&p).expect("read");
+            let mid = bytes.len() / 2;
+            bytes[mid] ^= 0x55;
+            std::fs::write(&p, bytes).expect("write");
+            flipped += 1;
+        }
+    }
+    assert!(flipped > 0, "the run wrote segments");
+    let v = dedupd().args(["verify", "--state-dir"]).arg(&state).output().expect("verify");
+    let report = String::from_utf8_lossy(&v.stdout);
+    assert_eq!(v.status.code(), Some(1), "{report}");
+    assert!(report.contains("CORRUPT"), "{report}");
 }

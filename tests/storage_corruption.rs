@@ -176,6 +176,9 @@ fn a_flipped_byte_in_a_segment_is_reported_by_verify_and_by_reads_of_that_segmen
         matches!(bad.as_slice(), [f] if f.path == seg && matches!(f.status, FileStatus::Corrupt { .. })),
         "{report}"
     );
+    let printed = report.to_string();
+    assert!(printed.contains(&format!("segment  {} CORRUPT", seg.display())), "{printed}");
+    assert!(printed.ends_with("1 corrupt or missing"), "{printed}");
 
     // Documented behaviour: open does not read segment bodies, so it succeeds;
     // the hot-cache rebuild goes through the intact sidecar; reading events of

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dedupd::storage::testutil::sample_event_at;
-use dedupd::storage::{FsyncPolicy, NoopObserver, StoreOptions, StoredEvent, UsageStore};
+use dedupd::storage::{failpoint, FsyncPolicy, NoopObserver, StoreOptions, StoredEvent, UsageStore};
 use proptest::prelude::*;
 
 #[derive(Clone, Debug)]
@@ -29,6 +29,12 @@ enum Op {
     Crash {
         unsynced_bytes_kept: u64,
     },
+    /// The process dies (page cache survives) at a named failpoint during a
+    /// flush and maintenance pass, then restarts.
+    CrashAtFailpoint {
+        failpoint: usize,
+        advance_ms: i64,
+    },
     Reopen,
 }
 
@@ -40,6 +46,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..4000i64).prop_map(|advance_ms| Op::Maintain { advance_ms }),
         2 => prop_oneof![Just(0u64), 0..20_000u64, Just(u64::MAX)].prop_map(|k| Op::Crash { unsynced_bytes_kept: k }),
         1 => Just(Op::Reopen),
+        2 => (0..failpoint::ALL.len(), 0..4000i64)
+            .prop_map(|(failpoint, advance_ms)| Op::CrashAtFailpoint { failpoint, advance_ms }),
     ]
 }
 
@@ -67,6 +75,20 @@ impl Model {
         self.durable = self.all();
         self.pending.clear();
         self.durable_checkpoints = self.checkpoints.clone();
+    }
+}
+
+/// After maintenance: the store may have dropped what was first seen before
+/// `cutoff` (retention), nothing else; the model forgets the same events.
+fn accept_retention(model: &mut Model, got: &Contents, cutoff: i64) {
+    for (k, e) in &model.all() {
+        if !got.contains_key(k) {
+            assert!(e.key.first_seen_ms < cutoff, "{k:?} dropped though inside retention");
+            model.durable.remove(k);
+            for b in &mut model.pending {
+                b.retain(|x| (x.key.output.partition, x.key.output.offset) != *k);
+            }
+        }
     }
 }
 
@@ -149,19 +171,25 @@ fn run(ops: Vec<Op>, interval: bool, small_wal: bool) {
                 if s.unsynced_wal_bytes() == 0 {
                     model.mark_durable();
                 }
-                // Retention may drop anything first seen before the cutoff, nothing else.
-                let cutoff = now_ms - opts.retention_ms;
                 let got = contents(s);
-                let want = model.all();
-                for (k, e) in &want {
-                    if !got.contains_key(k) {
-                        assert!(e.key.first_seen_ms < cutoff, "{k:?} dropped though inside retention");
-                        model.durable.remove(k);
-                        for b in &mut model.pending {
-                            b.retain(|x| (x.key.output.partition, x.key.output.offset) != *k);
-                        }
-                    }
+                accept_retention(&mut model, &got, now_ms - opts.retention_ms);
+            }
+            Op::CrashAtFailpoint { failpoint, advance_ms } => {
+                let name = failpoint::ALL[failpoint];
+                // A process crash: everything written survives in the page cache.
+                store.take().expect("store").simulate_crash(u64::MAX).expect("crash");
+                let crashing = StoreOptions { crash_at: Some(name.to_string()), ..opts.clone() };
+                let mut s = open(dir.path(), &crashing);
+                now_ms += advance_ms;
+                if s.flush().is_ok() {
+                    let _ = s.maintain(now_ms);
                 }
+                s.simulate_crash(u64::MAX).expect("crash");
+                let s = store.insert(open(dir.path(), &opts));
+                // Replay fsyncs what it recovered, so all of it is durable now.
+                model.mark_durable();
+                let got = contents(s);
+                accept_retention(&mut model, &got, now_ms - opts.retention_ms);
             }
             Op::Crash { unsynced_bytes_kept } => {
                 store.take().expect("store").simulate_crash(unsynced_bytes_kept).expect("crash");
@@ -171,8 +199,7 @@ fn run(ops: Vec<Op>, interval: bool, small_wal: bool) {
                 let mut candidate = model.durable.clone();
                 let mut checkpoints = model.durable_checkpoints.clone();
                 let mut matched = candidate == got;
-                let mut used = 0;
-                for (i, b) in model.pending.iter().enumerate() {
+                for b in &model.pending {
                     if matched {
                         break;
                     }
@@ -181,13 +208,11 @@ fn run(ops: Vec<Op>, interval: bool, small_wal: bool) {
                         checkpoints.insert(e.key.output.partition, e.key.output.offset);
                     }
                     matched = candidate == got;
-                    used = i + 1;
                 }
                 assert!(
                     matched,
                     "after a crash the store holds neither the durable data nor a prefix of the pending batches"
                 );
-                let _ = used;
                 model.durable = got;
                 model.durable_checkpoints = checkpoints.clone();
                 model.checkpoints = checkpoints;

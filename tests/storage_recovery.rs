@@ -109,6 +109,11 @@ fn flushed_segments_serve_get_and_recent_keys_like_the_memtable() {
     let p1: Vec<_> = all.iter().filter(|e| e.key.output.partition == 1).map(|e| e.key).collect();
     assert_eq!(newest3, p1[p1.len() - 3..].to_vec());
 
+    let all_partitions = store.recent_keys_all(since, usize::MAX).expect("recent all");
+    assert_eq!(all_partitions.keys().copied().collect::<Vec<_>>(), vec![0, 1]);
+    assert_eq!(all_partitions[&1], keys);
+    assert_eq!(all_partitions[&0], store.recent_keys(0, since, usize::MAX).expect("recent"));
+
     store.close().expect("close");
     let (store, report) = UsageStore::open(dir.path(), opts, Arc::new(NoopObserver)).expect("reopen");
     assert_eq!(report.wal_events_replayed, 0, "close flushed everything");
@@ -323,4 +328,16 @@ fn the_failpoint_environment_variable_aborts_the_process_at_the_named_step() {
     let store = open(dir.path(), StoreOptions::default());
     assert_eq!(store.segments().len(), 1);
     assert_eq!(contents(&store).len(), 10);
+}
+
+#[test]
+fn a_crash_during_the_very_first_open_leaves_a_store_that_opens_empty() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let crashing = StoreOptions { crash_at: Some("manifest_after_temp".to_string()), ..StoreOptions::default() };
+    let r = UsageStore::open(dir.path(), crashing, Arc::new(NoopObserver));
+    assert!(matches!(r, Err(StorageError::Failpoint { name: "manifest_after_temp" })));
+    let (mut store, report) =
+        UsageStore::open(dir.path(), StoreOptions::default(), Arc::new(NoopObserver)).expect("open");
+    assert!(report.created);
+    assert_eq!(store.append(&events(0..3, 0)).expect("append"), 3);
 }

@@ -133,14 +133,14 @@ impl Engine for StateEngine {
         }
     }
 
-    fn stats(&self, _now_ms: i64) -> EngineStats {
+    fn stats(&self, now_ms: i64) -> EngineStats {
         let Some(s) = self.state.as_ref() else { return EngineStats::default() };
-        let st = s.stats();
+        let st = s.stats(now_ms);
         EngineStats {
             hot_cache_entries: st.hot_cache_entries as u64,
-            keystore_bytes: 0,
+            keystore_bytes: st.keystore_bytes,
             oldest_hot_first_seen_ms: st.hot_oldest_first_seen_ms,
-            oldest_keystore_first_seen_ms: None,
+            oldest_keystore_first_seen_ms: st.keystore_oldest_first_seen_ms,
         }
     }
 

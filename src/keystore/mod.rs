@@ -60,7 +60,9 @@ mod histogram;
 mod horizon;
 mod options;
 mod store;
+mod verify;
 
 pub use error::KeystoreError;
 pub use options::KeyStoreOptions;
 pub use store::{AgeOutReport, KeyStore};
+pub use verify::{verify, KeystoreVerifyReport};

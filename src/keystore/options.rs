@@ -63,7 +63,7 @@ impl Default for KeyStoreOptions {
             keep_revoked_partitions: true,
             sync_writes: false,
             bloom_bits_per_key: 10.0,
-            block_bytes: 16 << 10,
+            block_bytes: 4 << 10,
             histogram_bucket_ms: 3_600_000,
             periodic_compaction_secs: 86_400,
         }
@@ -107,6 +107,9 @@ pub(crate) fn db_options(o: &KeyStoreOptions) -> Options {
     db.create_missing_column_families(true);
     db.set_max_background_jobs(o.background_jobs);
     db.set_max_subcompactions(1);
+    // One writer at a time (the store's write lock): the concurrent insert
+    // path would only add its splice recomputation per key.
+    db.set_allow_concurrent_memtable_write(false);
     // Keys and meta are written in one batch; flushing them together keeps
     // the SSTs consistent with each other even without the WAL.
     db.set_atomic_flush(true);

@@ -1,28 +1,37 @@
 //! Local state: the materialised view of the output topic (DESIGN §1.4).
 //!
 //! One `LocalState` per process ties together, per partition, the classifier
-//! with its hot cache, the durable usage store and the long-horizon key
-//! store. Everything here changes only through
-//! [`LocalState::apply_published`], called with events that are already
-//! durably published, in output-offset order; applying an offset at or below
-//! a partition's checkpoint is a no-op, so repair can replay freely.
+//! with its hot cache, the durable usage store (`<state-dir>/usage`) and the
+//! long-horizon key store (`<state-dir>/keystore`). Everything here changes
+//! only through [`LocalState::apply_published`], called with events that are
+//! already durably published, in output-offset order. Each tier keeps its own
+//! checkpoint (the last output offset it applied) and skips offsets at or
+//! below it, so repair can replay the output freely and a crash between two
+//! tiers' writes heals on the next apply.
+//!
+//! Order of apply: usage store (the WAL fsync is the durability point), then
+//! key store, then hot cache. The state directory is locked for one process.
 //!
 //! Sync: no tokio, no rdkafka. Methods may block on fsync.
 
+mod tools;
+
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::classify::{
-    classify_records, HorizonError, InputRecord, LongHorizon, NoLongHorizon, Outcome, PartitionClassifier, SeenKey,
+    classify_records, HorizonError, InputRecord, LongHorizon, NoLongHorizon, Outcome, PartitionClassifier,
 };
-use crate::config::EngineSettings;
+use crate::config::{EngineSettings, FsyncSetting};
 use crate::event::{IdHash, UsageEvent, Validator};
+use crate::keystore::{KeyStore, KeyStoreOptions, KeystoreError};
+use crate::storage::{
+    FsyncPolicy, NoopObserver, RecoveryReport, StateDirLock, StorageError, StorageObserver, StoreOptions, UsageStore,
+};
 
-/// What is persisted and remembered for one accepted, published event.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct StoredEvent {
-    pub key: SeenKey,
-    pub event: UsageEvent,
-}
+pub use crate::storage::StoredEvent;
+pub use tools::{inspect, verify_state_dir};
 
 /// Failure of a state tier. Any of these stops the batch: guessing would
 /// risk a double count or a lost event.
@@ -30,8 +39,12 @@ pub struct StoredEvent {
 pub enum StateError {
     #[error(transparent)]
     Horizon(#[from] HorizonError),
-    #[error("state directory {dir}: this build has no durable tiers yet")]
-    NoDurableTiers { dir: String },
+    #[error("usage store: {0}")]
+    Storage(#[from] StorageError),
+    #[error("key store: {0}")]
+    Keystore(#[from] KeystoreError),
+    #[error("cannot create state directory {dir}: {source}")]
+    CreateDir { dir: PathBuf, source: std::io::Error },
     #[error("partition {partition} is not assigned to this process")]
     NotAssigned { partition: i32 },
     #[error("output offsets must increase within a batch: {previous} then {next} on partition {partition}")]
@@ -45,50 +58,158 @@ pub struct StateStats {
     pub hot_cache_bytes: usize,
     /// First-seen time of the oldest key the hot caches still hold.
     pub hot_oldest_first_seen_ms: Option<i64>,
+    /// First-seen time of the oldest key the key store still holds.
+    pub keystore_oldest_first_seen_ms: Option<i64>,
+    pub keystore_bytes: u64,
+    /// The size cap has pushed the key store's window below its floor.
+    pub keystore_window_below_floor: bool,
 }
 
+/// The durable tiers of a state directory.
+struct Durable {
+    dir: PathBuf,
+    usage: UsageStore,
+    keys: KeyStore,
+    recovery: RecoveryReport,
+    /// Held for the life of the state: one process per directory.
+    _lock: StateDirLock,
+}
+
+/// How often the key store's horizon is enforced: it walks a histogram and
+/// may drop whole files, cheap but not free per batch.
+const AGE_OUT_EVERY_MS: i64 = 60_000;
+
 /// The local state of every partition this process owns.
-#[derive(Debug)]
 pub struct LocalState {
     settings: EngineSettings,
     detect_replays: bool,
     partitions: BTreeMap<i32, PartitionClassifier>,
-    /// Last output offset applied, per partition.
-    checkpoints: BTreeMap<i32, i64>,
+    durable: Option<Durable>,
+    /// In-memory mode only: last output offset applied, per partition.
+    memory_checkpoints: BTreeMap<i32, i64>,
+    last_age_out_ms: i64,
+}
+
+impl std::fmt::Debug for LocalState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalState")
+            .field("state_dir", &self.durable.as_ref().map(|d| d.dir.clone()))
+            .field("partitions", &self.partitions.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+/// The usage store's options from the engine settings.
+pub fn store_options(settings: &EngineSettings) -> StoreOptions {
+    StoreOptions {
+        fsync: match settings.fsync {
+            FsyncSetting::Always => FsyncPolicy::Always,
+            FsyncSetting::Interval(d) => FsyncPolicy::Interval(d),
+        },
+        wal_rotate_bytes: settings.wal_rotate_bytes,
+        memtable_max_events: settings.memtable_events,
+        retention_ms: settings.retention_ms(),
+        hot_ttl_ms: settings.hot_ttl_ms(),
+        hot_capacity: settings.hot_capacity,
+        ..StoreOptions::default()
+    }
+}
+
+/// The key store's options from the engine settings.
+pub fn keystore_options(settings: &EngineSettings) -> KeyStoreOptions {
+    KeyStoreOptions {
+        horizon_ms: settings.horizon_ms(),
+        max_bytes: settings.keystore_max_bytes,
+        window_floor_ms: i64::try_from(settings.keystore_window_floor.as_millis()).unwrap_or(i64::MAX),
+        block_cache_bytes: usize::try_from(settings.keystore_block_cache_bytes).unwrap_or(usize::MAX),
+        write_buffer_bytes: usize::try_from(settings.keystore_write_buffer_bytes).unwrap_or(usize::MAX),
+        background_jobs: i32::try_from(settings.keystore_background_jobs).unwrap_or(i32::MAX),
+        keep_revoked_partitions: settings.keep_revoked_partitions,
+        ..KeyStoreOptions::default()
+    }
 }
 
 impl LocalState {
     /// State kept in memory only: lost at exit, rebuilt by repair.
     pub fn in_memory(settings: EngineSettings, detect_replays: bool) -> LocalState {
-        LocalState { settings, detect_replays, partitions: BTreeMap::new(), checkpoints: BTreeMap::new() }
+        LocalState {
+            settings,
+            detect_replays,
+            partitions: BTreeMap::new(),
+            durable: None,
+            memory_checkpoints: BTreeMap::new(),
+            last_age_out_ms: i64::MIN,
+        }
     }
 
-    /// Opens the state of a state directory, or in-memory state when `None`.
+    /// Opens the state of a state directory (locking it, recovering the
+    /// usage store, opening the key store), or in-memory state when `None`.
     pub fn open(
-        state_dir: Option<&std::path::Path>,
+        state_dir: Option<&Path>,
         settings: EngineSettings,
         detect_replays: bool,
     ) -> Result<LocalState, StateError> {
-        match state_dir {
-            None => Ok(LocalState::in_memory(settings, detect_replays)),
-            Some(dir) => Err(StateError::NoDurableTiers { dir: dir.display().to_string() }),
-        }
+        LocalState::open_observed(state_dir, settings, detect_replays, Arc::new(NoopObserver))
+    }
+
+    /// [`open`](Self::open), reporting storage events (fsync latency,
+    /// recovery paths) to `observer`.
+    pub fn open_observed(
+        state_dir: Option<&Path>,
+        settings: EngineSettings,
+        detect_replays: bool,
+        observer: Arc<dyn StorageObserver>,
+    ) -> Result<LocalState, StateError> {
+        let Some(dir) = state_dir else {
+            return Ok(LocalState::in_memory(settings, detect_replays));
+        };
+        std::fs::create_dir_all(dir).map_err(|source| StateError::CreateDir { dir: dir.to_owned(), source })?;
+        let lock = StateDirLock::acquire(dir)?;
+        let (usage, recovery) = UsageStore::open(&dir.join("usage"), store_options(&settings), observer)?;
+        let keys = KeyStore::open(&dir.join("keystore"), keystore_options(&settings))?;
+        let mut state = LocalState::in_memory(settings, detect_replays);
+        state.durable = Some(Durable { dir: dir.to_owned(), usage, keys, recovery, _lock: lock });
+        Ok(state)
     }
 
     pub fn settings(&self) -> &EngineSettings {
         &self.settings
     }
 
-    /// Takes ownership of `partition`: creates its classifier. Idempotent.
-    pub fn assign(&mut self, partition: i32, _now_ms: i64) -> Result<(), StateError> {
-        let settings = self.settings.classifier(self.detect_replays);
-        self.partitions.entry(partition).or_insert_with(|| PartitionClassifier::new(partition, settings));
+    /// What the usage store found when it opened (torn tails, fallbacks).
+    pub fn recovery_report(&self) -> Option<&RecoveryReport> {
+        self.durable.as_ref().map(|d| &d.recovery)
+    }
+
+    /// The state directory, when there is one.
+    pub fn state_dir(&self) -> Option<&Path> {
+        self.durable.as_ref().map(|d| d.dir.as_path())
+    }
+
+    /// Takes ownership of `partition`: creates its classifier and seeds its
+    /// hot cache from the usage store's recent keys. Idempotent.
+    pub fn assign(&mut self, partition: i32, now_ms: i64) -> Result<(), StateError> {
+        if self.partitions.contains_key(&partition) {
+            return Ok(());
+        }
+        let mut classifier = PartitionClassifier::new(partition, self.settings.classifier(self.detect_replays));
+        if let Some(d) = &self.durable {
+            let keys = d.usage.recovery_hot_keys(partition, now_ms)?;
+            classifier.commit(keys.iter(), now_ms);
+        }
+        self.partitions.insert(partition, classifier);
         Ok(())
     }
 
-    /// Releases `partition`: its hot cache is dropped.
+    /// Releases `partition`: its hot cache is dropped, and its keys too unless
+    /// `keep_revoked_partitions` is set (they often come back).
     pub fn revoke(&mut self, partition: i32) -> Result<(), StateError> {
         self.partitions.remove(&partition);
+        if let Some(d) = &self.durable {
+            if !self.settings.keep_revoked_partitions {
+                d.keys.drop_partition(partition)?;
+            }
+        }
         Ok(())
     }
 
@@ -96,14 +217,26 @@ impl LocalState {
         self.partitions.keys().copied()
     }
 
-    /// Last output offset applied to every tier of `partition`; repair reads
-    /// the output partition from the next offset.
+    /// The last output offset applied to *every* tier of `partition`: repair
+    /// reads the output partition from the next offset. `None`: read it all.
     pub fn checkpoint(&self, partition: i32) -> Option<i64> {
-        self.checkpoints.get(&partition).copied()
+        match &self.durable {
+            None => self.memory_checkpoints.get(&partition).copied(),
+            Some(d) => {
+                let usage = d.usage.checkpoint(partition)?;
+                // A key store that cannot answer is treated as empty: repair
+                // then replays everything, which is always safe.
+                let keys = d.keys.checkpoint(partition).ok().flatten()?;
+                Some(usage.min(keys))
+            }
+        }
     }
 
     fn long_horizon(&self) -> &dyn LongHorizon {
-        &NoLongHorizon
+        match &self.durable {
+            Some(d) => &d.keys,
+            None => &NoLongHorizon,
+        }
     }
 
     /// Classifies a batch of `partition`. Read-only.
@@ -120,12 +253,14 @@ impl LocalState {
 
     /// Applies published events of `partition`, in output-offset order.
     /// Events at or below the checkpoint are skipped. Returns how many were
-    /// new.
+    /// new to the state as a whole.
     pub fn apply_published(&mut self, partition: i32, batch: &[StoredEvent], now_ms: i64) -> Result<usize, StateError> {
         let checkpoint = self.checkpoint(partition);
-        let classifier = self.partitions.get_mut(&partition).ok_or(StateError::NotAssigned { partition })?;
-        let mut previous = checkpoint.unwrap_or(-1);
-        let mut applied = 0;
+        if !self.partitions.contains_key(&partition) {
+            return Err(StateError::NotAssigned { partition });
+        }
+        let mut previous = checkpoint.unwrap_or(i64::MIN);
+        let mut fresh: Vec<StoredEvent> = Vec::with_capacity(batch.len());
         for e in batch {
             let offset = e.key.output.offset;
             if checkpoint.is_some_and(|c| offset <= c) {
@@ -135,30 +270,55 @@ impl LocalState {
                 return Err(StateError::OffsetsOutOfOrder { partition, previous, next: offset });
             }
             previous = offset;
-            classifier.commit(std::iter::once(&e.key), now_ms);
-            applied += 1;
+            fresh.push(e.clone());
         }
-        if applied > 0 {
-            self.checkpoints.insert(partition, previous);
+        let Some(last) = fresh.last().map(|e| e.key.output.offset) else {
+            return Ok(0);
+        };
+        match &mut self.durable {
+            None => {
+                self.memory_checkpoints.insert(partition, last);
+            }
+            Some(d) => {
+                // Each tier skips what it already holds, so a tier that got
+                // ahead of the other before a crash is not written twice.
+                d.usage.append(&fresh)?;
+                let keys: Vec<_> = fresh.iter().map(|e| e.key).collect();
+                d.keys.apply_batch(partition, &keys, last)?;
+            }
         }
-        Ok(applied)
+        if let Some(classifier) = self.partitions.get_mut(&partition) {
+            classifier.commit(fresh.iter().map(|e| &e.key), now_ms);
+        }
+        Ok(fresh.len())
     }
 
-    /// The first accepted payload of an id, when a durable tier still has it
+    /// The first accepted payload of an id, when the usage store still has it
     /// (to name the fields that differ in a conflict).
-    pub fn original(&self, _partition: i32, _id: &IdHash) -> Result<Option<UsageEvent>, StateError> {
-        Ok(None)
+    pub fn original(&self, partition: i32, id: &IdHash) -> Result<Option<UsageEvent>, StateError> {
+        match &self.durable {
+            None => Ok(None),
+            Some(d) => Ok(d.usage.get(Some(partition), id)?.map(|s| s.event)),
+        }
     }
 
-    /// Periodic upkeep between batches: expire hot keys.
+    /// Periodic upkeep between batches: expire hot keys, flush and compact
+    /// the usage store, age out the key store.
     pub fn maintain(&mut self, now_ms: i64) -> Result<(), StateError> {
         for c in self.partitions.values_mut() {
             c.evict_expired(now_ms);
         }
+        if let Some(d) = &mut self.durable {
+            d.usage.maintain(now_ms)?;
+            if now_ms.saturating_sub(self.last_age_out_ms) >= AGE_OUT_EVERY_MS {
+                d.keys.age_out(now_ms)?;
+                self.last_age_out_ms = now_ms;
+            }
+        }
         Ok(())
     }
 
-    pub fn stats(&self) -> StateStats {
+    pub fn stats(&self, now_ms: i64) -> StateStats {
         let mut s = StateStats::default();
         for c in self.partitions.values() {
             let hot = c.hot_cache();
@@ -168,11 +328,20 @@ impl LocalState {
                 s.hot_oldest_first_seen_ms = Some(s.hot_oldest_first_seen_ms.map_or(t, |o: i64| o.min(t)));
             }
         }
+        if let Some(d) = &self.durable {
+            s.keystore_bytes = d.keys.disk_bytes();
+            s.keystore_oldest_first_seen_ms = d.keys.oldest_first_seen_ms().ok().flatten();
+            s.keystore_window_below_floor = d.keys.window_below_floor(now_ms).unwrap_or(false);
+        }
         s
     }
 
     /// Flushes and closes every tier.
     pub fn close(self) -> Result<(), StateError> {
+        if let Some(d) = self.durable {
+            d.keys.flush()?;
+            d.usage.close()?;
+        }
         Ok(())
     }
 }

@@ -50,7 +50,7 @@ pub const VERSION: u16 = 1;
 const HEADER_LEN: usize = 8;
 const TRAILER_LEN: usize = 12;
 const COLUMN_ENTRY_LEN: usize = 22;
-const ZSTD_LEVEL: i32 = 3;
+const ZSTD_LEVEL: i32 = 1;
 
 const ENC_FIXED: u8 = 0;
 const ENC_DELTA: u8 = 1;

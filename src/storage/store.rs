@@ -14,6 +14,13 @@ use super::{failpoint, fsutil, RecoveryPath, StorageError, StorageObserver, Stor
 use crate::classify::SeenKey;
 use crate::event::IdHash;
 
+/// Keeps the newest `limit` of keys sorted oldest first.
+fn keep_newest(keys: &mut Vec<SeenKey>, limit: usize) {
+    if keys.len() > limit {
+        keys.drain(..keys.len() - limit);
+    }
+}
+
 /// A torn WAL tail found and truncated on open.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TornTail {
@@ -133,8 +140,17 @@ impl UsageStore {
                 (loaded.current, loaded.previous, loaded.highest_generation)
             }
             None => {
-                if !wal_files.is_empty() || has_segment_files(&seg_dir)? {
+                // Empty WAL files without a manifest are what a crash during the
+                // very first open leaves behind: nothing was ever stored.
+                let mut wal_bytes = 0u64;
+                for (_, path) in &wal_files {
+                    wal_bytes += std::fs::metadata(path).at(path)?.len();
+                }
+                if wal_bytes > 0 || has_segment_files(&seg_dir)? {
                     return Err(StorageError::NoValidManifest { dir: man_dir, tried: 0 });
+                }
+                for (_, path) in &wal_files {
+                    fsutil::remove_if_exists(path)?;
                 }
                 // Fresh store: WAL 1 exists before the manifest that names it,
                 // so a live manifest always finds its first WAL file.
@@ -158,10 +174,9 @@ impl UsageStore {
         // WAL replay: files from wal_start on, contiguous, the last may be torn.
         let wal_files = wal::list(&wal_dir)?;
         let live: Vec<&(u64, PathBuf)> = wal_files.iter().filter(|(seq, _)| *seq >= manifest.wal_start).collect();
-        for (i, (seq, path)) in live.iter().enumerate() {
+        for (i, (seq, _)) in live.iter().enumerate() {
             if *seq != manifest.wal_start + i as u64 {
                 let missing = manifest.wal_start + i as u64;
-                let _ = path;
                 return Err(StorageError::MissingWal {
                     file: wal::wal_path(&wal_dir, missing),
                     expected_first: manifest.wal_start,
@@ -193,12 +208,16 @@ impl UsageStore {
             })?;
             report.wal_files_replayed += 1;
             report.wal_frames += scan.frames;
-            if let Some(detail) = scan.torn {
-                // Cut the torn bytes off durably so a later append never sits
-                // behind garbage that the next recovery would call mid-log.
-                let f = std::fs::OpenOptions::new().write(true).open(path).at(path)?;
+            // fsync what was replayed: the crashed process may have left it in
+            // the page cache only (interval policy), and from now on it counts
+            // as stored. A torn tail is cut off first, durably, so a later
+            // append never sits behind garbage the next recovery would call mid-log.
+            let f = std::fs::OpenOptions::new().write(true).open(path).at(path)?;
+            if scan.torn.is_some() {
                 f.set_len(scan.valid_len).at(path)?;
-                f.sync_all().at(path)?;
+            }
+            f.sync_all().at(path)?;
+            if let Some(detail) = scan.torn {
                 report.torn_tail = Some(TornTail {
                     file: (*path).clone(),
                     offset: scan.valid_len,
@@ -267,11 +286,32 @@ impl UsageStore {
         if fresh.is_empty() {
             return Ok(0);
         }
-        let r = self.wal.append(&fresh, &self.opts.fsync, self.observer.as_ref(), self.opts.crash_at.as_deref());
+        let r = self.wal.write(&fresh, self.opts.crash_at.as_deref());
         self.poison_on_err(r)?;
         let n = fresh.len();
-        for e in fresh {
-            self.memtable.push(e.clone());
+        if self.wal.sync_due_after_write(&self.opts.fsync) {
+            // The fsync runs on a scoped thread while this one copies the batch
+            // into the memtable: the copy is CPU work and the fsync is waiting
+            // on the disk, so overlapping them shortens every group commit.
+            // Nothing reads the memtable before the fsync is known good: on
+            // failure the store is poisoned before this function returns.
+            let (wal, memtable, observer) = (&mut self.wal, &mut self.memtable, self.observer.as_ref());
+            let synced = std::thread::scope(|scope| {
+                let fsync = scope.spawn(move || wal.sync(observer));
+                for e in &fresh {
+                    memtable.push((*e).clone());
+                }
+                fsync.join().unwrap_or_else(|_| {
+                    Err(StorageError::Poisoned { cause: "the WAL fsync thread panicked".to_string() })
+                })
+            });
+            self.poison_on_err(synced)?;
+            let r = failpoint::check("wal_after_fsync", self.crash_at());
+            self.poison_on_err(r)?;
+        } else {
+            for e in fresh {
+                self.memtable.push(e.clone());
+            }
         }
         self.checkpoints.extend(advanced);
         if self.wal.len() >= self.opts.wal_rotate_bytes {
@@ -334,9 +374,33 @@ impl UsageStore {
     /// to the observer with its path) plus the memtable. At most `limit`, the
     /// newest kept; sorted by `first_seen_ms` ascending.
     pub fn recent_keys(&self, partition: i32, since_ms: i64, limit: usize) -> Result<Vec<SeenKey>, StorageError> {
+        let mut out = self.collect_recent(since_ms, |k| k.output.partition == partition)?;
+        keep_newest(&mut out, limit);
+        Ok(out)
+    }
+
+    /// [`UsageStore::recent_keys`] for every partition in one pass over the
+    /// sidecars (a start-up with many partitions reads each segment once).
+    pub fn recent_keys_all(
+        &self,
+        since_ms: i64,
+        limit_per_partition: usize,
+    ) -> Result<BTreeMap<i32, Vec<SeenKey>>, StorageError> {
+        let mut by_partition: BTreeMap<i32, Vec<SeenKey>> = BTreeMap::new();
+        for k in self.collect_recent(since_ms, |_| true)? {
+            by_partition.entry(k.output.partition).or_default().push(k);
+        }
+        for keys in by_partition.values_mut() {
+            keep_newest(keys, limit_per_partition);
+        }
+        Ok(by_partition)
+    }
+
+    /// Keys first seen after `since_ms` that pass `keep`, sorted by first-seen time.
+    fn collect_recent(&self, since_ms: i64, keep: impl Fn(&SeenKey) -> bool) -> Result<Vec<SeenKey>, StorageError> {
         self.check_poison()?;
         let mut out: Vec<SeenKey> = Vec::new();
-        let wanted = |k: &SeenKey| k.output.partition == partition && k.first_seen_ms > since_ms;
+        let wanted = |k: &SeenKey| k.first_seen_ms > since_ms && keep(k);
         for meta in &self.manifest.segments {
             if meta.max_first_seen_ms <= since_ms {
                 continue;
@@ -356,15 +420,13 @@ impl UsageStore {
                     out.truncate(mark);
                     self.observer.recovery_segment(RecoveryPath::Fallback);
                     let seg = SegmentFile::open(&segment::segment_path(&self.seg_dir, meta.id))?;
-                    out.extend(seg.read_keys()?.into_iter().filter(wanted));
+                    out.extend(seg.read_keys()?.into_iter().filter(|k| wanted(k)));
                 }
             }
         }
-        out.extend(self.memtable.keys().copied().filter(wanted));
+        out.extend(self.memtable.keys().copied().filter(|k| wanted(k)));
+        // Rows are in ingest order, so this is nearly sorted already and cheap.
         out.sort_by_key(|k| (k.first_seen_ms, k.output.offset));
-        if out.len() > limit {
-            out.drain(..out.len() - limit);
-        }
         Ok(out)
     }
 
@@ -638,5 +700,16 @@ impl UsageStore {
         drop(self);
         let f = std::fs::OpenOptions::new().write(true).open(&path).at(&path)?;
         f.set_len(keep).at(&path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_store_can_move_to_a_blocking_thread() {
+        fn is_send<T: Send>() {}
+        is_send::<UsageStore>();
     }
 }

@@ -63,15 +63,10 @@ impl WalWriter {
     }
 
     /// Writes `events` as one frame (more if over [`MAX_PAYLOAD`]) with a
-    /// single `write`, then applies the fsync policy: one fsync per call with
-    /// `Always` (group commit), at most one per interval otherwise.
-    pub(crate) fn append(
-        &mut self,
-        events: &[&StoredEvent],
-        policy: &FsyncPolicy,
-        observer: &dyn StorageObserver,
-        crash_at: Option<&str>,
-    ) -> Result<(), StorageError> {
+    /// single `write`. Durability is the caller's next step: [`WalWriter::sync`]
+    /// when [`WalWriter::sync_due_after_write`] says so (group commit: one
+    /// fsync per `append` with `Always`, at most one per interval otherwise).
+    pub(crate) fn write(&mut self, events: &[&StoredEvent], crash_at: Option<&str>) -> Result<(), StorageError> {
         self.frame_buf.clear();
         let mut i = 0;
         while i < events.len() {
@@ -88,16 +83,15 @@ impl WalWriter {
         }
         self.file.write_all(&self.frame_buf).at(&self.path)?;
         self.len += self.frame_buf.len() as u64;
-        failpoint::check("wal_after_write", crash_at)?;
-        let due = match policy {
+        failpoint::check("wal_after_write", crash_at)
+    }
+
+    /// Whether the policy wants an fsync right after a write.
+    pub(crate) fn sync_due_after_write(&self, policy: &FsyncPolicy) -> bool {
+        match policy {
             FsyncPolicy::Always => true,
             FsyncPolicy::Interval(every) => self.last_sync.elapsed() >= *every,
-        };
-        if due {
-            self.sync(observer)?;
-            failpoint::check("wal_after_fsync", crash_at)?;
         }
-        Ok(())
     }
 
     /// Makes everything written so far durable. An error here must poison the
