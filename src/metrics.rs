@@ -753,22 +753,3 @@ mod tests {
         task.await.expect("join").expect("serve");
     }
 }
-
-/// Feeds the usage store's callbacks (WAL fsyncs, recovery paths) into the
-/// metrics; pass it to the state's observed constructor.
-#[derive(Clone, Debug)]
-pub struct StorageMetrics(pub Arc<Metrics>);
-
-impl crate::storage::StorageObserver for StorageMetrics {
-    fn wal_fsync(&self, took: Duration) {
-        WalFsynced { duration: took }.emit(&self.0);
-    }
-
-    fn recovery_segment(&self, path: crate::storage::RecoveryPath) {
-        let (sidecar, fallback) = match path {
-            crate::storage::RecoveryPath::Sidecar => (1, 0),
-            crate::storage::RecoveryPath::Fallback => (0, 1),
-        };
-        SegmentsRecovered { sidecar, fallback }.emit(&self.0);
-    }
-}
