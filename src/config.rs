@@ -27,32 +27,10 @@ fn invalid(key: &'static str, why: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { key, flag: key.replace('_', "-"), env: key.to_uppercase(), why: why.into() }
 }
 
-/// When the WAL (and the offline output file) are fsynced.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FsyncSetting {
-    /// Before a batch counts as handled: nothing acknowledged is ever lost.
-    Always,
-    /// At most this long after a write: a crash can lose up to this window
-    /// of local state, which repair then restores from the output topic.
-    Interval(Duration),
-}
-
-impl std::str::FromStr for FsyncSetting {
-    type Err = String;
-    fn from_str(s: &str) -> Result<FsyncSetting, String> {
-        if s == "always" {
-            return Ok(FsyncSetting::Always);
-        }
-        if let Some(ms) = s.strip_prefix("interval:") {
-            let ms: u64 = ms.parse().map_err(|_| format!("{s:?}: interval must be whole milliseconds"))?;
-            if ms == 0 {
-                return Err("interval:0 is `always`; say so".into());
-            }
-            return Ok(FsyncSetting::Interval(Duration::from_millis(ms)));
-        }
-        Err(format!("{s:?} is neither `always` nor `interval:<ms>`"))
-    }
-}
+/// When the WAL (and the offline output file) are fsynced: `always` or
+/// `interval:<ms>`. One type for the whole system, defined by the storage
+/// layer that honours it.
+pub use crate::storage::FsyncPolicy;
 
 /// The tuning flags shared by `run` and `dedupe` (DESIGN §9). Every field is
 /// optional here: unset means "take the file's value, or the default".
@@ -219,7 +197,7 @@ pub struct EngineSettings {
     pub keystore_write_buffer_bytes: u64,
     pub keystore_background_jobs: u32,
     pub keep_revoked_partitions: bool,
-    pub fsync: FsyncSetting,
+    pub fsync: FsyncPolicy,
     pub wal_rotate_bytes: u64,
     pub memtable_events: usize,
     pub retention: Duration,
@@ -240,7 +218,7 @@ impl Default for EngineSettings {
             keystore_write_buffer_bytes: 64 << 20,
             keystore_background_jobs: 2,
             keep_revoked_partitions: true,
-            fsync: FsyncSetting::Always,
+            fsync: FsyncPolicy::Always,
             wal_rotate_bytes: 64 << 20,
             memtable_events: 100_000,
             retention: Duration::from_secs(400 * 86_400),
@@ -365,8 +343,10 @@ impl EngineSettings {
             pick("keep_revoked_partitions", &args.keep_revoked_partitions, file.keep_revoked_partitions, parse_bool)?
                 .unwrap_or(d.keep_revoked_partitions);
         let fsync = match (&args.fsync, &file.fsync) {
-            (Some(s), _) | (None, Some(s)) => s.parse::<FsyncSetting>().map_err(|why| invalid("fsync", why))?,
-            (None, None) => d.fsync,
+            (Some(s), _) | (None, Some(s)) => {
+                s.parse::<FsyncPolicy>().map_err(|why| invalid("fsync", why.to_string()))?
+            }
+            (None, None) => d.fsync.clone(),
         };
         let wal_rotate_bytes = pick(
             "wal_rotate_bytes",
@@ -577,10 +557,12 @@ mod tests {
 
     #[test]
     fn fsync_forms() {
-        assert_eq!("always".parse::<FsyncSetting>(), Ok(FsyncSetting::Always));
-        assert_eq!("interval:250".parse::<FsyncSetting>(), Ok(FsyncSetting::Interval(Duration::from_millis(250))));
-        assert!("interval:".parse::<FsyncSetting>().is_err());
-        assert!("interval:0".parse::<FsyncSetting>().is_err());
+        assert!(matches!("always".parse::<FsyncPolicy>(), Ok(FsyncPolicy::Always)));
+        assert!(
+            matches!("interval:250".parse::<FsyncPolicy>(), Ok(FsyncPolicy::Interval(d)) if d == Duration::from_millis(250))
+        );
+        assert!("interval:".parse::<FsyncPolicy>().is_err());
+        assert!("interval:0".parse::<FsyncPolicy>().is_err());
     }
 
     #[test]

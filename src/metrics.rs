@@ -138,6 +138,8 @@ pub struct Metrics {
     dedupe_window: Family<TierLabels, Gauge<f64, AtomicU64>>,
     hot_cache_entries: Gauge,
     keystore_bytes: Gauge,
+    /// 1 while the key store's size cap holds its window below the floor.
+    dedupe_window_below_floor: Gauge,
     batch_duration: Family<StageLabels, Histogram, fn() -> Histogram>,
     wal_fsync_duration: Histogram,
     repair_records: Counter,
@@ -170,6 +172,7 @@ impl Metrics {
         let dedupe_window = Family::<TierLabels, Gauge<f64, AtomicU64>>::default();
         let hot_cache_entries = Gauge::default();
         let keystore_bytes = Gauge::default();
+        let dedupe_window_below_floor = Gauge::default();
         let batch_duration =
             Family::<StageLabels, Histogram, fn() -> Histogram>::new_with_constructor(duration_histogram);
         let wal_fsync_duration = duration_histogram();
@@ -193,6 +196,11 @@ impl Metrics {
             hot_cache_entries.clone(),
         );
         registry.register("keystore_bytes", "Approximate size of the key store on disk", keystore_bytes.clone());
+        registry.register(
+            "dedupe_window_below_floor",
+            "1 while the key store's size cap holds its dedupe window below the configured floor",
+            dedupe_window_below_floor.clone(),
+        );
         registry.register("batch_duration_seconds", "Time per batch, by pipeline stage", batch_duration.clone());
         registry.register("wal_fsync_duration_seconds", "Usage-store WAL fsync time", wal_fsync_duration.clone());
         registry.register(
@@ -247,6 +255,7 @@ impl Metrics {
             dedupe_window,
             hot_cache_entries,
             keystore_bytes,
+            dedupe_window_below_floor,
             batch_duration,
             wal_fsync_duration,
             repair_records,
@@ -501,12 +510,15 @@ pub struct StateObserved {
     pub hot_window: Option<Duration>,
     /// Age of the oldest key-store key, if any.
     pub keystore_window: Option<Duration>,
+    /// The size cap holds the key store's window below its floor.
+    pub window_below_floor: bool,
 }
 
 impl StateObserved {
     pub fn emit(&self, m: &Metrics) {
         m.hot_cache_entries.set(i64::try_from(self.hot_cache_entries).unwrap_or(i64::MAX));
         m.keystore_bytes.set(i64::try_from(self.keystore_bytes).unwrap_or(i64::MAX));
+        m.dedupe_window_below_floor.set(i64::from(self.window_below_floor));
         for (tier, w) in [(WindowTier::hot_cache, self.hot_window), (WindowTier::keystore, self.keystore_window)] {
             m.dedupe_window.get_or_create(&TierLabels { tier }).set(w.map_or(0.0, |d| d.as_secs_f64()));
         }
@@ -666,6 +678,7 @@ mod tests {
             "dedupd_dedupe_window_seconds",
             "dedupd_hot_cache_entries",
             "dedupd_keystore_bytes",
+            "dedupd_dedupe_window_below_floor",
             "dedupd_batch_duration_seconds",
             "dedupd_wal_fsync_duration_seconds",
             "dedupd_repair_records_total",

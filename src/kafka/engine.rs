@@ -23,6 +23,7 @@ pub struct EngineStats {
     pub keystore_bytes: u64,
     pub oldest_hot_first_seen_ms: Option<i64>,
     pub oldest_keystore_first_seen_ms: Option<i64>,
+    pub window_below_floor: bool,
 }
 
 /// A failure of local state. The worker treats it as fatal for the process:
@@ -141,6 +142,7 @@ impl Engine for StateEngine {
             keystore_bytes: st.keystore_bytes,
             oldest_hot_first_seen_ms: st.hot_oldest_first_seen_ms,
             oldest_keystore_first_seen_ms: st.keystore_oldest_first_seen_ms,
+            window_below_floor: st.keystore_window_below_floor,
         }
     }
 

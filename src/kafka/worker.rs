@@ -275,6 +275,7 @@ fn engine_stats(engine: &Mutex<Box<dyn Engine>>, now_ms: i64) -> StateObserved {
         keystore_bytes: s.keystore_bytes,
         hot_window: age(s.oldest_hot_first_seen_ms),
         keystore_window: age(s.oldest_keystore_first_seen_ms),
+        window_below_floor: s.window_below_floor,
     }
 }
 

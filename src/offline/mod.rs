@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::classify::{Clock, InputRecord, Outcome, SeenKey};
-use crate::config::{EngineSettings, FsyncSetting};
+use crate::config::{EngineSettings, FsyncPolicy};
 use crate::event::{id_hash, payload_hash, write_canonical_json, Position, UsageEvent, Validator};
 use crate::state::{LocalState, StateError, StoredEvent};
 
@@ -103,7 +103,7 @@ struct OutputSink {
     path: Option<PathBuf>,
     writer: BufWriter<Box<dyn Write>>,
     file: Option<File>,
-    fsync: Option<FsyncSetting>,
+    fsync: Option<FsyncPolicy>,
     last_sync: Instant,
     /// Offset the next output line gets.
     next_offset: i64,
@@ -119,10 +119,10 @@ impl OutputSink {
     /// state is changed for them.
     fn end_batch(&mut self) -> io::Result<()> {
         self.writer.flush()?;
-        if let (Some(file), Some(policy)) = (&self.file, self.fsync) {
+        if let (Some(file), Some(policy)) = (&self.file, &self.fsync) {
             let due = match policy {
-                FsyncSetting::Always => true,
-                FsyncSetting::Interval(d) => self.last_sync.elapsed() >= d,
+                FsyncPolicy::Always => true,
+                FsyncPolicy::Interval(d) => self.last_sync.elapsed() >= *d,
             };
             if due {
                 file.sync_data()?;
@@ -160,7 +160,7 @@ pub fn run_dedupe(opts: &DedupeOptions, settings: &EngineSettings, clock: &dyn C
             let mut state = LocalState::open(Some(dir), settings.clone(), false)?;
             state.assign(OFFLINE_PARTITION, clock.now_ms())?;
             let lines = repair_from_output(&mut state, path, dir, &validator, clock)?;
-            let output = open_append_output(path, lines, settings.fsync)?;
+            let output = open_append_output(path, lines, settings.fsync.clone())?;
             (state, output)
         }
     };
@@ -329,7 +329,7 @@ fn open_fresh_output(output: &Stdio) -> Result<OutputSink, OfflineError> {
     })
 }
 
-fn open_append_output(path: &Path, lines: u64, fsync: FsyncSetting) -> Result<OutputSink, OfflineError> {
+fn open_append_output(path: &Path, lines: u64, fsync: FsyncPolicy) -> Result<OutputSink, OfflineError> {
     let f = OpenOptions::new().append(true).open(path).map_err(io_err("cannot open output", path))?;
     let clone = f.try_clone().map_err(io_err("cannot open output", path))?;
     Ok(OutputSink {

@@ -23,11 +23,11 @@ use std::sync::Arc;
 use crate::classify::{
     classify_records, HorizonError, InputRecord, LongHorizon, NoLongHorizon, Outcome, PartitionClassifier,
 };
-use crate::config::{EngineSettings, FsyncSetting};
+use crate::config::EngineSettings;
 use crate::event::{IdHash, UsageEvent, Validator};
 use crate::keystore::{KeyStore, KeyStoreOptions, KeystoreError};
 use crate::storage::{
-    FsyncPolicy, NoopObserver, RecoveryReport, StateDirLock, StorageError, StorageObserver, StoreOptions, UsageStore,
+    NoopObserver, RecoveryReport, StateDirLock, StorageError, StorageObserver, StoreOptions, UsageStore,
 };
 
 pub use crate::storage::StoredEvent;
@@ -102,10 +102,7 @@ impl std::fmt::Debug for LocalState {
 /// The usage store's options from the engine settings.
 pub fn store_options(settings: &EngineSettings) -> StoreOptions {
     StoreOptions {
-        fsync: match settings.fsync {
-            FsyncSetting::Always => FsyncPolicy::Always,
-            FsyncSetting::Interval(d) => FsyncPolicy::Interval(d),
-        },
+        fsync: settings.fsync.clone(),
         wal_rotate_bytes: settings.wal_rotate_bytes,
         memtable_max_events: settings.memtable_events,
         retention_ms: settings.retention_ms(),

@@ -2,7 +2,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::error::IoContext;
 use super::StorageError;
@@ -62,4 +62,25 @@ pub(crate) fn remove_if_exists(path: &Path) -> Result<(), StorageError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(StorageError::io(path, e)),
     }
+}
+
+/// The files in `dir` whose name `number_of` maps to a number, as
+/// `(number, path)` in ascending order. A missing directory has none.
+pub(crate) fn list_numbered(
+    dir: &Path,
+    number_of: impl Fn(&str) -> Option<u64>,
+) -> Result<Vec<(u64, PathBuf)>, StorageError> {
+    let mut out = Vec::new();
+    if !dir.is_dir() {
+        return Ok(out);
+    }
+    for entry in std::fs::read_dir(dir).at(dir)? {
+        let path = entry.at(dir)?.path();
+        let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
+        if let Some(n) = number_of(name) {
+            out.push((n, path));
+        }
+    }
+    out.sort();
+    Ok(out)
 }

@@ -138,18 +138,9 @@ impl Manifest {
 
 /// The manifest files in `dir`, newest generation first (temp files excluded).
 pub(crate) fn list(dir: &Path) -> Result<Vec<(u64, PathBuf)>, StorageError> {
-    let mut out = Vec::new();
-    if !dir.is_dir() {
-        return Ok(out);
-    }
-    for entry in std::fs::read_dir(dir).at(dir)? {
-        let path = entry.at(dir)?.path();
-        let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
-        if let Some(g) = name.strip_prefix("MANIFEST-").and_then(|s| s.parse::<u64>().ok()) {
-            out.push((g, path));
-        }
-    }
-    out.sort_by_key(|e| std::cmp::Reverse(e.0));
+    let mut out =
+        super::fsutil::list_numbered(dir, |name| name.strip_prefix("MANIFEST-").and_then(|s| s.parse::<u64>().ok()))?;
+    out.reverse();
     Ok(out)
 }
 

@@ -13,7 +13,6 @@ pub(crate) mod writer;
 
 use std::path::{Path, PathBuf};
 
-use super::error::IoContext;
 use super::StorageError;
 
 pub(crate) fn wal_path(dir: &Path, seq: u64) -> PathBuf {
@@ -22,17 +21,5 @@ pub(crate) fn wal_path(dir: &Path, seq: u64) -> PathBuf {
 
 /// The WAL files in `dir`, sorted by sequence number.
 pub(crate) fn list(dir: &Path) -> Result<Vec<(u64, PathBuf)>, StorageError> {
-    let mut out = Vec::new();
-    if !dir.is_dir() {
-        return Ok(out);
-    }
-    for entry in std::fs::read_dir(dir).at(dir)? {
-        let path = entry.at(dir)?.path();
-        let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
-        if let Some(seq) = name.strip_suffix(".wal").and_then(|s| s.parse::<u64>().ok()) {
-            out.push((seq, path));
-        }
-    }
-    out.sort();
-    Ok(out)
+    super::fsutil::list_numbered(dir, |name| name.strip_suffix(".wal").and_then(|s| s.parse::<u64>().ok()))
 }
