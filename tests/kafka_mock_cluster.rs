@@ -173,6 +173,10 @@ async fn a_crashed_worker_is_repaired_from_the_output_topic_by_its_successor() {
         crashed.spawn(run(settings(&brokers, &group, &topics, delivery), parts1, std::future::pending()));
         assert!(wait_until(Duration::from_secs(60), || buckets_total(&metrics1) > 1000).await);
         crashed.shutdown_background();
+        // What the crashed worker left visible on the output. The crash may
+        // land before its first publish completed; then there is nothing to
+        // repair from, and the outcome check below is what matters.
+        let left_on_output: i64 = high_watermarks(&brokers, &topics.output, PARTITIONS).iter().sum();
 
         let (stop, worker, metrics) = spawn_worker(settings(&brokers, &group, &topics, delivery));
         let total = s.records.len() as u64;
@@ -182,7 +186,9 @@ async fn a_crashed_worker_is_repaired_from_the_output_topic_by_its_successor() {
         assert!(done, "successor did not finish the input");
         let _ = stop.send(());
         let report = worker.await.expect("join").expect("run");
-        assert!(report.repaired_records > 0, "the successor must rebuild state from the output topic");
+        if left_on_output > 0 {
+            assert!(report.repaired_records > 0, "the successor must rebuild state from the output topic");
+        }
         check_outcome(&brokers, &topics, &group, &s, delivery);
     }
 }
