@@ -170,7 +170,16 @@ async fn a_crashed_worker_is_repaired_from_the_output_topic_by_its_successor() {
         // publish and commit), without any shutdown path running.
         let crashed = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
         let (parts1, metrics1) = parts();
-        crashed.spawn(run(settings(&brokers, &group, &topics, delivery), parts1, std::future::pending()));
+        // Both lives use the same instance id, as a restarted pod does: its
+        // stable transactional id fences the crashed life's open transaction,
+        // which would otherwise hold the output's last stable offset (and so
+        // repair) back until the broker times the transaction out.
+        let with_instance = || {
+            let mut st = settings(&brokers, &group, &topics, delivery);
+            st.instance_id = Some(format!("{group}-0"));
+            st
+        };
+        crashed.spawn(run(with_instance(), parts1, std::future::pending()));
         assert!(wait_until(Duration::from_secs(60), || buckets_total(&metrics1) > 1000).await);
         crashed.shutdown_background();
         // What the crashed worker left visible on the output. The crash may
@@ -178,7 +187,7 @@ async fn a_crashed_worker_is_repaired_from_the_output_topic_by_its_successor() {
         // repair from, and the outcome check below is what matters.
         let left_on_output: i64 = high_watermarks(&brokers, &topics.output, PARTITIONS).iter().sum();
 
-        let (stop, worker, metrics) = spawn_worker(settings(&brokers, &group, &topics, delivery));
+        let (stop, worker, metrics) = spawn_worker(with_instance());
         let total = s.records.len() as u64;
         let done =
             wait_until(Duration::from_secs(90), || input_done(&brokers, &topics, &group, delivery, &metrics, total))
