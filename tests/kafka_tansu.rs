@@ -3,102 +3,31 @@
 //! SIGKILLed at random points under load, then restarted; afterwards the
 //! output topic must hold every valid id exactly once with its first payload.
 //!
-//! The worker process is this test binary re-executed with
-//! `DEDUPD_CHILD_WORKER` set (see [`child_worker_process_entry`]), so the test
-//! needs nothing but the library; it runs the same `dedupd::kafka::run` the
-//! `dedupd run` command does.
+//! The worker is the real `dedupd run` binary, with a state directory that
+//! survives its deaths as a pod's volume does.
 //!
-//! Needs the `tansu` binary (`cargo install tansu --locked --features
-//! dynostore,libsql`, or `TANSU_BIN`); without it every test here says so
-//! loudly and passes without checking anything.
+//! Needs the `tansu` binary (`DEDUPD_E2E=1 scripts/setup`, or `cargo install
+//! tansu --locked --features dynostore,libsql`, or `TANSU_BIN`). Without it
+//! the tests say so loudly and check nothing, unless `DEDUPD_REQUIRE_TANSU=1`
+//! (set by `scripts/test`), which makes a missing broker a failure.
+//!
+//! The tests run one at a time (each starts its own broker and workers; two
+//! at once on two cores would measure the machine, not dedupd).
 
 mod kafka_common;
 
-use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use dedupd::kafka::demo::produce_traffic;
-use dedupd::kafka::{run, shutdown_signal, DeliveryMode, Topics};
+use dedupd::kafka::Topics;
 
+use kafka_common::tansu::Tansu;
 use kafka_common::*;
 
 const PARTITIONS: i32 = 4;
 
-fn tansu_binary() -> Option<PathBuf> {
-    if let Ok(p) = std::env::var("TANSU_BIN") {
-        return Some(PathBuf::from(p));
-    }
-    let mut dirs: Vec<PathBuf> =
-        std::env::var_os("PATH").map(|p| std::env::split_paths(&p).collect()).unwrap_or_default();
-    if let Some(home) = std::env::var_os("HOME") {
-        dirs.push(PathBuf::from(home).join(".cargo/bin"));
-    }
-    dirs.into_iter().map(|d| d.join("tansu")).find(|p| p.is_file())
-}
-
-/// A Tansu broker on a free loopback port, in its own temp directory,
-/// killed on drop.
-struct Tansu {
-    child: Child,
-    bin: PathBuf,
-    url: String,
-    brokers: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Tansu {
-    fn start() -> Option<Tansu> {
-        let Some(bin) = tansu_binary() else {
-            eprintln!("\n*** SKIPPED: the `tansu` binary is not installed (cargo install tansu --locked --features dynostore,libsql); this end-to-end test checked NOTHING ***\n");
-            return None;
-        };
-        let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
-        let dir = tempfile::tempdir().expect("tempdir");
-        let url = format!("tcp://127.0.0.1:{port}");
-        let log = std::fs::File::create(dir.path().join("tansu.log")).expect("log");
-        let child = Command::new(&bin)
-            .arg("broker")
-            .args(["--storage-engine", "sqlite://tansu.db"])
-            .args(["--listener-url", &url, "--advertised-listener-url", &url])
-            .current_dir(dir.path())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("start tansu");
-        Some(Tansu { child, bin, url, brokers: format!("127.0.0.1:{port}"), _dir: dir })
-    }
-
-    /// Creates a topic, retrying until the broker answers.
-    fn create_topic(&self, name: &str, partitions: i32) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let out = Command::new(&self.bin)
-                .args(["topic", "create", name, "--partitions", &partitions.to_string(), "--broker", &self.url])
-                .output()
-                .expect("tansu topic create");
-            if out.status.success() {
-                return;
-            }
-            assert!(Instant::now() < deadline, "tansu never created {name}: {}", String::from_utf8_lossy(&out.stderr));
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
-
-    fn create_topics(&self, t: &Topics) {
-        self.create_topic(&t.input, PARTITIONS);
-        self.create_topic(&t.output, PARTITIONS);
-        self.create_topic(&t.conflicts, 1);
-        self.create_topic(&t.rejected, 1);
-    }
-}
-
-impl Drop for Tansu {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// A started worker process and its metrics address.
 struct Worker {
@@ -126,6 +55,13 @@ fn http_get(addr: std::net::SocketAddr, path: &str) -> Option<(u16, String)> {
     Some((status, buf))
 }
 
+/// The value of one sample line of the worker's `/metrics` page
+/// (`name{labels}` exactly as printed), if the worker answered.
+fn metric(addr: std::net::SocketAddr, series: &str) -> Option<f64> {
+    let (_, page) = http_get(addr, "/metrics")?;
+    page.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
 /// Waits until the worker answers 200 on `/readyz` (assigned and repaired).
 async fn wait_ready(w: &mut Worker, timeout: Duration) {
     let deadline = Instant::now() + timeout;
@@ -141,30 +77,34 @@ async fn wait_ready(w: &mut Worker, timeout: Duration) {
     }
 }
 
-/// Starts a worker process on `brokers`; its output goes to a file (a pipe
-/// nobody drains could block it).
-fn spawn_worker(brokers: &str, group: &str, topics: &Topics, instance: &str) -> Worker {
+/// Starts the real `dedupd run` binary on `brokers` in at-least-once mode
+/// (Tansu has no transactions), with its state in `state_dir`; its output
+/// goes to a log file (a pipe nobody drains could block it).
+fn spawn_worker(brokers: &str, group: &str, topics: &Topics, instance: &str, state_dir: &std::path::Path) -> Worker {
     let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
     let metrics = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-    let exe = std::env::current_exe().expect("test binary");
     let log = std::env::temp_dir().join(format!("dedupd-child-{}-{group}-{instance}.log", std::process::id()));
     let log = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("child log");
-    let child = Command::new(exe)
-        .args(["child_worker_process_entry", "--exact", "--nocapture", "--ignored", "--test-threads=1"])
-        .env("DEDUPD_CHILD_WORKER", "1")
-        .env("DEDUPD_CHILD_BROKERS", brokers)
-        .env("DEDUPD_CHILD_GROUP", group)
-        .env(
-            "DEDUPD_CHILD_TOPICS",
-            format!("{},{},{},{}", topics.input, topics.output, topics.conflicts, topics.rejected),
-        )
-        .env("DEDUPD_CHILD_INSTANCE", instance)
-        .env("DEDUPD_CHILD_METRICS", metrics.to_string())
+    let child = Command::new(env!("CARGO_BIN_EXE_dedupd"))
+        .arg("run")
+        .args(["--brokers", brokers, "--group", group])
+        .args(["--input-topic", &topics.input, "--output-topic", &topics.output])
+        .args(["--conflicts-topic", &topics.conflicts, "--rejected-topic", &topics.rejected])
+        .args(["--delivery", "at-least-once"])
+        .arg("--state-dir")
+        .arg(state_dir)
+        .args(["--metrics-addr", &metrics.to_string()])
+        .args(["--batch-max-records", "2000", "--batch-max-wait", "20ms"])
+        // Dynamic membership: every life joins as a new member, and a dead
+        // one is evicted after the session timeout; the short timeout keeps
+        // each restart's rebalance to a few seconds.
+        .args(["--kafka-property", "consumer.session.timeout.ms=6000"])
+        .args(["--kafka-property", "consumer.max.poll.interval.ms=20000"])
         .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "dedupd=info".into()))
         .stdout(log.try_clone().expect("child log"))
         .stderr(log)
         .spawn()
-        .expect("spawn worker process");
+        .expect("spawn dedupd run");
     Worker { child, metrics }
 }
 
@@ -179,44 +119,16 @@ fn stderr_of(_child: &mut Child) -> String {
     format!("see {}/dedupd-child-{}-*.log", std::env::temp_dir().display(), std::process::id())
 }
 
-/// The worker process: runs only when re-executed by a test.
-#[test]
-#[ignore = "entry point of the worker child process; run by the Tansu tests"]
-fn child_worker_process_entry() {
-    if std::env::var("DEDUPD_CHILD_WORKER").is_err() {
-        return;
-    }
-    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} missing"));
-    let t: Vec<String> = var("DEDUPD_CHILD_TOPICS").split(',').map(str::to_owned).collect();
-    let topics = Topics { input: t[0].clone(), output: t[1].clone(), conflicts: t[2].clone(), rejected: t[3].clone() };
-    let mut s = settings(&var("DEDUPD_CHILD_BROKERS"), &var("DEDUPD_CHILD_GROUP"), &topics, DeliveryMode::AtLeastOnce);
-    // Dynamic membership: Tansu 0.6 was seen to stall a static member's
-    // rejoin after a SIGKILL for over a minute. A dead member is evicted
-    // after session.timeout.ms; max.poll.interval.ms bounds each rebalance.
-    let _instance = var("DEDUPD_CHILD_INSTANCE");
-    s.kafka_properties = vec![
-        ("consumer.session.timeout.ms".into(), "6000".into()),
-        ("consumer.max.poll.interval.ms".into(), "20000".into()),
-    ];
-    s.metrics_addr = Some(var("DEDUPD_CHILD_METRICS").parse().expect("metrics addr"));
-    s.batch.max_records = 2000;
-    s.batch.max_wait = Duration::from_millis(20);
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
-    let (parts, _) = parts();
-    match runtime.block_on(run(s, parts, shutdown_signal())) {
-        Ok(report) => {
-            eprintln!("worker stopped cleanly: {report:?}");
-            std::process::exit(0);
-        }
-        Err(e) => {
-            eprintln!("worker failed: {e}");
-            std::process::exit(1);
-        }
-    }
-}
-
+/// Whether the group has committed every input record. A broker that is
+/// slow to answer (Tansu under load) means "not yet", not a failure.
 fn all_input_done(brokers: &str, group: &str, topic: &str) -> bool {
-    committed(brokers, group, topic, PARTITIONS) == high_watermarks(brokers, topic, PARTITIONS)
+    let (Some(done), Some(end)) =
+        (try_committed(brokers, group, topic, PARTITIONS), try_high_watermarks(brokers, topic, PARTITIONS))
+    else {
+        return false;
+    };
+    eprintln!("input committed {done:?} of {end:?}");
+    done == end
 }
 
 fn distinct_sources(records: &[ReadRecord]) -> usize {
@@ -234,11 +146,11 @@ fn distinct_sources(records: &[ReadRecord]) -> usize {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails on Tansu 0.6 here: after repeated SIGKILLs the broker stops answering metadata (20 s timeouts) and group joins stall; see the kafka branch report"]
 async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_once() {
+    let _one_at_a_time = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let Some(tansu) = Tansu::start() else { return };
     let topics = topics("crashloop");
-    tansu.create_topics(&topics);
+    tansu.create_topics(&topics, PARTITIONS);
     let brokers = tansu.brokers.clone();
     let events = std::env::var("DEDUPD_E2E_EVENTS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
     let s = scenario(events, 10, 1, 5);
@@ -264,9 +176,13 @@ async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_
         rng_state ^= rng_state << 17;
         rng_state
     };
+    let want_kills: u32 = std::env::var("DEDUPD_E2E_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(10);
+    // One state directory across every life, as a restarted pod keeps its
+    // volume: each restart recovers it, then repairs from its checkpoint.
+    let state = tempfile::tempdir().expect("state dir");
     let mut kills = 0;
-    while kills < 10 {
-        let mut w = spawn_worker(&brokers, "crashloop", &topics, "w1");
+    while kills < want_kills {
+        let mut w = spawn_worker(&brokers, "crashloop", &topics, "w1", state.path());
         // Kill only once it is consuming (assigned and repaired), at a random
         // point of its processing.
         wait_ready(&mut w, Duration::from_secs(90)).await;
@@ -280,7 +196,7 @@ async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_
         kills += 1;
         eprintln!("SIGKILL #{kills} {wait_ms} ms after ready");
     }
-    let mut w = spawn_worker(&brokers, "crashloop", &topics, "w1");
+    let mut w = spawn_worker(&brokers, "crashloop", &topics, "w1", state.path());
     let child = &mut w.child;
     let deadline = Instant::now() + Duration::from_secs(900);
     while !all_input_done(&brokers, "crashloop", &topics.input) {
@@ -323,28 +239,52 @@ async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "not yet seen passing on Tansu 0.6 (same broker stalls as the crash loop); run with --ignored"]
 async fn survivor_takes_over_a_sigkilled_peers_partitions_and_output_stays_exactly_once() {
+    let _one_at_a_time = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let Some(tansu) = Tansu::start() else { return };
     let topics = topics("pair");
-    tansu.create_topics(&topics);
+    tansu.create_topics(&topics, PARTITIONS);
     let brokers = tansu.brokers.clone();
     let s = scenario(40_000, 10, 1, 5);
     let producer = traffic_producer(&brokers);
     let (p, input, records) = (producer.clone(), topics.input.clone(), s.records.clone());
-    let load = tokio::spawn(async move { produce_traffic(&p, &input, PARTITIONS, &records).await });
+    // A live stream (~5k records/s for ~8 s), so the peer dies mid-stream
+    // with input of its partitions still arriving.
+    let load = tokio::spawn(async move {
+        for chunk in records.chunks(500) {
+            produce_traffic(&p, &input, PARTITIONS, chunk).await?;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok::<_, dedupd::kafka::KafkaError>(())
+    });
 
     // The dead peer's partitions move when its session times out; the
     // survivor must repair them from the output topic before consuming.
-    let mut a = spawn_worker(&brokers, "pair", &topics, "a");
-    let mut b = spawn_worker(&brokers, "pair", &topics, "b");
+    let (state_a, state_b) = (tempfile::tempdir().expect("state dir"), tempfile::tempdir().expect("state dir"));
+    let mut a = spawn_worker(&brokers, "pair", &topics, "a", state_a.path());
+    let mut b = spawn_worker(&brokers, "pair", &topics, "b", state_b.path());
     wait_ready(&mut a, Duration::from_secs(90)).await;
     wait_ready(&mut b, Duration::from_secs(90)).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Kill the peer mid-stream: once the group has split the partitions
+    // and the peer has published on its share, so the survivor has output
+    // of someone else's to repair.
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let owned_a = metric(a.metrics, "dedupd_assigned_partitions").unwrap_or(0.0);
+        let owned_b = metric(b.metrics, "dedupd_assigned_partitions").unwrap_or(0.0);
+        let accepted_a = metric(a.metrics, "dedupd_events_total{bucket=\"accepted\"}").unwrap_or(0.0);
+        assert!(!load.is_finished(), "the input ended before the peer could be killed mid-stream");
+        if owned_a >= 1.0 && owned_b >= 1.0 && accepted_a >= 1.0 {
+            eprintln!("killing peer a: it owns {owned_a} partitions and accepted {accepted_a}; b owns {owned_b}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the two workers never shared the partitions with a publishing");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     signal(&a.child, libc::SIGKILL);
     let _ = a.child.wait();
     load.await.expect("join").expect("produce");
-    let deadline = Instant::now() + Duration::from_secs(300);
+    let deadline = Instant::now() + Duration::from_secs(600);
     while !all_input_done(&brokers, "pair", &topics.input) {
         assert!(Instant::now() < deadline, "survivor did not finish the input");
         if let Some(status) = b.child.try_wait().expect("try_wait") {
@@ -352,9 +292,19 @@ async fn survivor_takes_over_a_sigkilled_peers_partitions_and_output_stays_exact
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    let owned = metric(b.metrics, "dedupd_assigned_partitions");
+    let repaired = metric(b.metrics, "dedupd_repair_records_total");
+    // The peer's partitions had input after it died, so the survivor can
+    // only have finished the input by taking them over.
+    assert_eq!(owned, Some(f64::from(PARTITIONS)), "the survivor must own every partition");
+    assert!(repaired >= Some(1.0), "the survivor must have repaired the peer's output, read {repaired:?}");
     signal(&b.child, libc::SIGTERM);
     let status = b.child.wait().expect("wait");
     assert!(status.success(), "survivor exit: {status}");
+    let conflicts = read_topic(&brokers, &topics.conflicts);
+    assert_eq!(distinct_sources(&conflicts) as u64, s.conflicts, "conflicts on the conflicts topic");
+    let rejected = read_topic(&brokers, &topics.rejected);
+    assert_eq!(distinct_sources(&rejected) as u64, s.invalid, "rejects on the rejected topic");
     let output = read_topic(&brokers, &topics.output);
     assert_exactly_once(&output, &s);
 }

@@ -86,6 +86,16 @@ pub fn repair_consumer_config(settings: &RunSettings) -> ClientConfig {
     cfg
 }
 
+/// A `read_uncommitted` client of the brokers, for the output's high
+/// watermark (a `read_committed` client is answered the last stable offset).
+pub fn watermark_probe_config(settings: &RunSettings) -> ClientConfig {
+    let mut cfg = base(settings);
+    cfg.set("group.id", format!("{}-repair", settings.group)).set("enable.auto.commit", "false");
+    apply_properties(&mut cfg, &settings.kafka_properties, ClientKind::Consumer);
+    cfg.set("isolation.level", "read_uncommitted");
+    cfg
+}
+
 /// The producer of output, conflicts and rejected records.
 pub fn producer_config(settings: &RunSettings, transactional_id: Option<&str>) -> ClientConfig {
     let mut cfg = base(settings);
@@ -96,7 +106,7 @@ pub fn producer_config(settings: &RunSettings, transactional_id: Option<&str>) -
         .set("message.timeout.ms", settings.operation_timeout.as_millis().to_string());
     if let Some(id) = transactional_id {
         cfg.set("transactional.id", id)
-            .set("transaction.timeout.ms", (settings.operation_timeout.as_millis() * 2).to_string());
+            .set("transaction.timeout.ms", settings.transaction_timeout().as_millis().to_string());
     }
     apply_properties(&mut cfg, &settings.kafka_properties, ClientKind::Producer);
     if settings.delivery == DeliveryMode::AtLeastOnce {

@@ -46,6 +46,9 @@ pub trait Engine: Send + 'static {
     fn revoke(&mut self, partition: i32);
     /// The last output offset of `partition` applied, `None` if none.
     fn checkpoint(&self, partition: i32) -> Option<i64>;
+    /// How long a key is remembered: repair of a partition with no
+    /// checkpoint reads only the output published within it.
+    fn horizon(&self) -> std::time::Duration;
     /// Classifies a batch read-only. Nothing is remembered until
     /// [`Engine::apply_published`].
     fn classify(&self, partition: i32, records: &[InputRecord<'_>], now_ms: i64) -> Result<Vec<Outcome>, EngineError>;
@@ -67,11 +70,13 @@ pub struct StateEngine {
     /// `None` once closed (closing consumes the state).
     state: Option<LocalState>,
     validator: Validator,
+    horizon: std::time::Duration,
 }
 
 impl StateEngine {
     pub fn new(state: LocalState, validator: Validator) -> StateEngine {
-        StateEngine { state: Some(state), validator }
+        let horizon = state.settings().horizon;
+        StateEngine { state: Some(state), validator, horizon }
     }
 
     fn state(&self, operation: &'static str, partition: i32) -> Result<&LocalState, EngineError> {
@@ -106,6 +111,10 @@ impl Engine for StateEngine {
 
     fn checkpoint(&self, partition: i32) -> Option<i64> {
         self.state.as_ref().and_then(|s| s.checkpoint(partition))
+    }
+
+    fn horizon(&self) -> std::time::Duration {
+        self.horizon
     }
 
     fn classify(&self, partition: i32, records: &[InputRecord<'_>], now_ms: i64) -> Result<Vec<Outcome>, EngineError> {

@@ -26,6 +26,12 @@ use crate::kafka::settings::DeliveryMode;
 use crate::kafka::worker::{InputQueue, Shared};
 use crate::metrics::{BatchClassified, RepairCompleted, Stage, StageTimed};
 
+/// How often an idle partition task polls its queue again (see the idle
+/// branch of [`pipeline`]).
+const IDLE_REPOLL: Duration = Duration::from_millis(250);
+/// How often an unconfirmed input offset commit is sent again while idle.
+const COMMIT_RETRY: Duration = Duration::from_secs(1);
+
 /// A classified batch, ready to publish.
 struct Prepared {
     records: Vec<OutRecord>,
@@ -74,6 +80,7 @@ async fn pipeline(
     // the partition is idle and before the task ends, so an idle partition
     // does not leave its offset behind forever.
     let mut uncommitted: Option<i64> = None;
+    let mut last_commit_sent = Instant::now();
     loop {
         let mut batch: Vec<OwnedMessage> = Vec::new();
         // Messages librdkafka delivered to the main queue before this
@@ -94,13 +101,19 @@ async fn pipeline(
                         continue;
                     }
                 },
-                _ = tokio::time::sleep(Duration::from_secs(1)), if uncommitted.is_some() => {
+                // rust-rdkafka wakes a split partition queue only on its
+                // empty→non-empty edge; a missed edge would park this
+                // partition for good while the others keep flowing
+                // (rust-rdkafka #665, #840). A fresh `recv` polls the queue
+                // before it waits, so waking up regularly heals it.
+                _ = tokio::time::sleep(IDLE_REPOLL) => {
                     // Idle with a commit not yet confirmed by the broker:
-                    // send it again (commits are idempotent).
+                    // send it again now and then (commits are idempotent).
                     if let Some(next) = uncommitted {
                         if shared.committed_offset(partition) >= Some(next) {
                             uncommitted = None;
-                        } else {
+                        } else if last_commit_sent.elapsed() >= COMMIT_RETRY {
+                            last_commit_sent = Instant::now();
                             commit_input(shared, partition, next);
                         }
                     }
@@ -137,6 +150,7 @@ async fn pipeline(
         if at_least_once {
             let started = Instant::now();
             uncommitted = Some(next);
+            last_commit_sent = Instant::now();
             commit_input(shared, partition, next);
             StageTimed { stage: Stage::commit, duration: started.elapsed() }.emit(&shared.metrics);
         }

@@ -4,8 +4,21 @@
 //! is its materialised view.
 //!
 //! Read committed only: an aborted transaction's records never enter state.
-//! The end is librdkafka's partition-EOF event, which with `read_committed`
-//! arrives at the last stable offset, past any trailing transaction marker.
+//!
+//! Where repair ends matters for billing. A `read_committed` reader stops at
+//! the last stable offset (LSO), the start of the oldest transaction still
+//! open. If the partition's previous owner crashed with a transaction open
+//! (another instance, whose transactional id this one cannot fence), that
+//! transaction may still commit: its events would then be on the output but
+//! not in this instance's state, and a later retry of one of them would be
+//! published again. So repair first reads the high watermark (HWM, read
+//! uncommitted) and waits until the LSO has reached it, i.e. until every
+//! transaction that touched the partition before repair began has committed
+//! or aborted. Only then does it read, up to that LSO. A restart of the same
+//! instance fences its own open transaction at `init_transactions`, which
+//! runs before any repair, so the wait is only long when a peer died
+//! mid-transaction: at most that peer's transaction timeout. Past
+//! [`Repairer::settle_timeout`] repair fails instead of guessing.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -43,6 +56,13 @@ pub struct Repairer {
     pub clock: Arc<dyn Clock>,
     /// Longest repair waits without any progress before failing.
     pub stall_timeout: Duration,
+    /// Longest repair waits for transactions open on the output partition
+    /// to end (see the module doc). At least the transaction timeout of the
+    /// producers that write the output topic.
+    pub settle_timeout: Duration,
+    /// Reads the high watermark regardless of transactions (a
+    /// `read_uncommitted` client of the same brokers).
+    pub uncommitted_config: ClientConfig,
 }
 
 impl std::fmt::Debug for Repairer {
@@ -66,10 +86,24 @@ impl Repairer {
         let checkpoint = lock_engine(&self.engine).checkpoint(partition);
         let consumer: BaseConsumer =
             self.config.create().map_err(KafkaError::client("creating the repair consumer"))?;
-        let (low, high) = consumer
+        let probe: BaseConsumer =
+            self.uncommitted_config.create().map_err(KafkaError::client("creating the repair watermark probe"))?;
+        let (_, hwm) = probe
             .fetch_watermarks(&self.output_topic, partition, self.stall_timeout)
-            .map_err(KafkaError::client("reading output watermarks for repair"))?;
-        let from = checkpoint.map_or(low, |c| c.saturating_add(1)).max(low);
+            .map_err(KafkaError::client("reading the output high watermark for repair"))?;
+        drop(probe);
+        // With `read_committed` the broker answers (log start, LSO).
+        let mut stable = || {
+            consumer
+                .fetch_watermarks(&self.output_topic, partition, self.stall_timeout)
+                .map_err(KafkaError::client("reading the output last stable offset for repair"))
+        };
+        let (low, high) =
+            wait_for_stable_end(partition, hwm, &mut stable, self.settle_timeout, Duration::from_millis(200))?;
+        let from = match checkpoint {
+            Some(c) => c.saturating_add(1).max(low),
+            None => self.first_offset_within_horizon(&consumer, partition, low, high),
+        };
         if from >= high {
             return Ok(RepairOutcome { from_offset: from, records: 0, duration: started.elapsed() });
         }
@@ -126,6 +160,36 @@ impl Repairer {
         Ok(RepairOutcome { from_offset: from, records, duration: started.elapsed() })
     }
 
+    /// Where a partition this instance has no state for starts: the first
+    /// output record published within the horizon (record timestamps are
+    /// ingest times, DESIGN §6), because older keys would be forgotten at
+    /// once. Falls back to the log start, always correct, when the broker
+    /// cannot look offsets up by time.
+    fn first_offset_within_horizon(&self, consumer: &BaseConsumer, partition: i32, low: i64, high: i64) -> i64 {
+        let horizon_ms = i64::try_from(lock_engine(&self.engine).horizon().as_millis()).unwrap_or(i64::MAX);
+        let since = self.clock.now_ms().saturating_sub(horizon_ms);
+        let mut tpl = TopicPartitionList::new();
+        if tpl.add_partition_offset(&self.output_topic, partition, Offset::Offset(since)).is_err() {
+            return low;
+        }
+        match consumer.offsets_for_times(tpl, self.stall_timeout) {
+            Ok(found) => match found.find_partition(&self.output_topic, partition).map(|e| e.offset()) {
+                Some(Offset::Offset(o)) => o.clamp(low, high),
+                // "No record at or after `since`" is also what brokers
+                // without time lookup answer (librdkafka's mock cluster):
+                // reading everything is the answer that is right for both.
+                other => {
+                    tracing::debug!(partition, ?other, "no offset by time for repair; reading from the log start");
+                    low
+                }
+            },
+            Err(e) => {
+                tracing::warn!(partition, error = %e, "cannot look up output offsets by time; repair reads from the log start");
+                low
+            }
+        }
+    }
+
     fn apply(&self, partition: i32, chunk: &mut Vec<StoredEvent>) -> Result<(), KafkaError> {
         if chunk.is_empty() {
             return Ok(());
@@ -134,5 +198,81 @@ impl Repairer {
         lock_engine(&self.engine).apply_published(partition, chunk, now)?;
         chunk.clear();
         Ok(())
+    }
+}
+
+/// Polls `stable` (log start, last stable offset) until the LSO reaches
+/// `hwm`, the high watermark seen when repair began: then no transaction
+/// that wrote below `hwm` is still open, and reading committed data up to the
+/// returned LSO misses nothing that can still commit. Fails after `timeout`
+/// rather than end repair early.
+fn wait_for_stable_end(
+    partition: i32,
+    hwm: i64,
+    stable: &mut dyn FnMut() -> Result<(i64, i64), KafkaError>,
+    timeout: Duration,
+    poll_every: Duration,
+) -> Result<(i64, i64), KafkaError> {
+    let started = Instant::now();
+    let mut warned = false;
+    loop {
+        let (low, lso) = stable()?;
+        if lso >= hwm {
+            return Ok((low, lso));
+        }
+        let waited = started.elapsed();
+        if waited >= timeout {
+            return Err(KafkaError::Task {
+                detail: format!(
+                    "repair of output partition {partition}: a transaction on the output stayed open for {waited:?} \
+                     (last stable offset {lso}, high watermark {hwm}); refusing to consume input before it ends, \
+                     because its events may still commit"
+                ),
+            });
+        }
+        if !warned && waited >= Duration::from_secs(1) {
+            warned = true;
+            tracing::warn!(
+                partition,
+                lso,
+                hwm,
+                "repair waiting for an open transaction on the output partition to commit or abort (a previous owner died mid-batch)"
+            );
+        }
+        std::thread::sleep(poll_every);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn replay(answers: Vec<(i64, i64)>) -> impl FnMut() -> Result<(i64, i64), KafkaError> {
+        let mut it = answers.into_iter();
+        move || Ok(it.next().expect("asked more often than scripted"))
+    }
+
+    #[test]
+    fn repair_end_waits_until_open_transactions_below_the_high_watermark_end() {
+        // A dead owner's transaction holds the LSO at 40 until it aborts and
+        // the LSO jumps past the HWM seen at start (50).
+        let mut stable = replay(vec![(0, 40), (0, 40), (0, 40), (0, 52)]);
+        let end = wait_for_stable_end(0, 50, &mut stable, Duration::from_secs(5), Duration::ZERO).expect("ends");
+        assert_eq!(end, (0, 52));
+    }
+
+    #[test]
+    fn repair_end_is_immediate_without_open_transactions() {
+        let mut stable = replay(vec![(3, 50)]);
+        assert_eq!(wait_for_stable_end(0, 50, &mut stable, Duration::ZERO, Duration::ZERO).expect("ends"), (3, 50));
+    }
+
+    #[test]
+    fn repair_fails_rather_than_stop_short_of_a_transaction_that_never_ends() {
+        let mut stable = || Ok((0, 10));
+        let err = wait_for_stable_end(7, 11, &mut stable, Duration::from_millis(30), Duration::from_millis(5))
+            .expect_err("must not end repair below the high watermark");
+        let text = err.to_string();
+        assert!(text.contains("partition 7") && text.contains("last stable offset 10"), "{text}");
     }
 }

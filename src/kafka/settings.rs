@@ -118,6 +118,25 @@ impl RunSettings {
         }
     }
 
+    /// How long a transaction of ours may stay open before the broker aborts
+    /// it: twice the operation timeout unless `transaction.timeout.ms` is
+    /// passed through (`--kafka-property [producer.]transaction.timeout.ms=`).
+    pub fn transaction_timeout(&self) -> Duration {
+        self.kafka_properties
+            .iter()
+            .rev()
+            .find(|(k, _)| k == "transaction.timeout.ms" || k == "producer.transaction.timeout.ms")
+            .and_then(|(_, v)| v.parse::<u64>().ok())
+            .map_or(self.operation_timeout * 2, Duration::from_millis)
+    }
+
+    /// How long repair waits for a transaction left open on an output
+    /// partition (by a peer that died mid-batch) to end: the peer's
+    /// transaction timeout, assumed equal to ours, plus one operation.
+    pub fn repair_settle_timeout(&self) -> Duration {
+        self.transaction_timeout() + self.operation_timeout
+    }
+
     /// The transactional id: stable for a static member, otherwise unique per
     /// process (fencing then rests on the consumer group generation, KIP-447).
     pub fn transactional_id(&self, process_nonce: u64) -> String {

@@ -383,6 +383,8 @@ pub async fn run(
         engine: engine.clone(),
         clock: clock.clone(),
         stall_timeout: settings.operation_timeout,
+        settle_timeout: settings.repair_settle_timeout(),
+        uncommitted_config: clients::watermark_probe_config(&settings),
     };
     let shared = Arc::new(Shared {
         settings: settings.clone(),

@@ -2,6 +2,8 @@
 //! reading topics back to check the guarantees of DESIGN §1.
 #![allow(dead_code)]
 
+pub mod tansu;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -51,6 +53,24 @@ pub fn parts() -> (WorkerParts, Arc<Metrics>) {
         validator: validator(),
         // In-memory local state: every (re)start rebuilds from the output topic.
         engine: Box::new(StateEngine::new(LocalState::in_memory(EngineSettings::default(), true), validator())),
+        clock: Arc::new(SystemClock),
+        metrics: metrics.clone(),
+    };
+    (parts, metrics)
+}
+
+/// Parts over a real state directory (usage store and key store, as
+/// `dedupd run --state-dir` opens them): a restart repairs from its
+/// checkpoint instead of from the start of the output topic.
+pub fn parts_in(state_dir: &std::path::Path) -> (WorkerParts, Arc<Metrics>) {
+    init_tracing();
+    let metrics = Arc::new(Metrics::new());
+    let settings = EngineSettings::default();
+    let state = LocalState::open_observed(Some(state_dir), settings.clone(), true, metrics.clone())
+        .unwrap_or_else(|e| panic!("opening state dir {}: {e}", state_dir.display()));
+    let parts = WorkerParts {
+        validator: settings.validator(),
+        engine: Box::new(StateEngine::new(state, settings.validator())),
         clock: Arc::new(SystemClock),
         metrics: metrics.clone(),
     };
@@ -221,6 +241,12 @@ pub fn read_topic(brokers: &str, topic: &str) -> Vec<ReadRecord> {
 
 /// Committed offsets of `group` on `topic`, per partition (-1 when none).
 pub fn committed(brokers: &str, group: &str, topic: &str, partitions: i32) -> Vec<i64> {
+    try_committed(brokers, group, topic, partitions).expect("committed offsets")
+}
+
+/// The group's committed offsets (-1 where none), or `None` when the broker
+/// did not answer in time.
+pub fn try_committed(brokers: &str, group: &str, topic: &str, partitions: i32) -> Option<Vec<i64>> {
     let c: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("group.id", group)
@@ -231,18 +257,25 @@ pub fn committed(brokers: &str, group: &str, topic: &str, partitions: i32) -> Ve
     for p in 0..partitions {
         tpl.add_partition(topic, p);
     }
-    let got = c.committed_offsets(tpl, Duration::from_secs(10)).expect("committed offsets");
-    (0..partitions)
-        .map(|p| match got.find_partition(topic, p).map(|e| e.offset()) {
-            Some(Offset::Offset(o)) => o,
-            _ => -1,
-        })
-        .collect()
+    let got = c.committed_offsets(tpl, Duration::from_secs(10)).ok()?;
+    Some(
+        (0..partitions)
+            .map(|p| match got.find_partition(topic, p).map(|e| e.offset()) {
+                Some(Offset::Offset(o)) => o,
+                _ => -1,
+            })
+            .collect(),
+    )
 }
 
 pub fn high_watermarks(brokers: &str, topic: &str, partitions: i32) -> Vec<i64> {
+    try_high_watermarks(brokers, topic, partitions).expect("watermarks")
+}
+
+/// High watermarks, or `None` when the broker did not answer in time.
+pub fn try_high_watermarks(brokers: &str, topic: &str, partitions: i32) -> Option<Vec<i64>> {
     let c = reader(brokers);
-    (0..partitions).map(|p| c.fetch_watermarks(topic, p, Duration::from_secs(10)).expect("watermarks").1).collect()
+    (0..partitions).map(|p| c.fetch_watermarks(topic, p, Duration::from_secs(10)).ok().map(|w| w.1)).collect()
 }
 
 /// Asserts DESIGN §1 on the output topic: every valid id of `s` exactly
