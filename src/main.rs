@@ -164,13 +164,13 @@ impl RunArgs {
         }
         s.instance_id = self.instance_id.clone().or_else(|| file.instance_id.clone());
         if s.delivery == DeliveryMode::ExactlyOnce && s.instance_id.is_none() {
-            // Without a stable id a restarted instance cannot fence its
-            // predecessor's open transaction, which then holds repair back
-            // until the broker times it out: refuse rather than risk it.
-            anyhow::bail!(
-                "missing `instance_id`: --delivery exactly-once needs --instance-id (or DEDUPD_INSTANCE_ID), \
-                 stable across restarts of this instance (e.g. the pod name), so a restart fences the \
-                 previous life's open transaction; or run --delivery at-least-once"
+            // Safe, but slow to restart: without a stable transactional id a
+            // restarted instance cannot fence its previous life's open
+            // transaction, so repair waits until the broker aborts it.
+            tracing::warn!(
+                "--delivery exactly-once without --instance-id: after a crash, repair waits up to the \
+                 transaction timeout for the previous life's open transaction to be aborted; set \
+                 --instance-id (e.g. the pod name) so a restart fences it at once"
             );
         }
         if let Some(a) = self.metrics_addr.as_ref().or(file.metrics_addr.as_ref()) {

@@ -189,6 +189,10 @@ async fn a_crashed_worker_is_repaired_from_the_output_topic_by_its_successor() {
 
         let (stop, worker, metrics) = spawn_worker(with_instance());
         let total = s.records.len() as u64;
+        // Ready first (assigned and repaired): the crashed life may have
+        // committed all input already, and stopping the successor then
+        // would cut its repair short.
+        assert!(wait_until(Duration::from_secs(90), || metrics.is_ready()).await, "successor never became ready");
         let done =
             wait_until(Duration::from_secs(90), || input_done(&brokers, &topics, &group, delivery, &metrics, total))
                 .await;
