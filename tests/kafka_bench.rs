@@ -81,10 +81,21 @@ async fn read_output(settings: &RunSettings, expected: usize) -> (Vec<i64>, Inst
     (lat, first.unwrap_or(last), last)
 }
 
+/// Which pipeline a run measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pipeline {
+    /// Consume, produce each value unchanged, commit after the acks.
+    Passthrough,
+    /// The same, with five headers of the sizes dedupd's output carries (no
+    /// hashing, no state): what the broker charges for dedupd's record shape.
+    PassthroughWithHeaders,
+    Dedupd,
+}
+
 /// The passthrough: consume input, produce each record's value unchanged to
 /// output partition = input partition, commit after acks. Same client
 /// configurations as the worker.
-async fn passthrough(settings: RunSettings, stop: Arc<AtomicBool>) {
+async fn passthrough(settings: RunSettings, stop: Arc<AtomicBool>, with_headers: bool) {
     let c: StreamConsumer = input_consumer_config(&settings).create().expect("consumer");
     c.subscribe(&[&settings.topics.input]).expect("subscribe");
     let p: FutureProducer = producer_config(&settings, None).create().expect("producer");
@@ -106,6 +117,18 @@ async fn passthrough(settings: RunSettings, stop: Arc<AtomicBool>) {
         }
         if let Some(v) = m.payload() {
             r = r.payload(v);
+        }
+        let meta = with_headers.then(|| (m.partition().to_string(), m.offset().to_string(), now_ms().to_string()));
+        if let Some((partition, offset, ingest)) = &meta {
+            const HASH: &str = "00000000000000000000000000000000";
+            r = r.headers(
+                rdkafka::message::OwnedHeaders::new()
+                    .insert(rdkafka::message::Header { key: "dedupd.source.partition", value: Some(partition) })
+                    .insert(rdkafka::message::Header { key: "dedupd.source.offset", value: Some(offset) })
+                    .insert(rdkafka::message::Header { key: "dedupd.ingest.ms", value: Some(ingest) })
+                    .insert(rdkafka::message::Header { key: "dedupd.id.hash", value: Some(HASH) })
+                    .insert(rdkafka::message::Header { key: "dedupd.payload.hash", value: Some(HASH) }),
+            );
         }
         if let Ok(f) = p.send_result(r) {
             pending.push(f);
@@ -137,7 +160,7 @@ struct Figures {
     p99_ms: i64,
 }
 
-async fn measure(broker: &Tansu, name: &str, worker: bool) -> Figures {
+async fn measure(broker: &Tansu, name: &str, pipeline: Pipeline) -> Figures {
     let n = env_or("BENCH_EVENTS", 200_000) as usize;
     let rate = env_or("BENCH_RATE", 2_000);
     let secs = env_or("BENCH_SECONDS", 10);
@@ -171,7 +194,7 @@ async fn measure(broker: &Tansu, name: &str, worker: bool) -> Figures {
         // as `dedupd run --state-dir` does.
         let state = tempfile::tempdir().expect("state dir");
         let mut metrics = None;
-        let pipeline = if worker {
+        let task = if pipeline == Pipeline::Dedupd {
             let (parts, m) = parts_in(state.path());
             metrics = Some(m);
             tokio::spawn(async move {
@@ -182,7 +205,7 @@ async fn measure(broker: &Tansu, name: &str, worker: bool) -> Figures {
             })
         } else {
             let s = stop.clone();
-            tokio::spawn(passthrough(settings, s))
+            tokio::spawn(passthrough(settings, s, pipeline == Pipeline::PassthroughWithHeaders))
         };
         if phase == "latency" {
             let per_tick = (rate / 100).max(1) as usize;
@@ -199,7 +222,7 @@ async fn measure(broker: &Tansu, name: &str, worker: bool) -> Figures {
             tokio::time::timeout(Duration::from_secs(600), reader).await.expect("reader timed out").expect("reader");
         stop.store(true, Ordering::Relaxed);
         let _ = stop_tx.send(());
-        let _ = pipeline.await;
+        let _ = task.await;
         lat.sort_unstable();
         if let Some(m) = metrics {
             // Where the worker's time went, per pipeline stage (summed over
@@ -224,15 +247,21 @@ async fn measure(broker: &Tansu, name: &str, worker: bool) -> Figures {
 #[ignore = "benchmark: run by scripts/bench"]
 async fn bench_worker_against_passthrough_on_tansu() {
     let Some(broker) = Tansu::start() else { return };
-    let pass = measure(&broker, "passthrough", false).await;
-    let dedupd = measure(&broker, "dedupd", true).await;
+    let pass = measure(&broker, "passthrough", Pipeline::Passthrough).await;
+    let headers = measure(&broker, "headers", Pipeline::PassthroughWithHeaders).await;
+    let dedupd = measure(&broker, "dedupd", Pipeline::Dedupd).await;
     println!("pipeline      events/s (with start)   events/s (steady)   p50 ms   p99 ms");
-    for (name, f) in [("passthrough", pass), ("dedupd", dedupd)] {
+    for (name, f) in [("passthrough", pass), ("+ headers", headers), ("dedupd", dedupd)] {
         println!("{name:<12} {:>21.0} {:>19.0} {:>8} {:>8}", f.events_per_s, f.steady_per_s, f.p50_ms, f.p99_ms);
     }
     println!(
         "ratio dedupd / passthrough: {:.2} with start, {:.2} steady",
         dedupd.events_per_s / pass.events_per_s.max(1.0),
         dedupd.steady_per_s / pass.steady_per_s.max(1.0)
+    );
+    println!(
+        "ratio dedupd / passthrough with dedupd's headers: {:.2} with start, {:.2} steady",
+        dedupd.events_per_s / headers.events_per_s.max(1.0),
+        dedupd.steady_per_s / headers.steady_per_s.max(1.0)
     );
 }
