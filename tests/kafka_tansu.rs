@@ -3,6 +3,9 @@
 //! SIGKILLed at random points under load, then restarted; afterwards the
 //! output topic must hold every valid id exactly once with its first payload.
 //!
+//! Also: `--delivery exactly-once` against this broker, which lacks
+//! transactions, refuses to start and names `--delivery at-least-once`.
+//!
 //! The worker is the real `dedupd run` binary, with a state directory that
 //! survives its deaths as a pod's volume does.
 //!
@@ -27,7 +30,7 @@ use kafka_common::*;
 
 const PARTITIONS: i32 = 4;
 
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// A started worker process and its metrics address.
 struct Worker {
@@ -147,7 +150,7 @@ fn distinct_sources(records: &[ReadRecord]) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_once() {
-    let _one_at_a_time = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _one_at_a_time = ONE_AT_A_TIME.lock().await;
     let Some(tansu) = Tansu::start() else { return };
     let topics = topics("crashloop");
     tansu.create_topics(&topics, PARTITIONS);
@@ -240,7 +243,7 @@ async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn survivor_takes_over_a_sigkilled_peers_partitions_and_output_stays_exactly_once() {
-    let _one_at_a_time = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _one_at_a_time = ONE_AT_A_TIME.lock().await;
     let Some(tansu) = Tansu::start() else { return };
     let topics = topics("pair");
     tansu.create_topics(&topics, PARTITIONS);
@@ -307,4 +310,36 @@ async fn survivor_takes_over_a_sigkilled_peers_partitions_and_output_stays_exact
     assert_eq!(distinct_sources(&rejected) as u64, s.invalid, "rejects on the rejected topic");
     let output = read_topic(&brokers, &topics.output);
     assert_exactly_once(&output, &s);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exactly_once_refuses_to_start_on_a_broker_without_transactions_and_names_the_way_out() {
+    let _one_at_a_time = ONE_AT_A_TIME.lock().await;
+    let Some(tansu) = Tansu::start() else { return };
+    let topics = topics("eos-refused");
+    tansu.create_topics(&topics, PARTITIONS);
+    let state = tempfile::tempdir().expect("state dir");
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_dedupd"))
+            .arg("run")
+            .args(["--brokers", &tansu.brokers, "--group", "eos-refused"])
+            .args(["--input-topic", &topics.input, "--output-topic", &topics.output])
+            .args(["--conflicts-topic", &topics.conflicts, "--rejected-topic", &topics.rejected])
+            .args(["--delivery", "exactly-once", "--instance-id", "eos-0"])
+            .arg("--state-dir")
+            .arg(state.path())
+            .output(),
+    )
+    .await
+    .expect("dedupd run must refuse within 120 s, not hang")
+    .expect("run dedupd");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "exactly-once on Tansu 0.6 must not start: {stderr}");
+    assert!(
+        stderr.contains("does not support Kafka transactions") && stderr.contains("--delivery at-least-once"),
+        "the refusal must say why and name the way out: {stderr}"
+    );
+    // Nothing was published.
+    assert_eq!(try_high_watermarks(&tansu.brokers, &topics.output, PARTITIONS), Some(vec![0; PARTITIONS as usize]));
 }
