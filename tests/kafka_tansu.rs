@@ -343,3 +343,82 @@ async fn exactly_once_refuses_to_start_on_a_broker_without_transactions_and_name
     // Nothing was published.
     assert_eq!(try_high_watermarks(&tansu.brokers, &topics.output, PARTITIONS), Some(vec![0; PARTITIONS as usize]));
 }
+
+/// Runs one worker life until the group has committed all input, then
+/// stops it with SIGTERM (exit 0).
+async fn run_until_input_done(brokers: &str, group: &str, topics: &Topics, state: &std::path::Path) {
+    let mut w = spawn_worker(brokers, group, topics, "w1", state);
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while !all_input_done(brokers, group, &topics.input) {
+        assert!(Instant::now() < deadline, "worker did not finish the input");
+        if let Some(status) = w.child.try_wait().expect("try_wait") {
+            panic!("worker exited on its own with {status}: {}", stderr_of(&mut w.child));
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    signal(&w.child, libc::SIGTERM);
+    let status = w.child.wait().expect("wait");
+    assert!(status.success(), "SIGTERM must end the worker with exit 0, got {status}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_for_a_never_owned_partition_is_rebuilt_from_the_output_within_the_horizon_only() {
+    use dedupd::classify::{Clock, ManualClock, SystemClock};
+    use dedupd::config::EngineSettings;
+    use dedupd::kafka::repair::Repairer;
+    use dedupd::kafka::{clients, Engine, RunSettings, StateEngine};
+    use dedupd::state::LocalState;
+
+    let _one_at_a_time = ONE_AT_A_TIME.lock().await;
+    let Some(tansu) = Tansu::start() else { return };
+    let topics = topics("horizon");
+    tansu.create_topics(&topics, PARTITIONS);
+    let brokers = tansu.brokers.clone();
+    let s = scenario(4000, 0, 0, 0);
+    let (old, new) = s.records.split_at(s.records.len() / 2);
+    let producer = traffic_producer(&brokers);
+    let state = tempfile::tempdir().expect("state dir");
+
+    // Output published before `boundary`, then output published after it.
+    produce_traffic(&producer, &topics.input, PARTITIONS, old).await.expect("produce");
+    run_until_input_done(&brokers, "horizon", &topics, state.path()).await;
+    let old_end = high_watermarks(&brokers, &topics.output, PARTITIONS);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let boundary = SystemClock.now_ms();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    produce_traffic(&producer, &topics.input, PARTITIONS, new).await.expect("produce");
+    run_until_input_done(&brokers, "horizon", &topics, state.path()).await;
+    let new_end = high_watermarks(&brokers, &topics.output, PARTITIONS);
+    assert!(
+        old_end.iter().all(|&o| o > 0) && new_end.iter().zip(&old_end).all(|(n, o)| n > o),
+        "{old_end:?} {new_end:?}"
+    );
+
+    // A fresh instance (no state) whose horizon reaches back to `boundary`:
+    // it must read exactly the output published since, partition by partition.
+    let now = SystemClock.now_ms();
+    let mut engine_settings = EngineSettings::default();
+    engine_settings.horizon = Duration::from_millis(u64::try_from(now - boundary).expect("positive"));
+    engine_settings.hot_ttl = engine_settings.horizon;
+    let validator = engine_settings.validator();
+    let engine: Box<dyn Engine> =
+        Box::new(StateEngine::new(LocalState::in_memory(engine_settings, true), validator.clone()));
+    let run_settings = RunSettings::new(brokers.clone(), "horizon", topics.clone());
+    let repairer = Repairer {
+        config: clients::repair_consumer_config(&run_settings),
+        output_topic: topics.output.clone(),
+        validator,
+        engine: std::sync::Arc::new(std::sync::Mutex::new(engine)),
+        clock: std::sync::Arc::new(ManualClock::new(now)),
+        stall_timeout: Duration::from_secs(30),
+        settle_timeout: Duration::from_secs(30),
+        uncommitted_config: clients::watermark_probe_config(&run_settings),
+    };
+    for p in 0..PARTITIONS {
+        repairer.engine.lock().expect("engine").assign(p, now).expect("assign");
+        let outcome = tokio::task::block_in_place(|| repairer.repair_blocking(p)).expect("repair");
+        let i = p as usize;
+        assert_eq!(outcome.from_offset, old_end[i], "partition {p} must start at the first output within the horizon");
+        assert_eq!(outcome.records, (new_end[i] - old_end[i]) as u64, "partition {p} must read everything since");
+    }
+}
