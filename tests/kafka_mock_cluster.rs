@@ -274,3 +274,40 @@ async fn demo_traffic_lands_in_the_expected_buckets_including_hostile_records() 
     assert_eq!(report.run.rejected, e.rejected, "{}", report.table());
     assert_eq!(metrics.unkeyed_records(), e.unkeyed);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn state_ahead_of_a_recreated_output_topic_stops_the_worker_before_it_publishes() {
+    let topics = topics("recreated");
+    let mock = cluster(&topics, PARTITIONS);
+    let brokers = mock.bootstrap_servers();
+    let s = scenario(800, 0, 0, 0);
+    let producer = traffic_producer(&brokers);
+    produce_traffic(&producer, &topics.input, PARTITIONS, &s.records).await.expect("produce");
+    let state = tempfile::tempdir().expect("state dir");
+
+    // A first life publishes everything and applies it to durable state.
+    let (parts1, metrics1) = parts_in(state.path());
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let first = tokio::spawn(run(settings(&brokers, "recreated", &topics, DeliveryMode::AtLeastOnce), parts1, async {
+        let _ = rx.await;
+    }));
+    assert!(wait_until(Duration::from_secs(60), || buckets_total(&metrics1) >= s.records.len() as u64).await);
+    let _ = tx.send(());
+    first.await.expect("join").expect("first life");
+
+    // The output topic is "recreated" (here: a new, empty one). The state
+    // still says it applied output up to some offset of every partition.
+    let mut recreated = topics.clone();
+    recreated.output = "recreated-out-2".into();
+    mock.create_topic(&recreated.output, PARTITIONS, 1).expect("topic");
+    let (parts2, _) = parts_in(state.path());
+    let err = tokio::time::timeout(
+        Duration::from_secs(60),
+        run(settings(&brokers, "recreated-2", &recreated, DeliveryMode::AtLeastOnce), parts2, std::future::pending()),
+    )
+    .await
+    .expect("the worker must stop on its own")
+    .expect_err("state ahead of the output must stop the worker");
+    assert!(matches!(err, KafkaError::StateAheadOfOutput { .. }), "{err}");
+    assert_eq!(high_watermarks(&brokers, &recreated.output, PARTITIONS), vec![0; PARTITIONS as usize], "published");
+}

@@ -30,6 +30,13 @@ pub enum KafkaError {
         #[source]
         source: rdkafka::error::KafkaError,
     },
+    #[error(
+        "local state has applied output partition {partition} of `{topic}` up to offset {checkpoint}, but the \
+         partition ends at {end}: the output topic was recreated or truncated. Refusing to consume, because \
+         state that skips the new offsets would publish retries again; move the state directory aside to \
+         rebuild it from the output topic"
+    )]
+    StateAheadOfOutput { topic: String, partition: i32, checkpoint: i64, end: i64 },
     #[error("output record {partition}@{offset} of topic `{topic}` is not a dedupd record: {detail}")]
     ForeignOutputRecord { topic: String, partition: i32, offset: i64, detail: String },
     #[error(transparent)]

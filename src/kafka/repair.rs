@@ -92,6 +92,14 @@ impl Repairer {
             .fetch_watermarks(&self.output_topic, partition, self.stall_timeout)
             .map_err(KafkaError::client("reading the output high watermark for repair"))?;
         drop(probe);
+        if let Some(c) = checkpoint.filter(|&c| c >= hwm) {
+            return Err(KafkaError::StateAheadOfOutput {
+                topic: self.output_topic.clone(),
+                partition,
+                checkpoint: c,
+                end: hwm,
+            });
+        }
         // With `read_committed` the broker answers (log start, LSO).
         let mut stable = || {
             consumer
@@ -101,7 +109,19 @@ impl Repairer {
         let (low, high) =
             wait_for_stable_end(partition, hwm, &mut stable, self.settle_timeout, Duration::from_millis(200))?;
         let from = match checkpoint {
-            Some(c) => c.saturating_add(1).max(low),
+            Some(c) if c.saturating_add(1) < low => {
+                // Retention deleted output this instance never applied:
+                // retries of those events can no longer be recognised here.
+                tracing::error!(
+                    partition,
+                    checkpoint = c,
+                    log_start = low,
+                    "output records past the local checkpoint were deleted by retention before repair read them; \
+                     keep the output topic's retention longer than the dedupe horizon"
+                );
+                low
+            }
+            Some(c) => c.saturating_add(1),
             None => self.first_offset_within_horizon(&consumer, partition, low, high),
         };
         if from >= high {
@@ -175,9 +195,12 @@ impl Repairer {
         match consumer.offsets_for_times(tpl, self.stall_timeout) {
             Ok(found) => match found.find_partition(&self.output_topic, partition).map(|e| e.offset()) {
                 Some(Offset::Offset(o)) => o.clamp(low, high),
-                // "No record at or after `since`" is also what brokers
-                // without time lookup answer (librdkafka's mock cluster):
-                // reading everything is the answer that is right for both.
+                // "No record at or after `since`": nothing within the horizon,
+                // if the broker can look offsets up by time at all. Brokers
+                // that cannot (librdkafka's mock cluster) give this same
+                // answer to every time, so ask for time 0, which any record
+                // matches: only a real lookup answers it with an offset.
+                Some(Offset::End) if self.looks_up_by_time(consumer, partition) => high,
                 other => {
                     tracing::debug!(partition, ?other, "no offset by time for repair; reading from the log start");
                     low
@@ -188,6 +211,20 @@ impl Repairer {
                 low
             }
         }
+    }
+
+    fn looks_up_by_time(&self, consumer: &BaseConsumer, partition: i32) -> bool {
+        let mut tpl = TopicPartitionList::new();
+        if tpl.add_partition_offset(&self.output_topic, partition, Offset::Offset(0)).is_err() {
+            return false;
+        }
+        matches!(
+            consumer
+                .offsets_for_times(tpl, self.stall_timeout)
+                .ok()
+                .and_then(|f| f.find_partition(&self.output_topic, partition).map(|e| e.offset())),
+            Some(Offset::Offset(_))
+        )
     }
 
     fn apply(&self, partition: i32, chunk: &mut Vec<StoredEvent>) -> Result<(), KafkaError> {

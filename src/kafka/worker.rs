@@ -180,11 +180,20 @@ impl WorkerContext {
             for (p, h) in &handles {
                 let left = deadline.saturating_duration_since(std::time::Instant::now());
                 if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = h.done.recv_timeout(left) {
+                    // Releasing the partition while its task may still
+                    // publish would let two owners publish the same record
+                    // (and, exactly-once, commit a transaction after the next
+                    // owner's repair has ended). Dying instead is what crash
+                    // recovery is built for: no more sends leave this process,
+                    // the partition moves when the session expires, and the
+                    // next owner repairs from the output topic.
                     tracing::error!(
                         partition = p,
                         ?timeout,
-                        "partition task did not stop in time; releasing it anyway"
+                        "partition task did not finish its batch within the revoke timeout; aborting the process \
+                         rather than releasing a partition that may still publish"
                     );
+                    std::process::abort();
                 }
             }
         };
