@@ -423,7 +423,9 @@ async fn state_for_a_never_owned_partition_is_rebuilt_from_the_output_within_the
     };
     for p in 0..PARTITIONS {
         repairer.engine.lock().expect("engine").assign(p, now).expect("assign");
-        let outcome = tokio::task::block_in_place(|| repairer.repair_blocking(p)).expect("repair");
+        let outcome = tokio::task::block_in_place(|| repairer.repair_blocking(p, &|| false))
+            .expect("repair")
+            .expect("not abandoned");
         let i = p as usize;
         assert_eq!(outcome.from_offset, old_end[i], "partition {p} must start at the first output within the horizon");
         assert_eq!(outcome.records, (new_end[i] - old_end[i]) as u64, "partition {p} must read everything since");

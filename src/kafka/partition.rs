@@ -70,7 +70,11 @@ async fn pipeline(
     let now = shared.clock.now_ms();
     let engine = shared.engine.clone();
     tokio::task::spawn_blocking(move || lock_engine(&engine).assign(partition, now)).await.map_err(join_error)??;
-    repair(shared, partition).await?;
+    // A revoke during repair abandons it (nothing was consumed yet).
+    let revoked = stop.clone();
+    if !repair(shared, partition, move || *revoked.borrow()).await? {
+        return Ok(());
+    }
     shared.partition_repaired();
 
     let limits = shared.settings.batch;
@@ -177,15 +181,25 @@ fn join_error(e: tokio::task::JoinError) -> KafkaError {
 
 /// Repairs `partition`, retrying broker errors a few times with backoff: a
 /// slow or restarting broker must not kill the worker on its first timeout.
-/// Local-state errors and foreign output records fail at once.
-async fn repair(shared: &Arc<Shared>, partition: i32) -> Result<(), KafkaError> {
+/// Local-state errors and foreign output records fail at once. `false` when
+/// `abandon` said so first.
+async fn repair(
+    shared: &Arc<Shared>,
+    partition: i32,
+    abandon: impl Fn() -> bool + Send + Sync + Clone + 'static,
+) -> Result<bool, KafkaError> {
     const ATTEMPTS: u32 = 5;
     let mut backoff = Duration::from_millis(500);
     let mut attempt = 1;
     let outcome = loop {
         let s = shared.clone();
-        match tokio::task::spawn_blocking(move || s.repairer.repair_blocking(partition)).await.map_err(join_error)? {
-            Ok(outcome) => break outcome,
+        let abandon = abandon.clone();
+        match tokio::task::spawn_blocking(move || s.repairer.repair_blocking(partition, &abandon))
+            .await
+            .map_err(join_error)?
+        {
+            Ok(Some(outcome)) => break outcome,
+            Ok(None) => return Ok(false),
             Err(e @ KafkaError::Client { .. }) if attempt < ATTEMPTS => {
                 tracing::warn!(partition, attempt, error = %e, "repair failed; retrying");
                 tokio::time::sleep(backoff).await;
@@ -202,7 +216,7 @@ async fn repair(shared: &Arc<Shared>, partition: i32) -> Result<(), KafkaError> 
         duration: outcome.duration,
     }
     .emit(&shared.metrics);
-    Ok(())
+    Ok(true)
 }
 
 /// Classifies, publishes, applies and (at-least-once) commits one batch.
@@ -237,7 +251,8 @@ async fn process_batch(shared: &Arc<Shared>, partition: i32, batch: Vec<OwnedMes
                 backoff = (backoff * 2).min(Duration::from_secs(5));
                 // Whatever of the batch did reach the output is read back, so
                 // the retry sees those records as replays, not new events.
-                repair(shared, partition).await?;
+                // Not abandonable: the batch in flight must finish.
+                repair(shared, partition, || false).await?;
                 continue;
             }
         };

@@ -80,8 +80,14 @@ pub(crate) fn lock_engine(engine: &Mutex<Box<dyn Engine>>) -> std::sync::MutexGu
 
 impl Repairer {
     /// Repairs `partition`. Blocking (network and fsync): run it on a
-    /// blocking thread.
-    pub fn repair_blocking(&self, partition: i32) -> Result<RepairOutcome, KafkaError> {
+    /// blocking thread. `abandon` is asked while repair waits or reads: when
+    /// it says yes (the partition was revoked), repair stops and returns
+    /// `None`; what it applied so far stays (applying is idempotent).
+    pub fn repair_blocking(
+        &self,
+        partition: i32,
+        abandon: &dyn Fn() -> bool,
+    ) -> Result<Option<RepairOutcome>, KafkaError> {
         let started = Instant::now();
         let checkpoint = lock_engine(&self.engine).checkpoint(partition);
         let consumer: BaseConsumer =
@@ -106,8 +112,11 @@ impl Repairer {
                 .fetch_watermarks(&self.output_topic, partition, self.stall_timeout)
                 .map_err(KafkaError::client("reading the output last stable offset for repair"))
         };
-        let (low, high) =
-            wait_for_stable_end(partition, hwm, &mut stable, self.settle_timeout, Duration::from_millis(200))?;
+        let Some((low, high)) =
+            wait_for_stable_end(partition, hwm, &mut stable, abandon, self.settle_timeout, Duration::from_millis(200))?
+        else {
+            return Ok(None);
+        };
         let from = match checkpoint {
             Some(c) if c.saturating_add(1) < low => {
                 // Retention deleted output this instance never applied:
@@ -125,7 +134,7 @@ impl Repairer {
             None => self.first_offset_within_horizon(&consumer, partition, low, high),
         };
         if from >= high {
-            return Ok(RepairOutcome { from_offset: from, records: 0, duration: started.elapsed() });
+            return Ok(Some(RepairOutcome { from_offset: from, records: 0, duration: started.elapsed() }));
         }
         let mut tpl = TopicPartitionList::new();
         tpl.add_partition_offset(&self.output_topic, partition, Offset::Offset(from))
@@ -136,6 +145,10 @@ impl Repairer {
         let mut records = 0u64;
         let mut last_progress = Instant::now();
         loop {
+            if abandon() {
+                self.apply(partition, &mut chunk)?;
+                return Ok(None);
+            }
             match consumer.poll(Duration::from_millis(200)) {
                 Some(Ok(m)) => {
                     last_progress = Instant::now();
@@ -177,7 +190,7 @@ impl Repairer {
             }
         }
         self.apply(partition, &mut chunk)?;
-        Ok(RepairOutcome { from_offset: from, records, duration: started.elapsed() })
+        Ok(Some(RepairOutcome { from_offset: from, records, duration: started.elapsed() }))
     }
 
     /// Where a partition this instance has no state for starts: the first
@@ -242,20 +255,24 @@ impl Repairer {
 /// `hwm`, the high watermark seen when repair began: then no transaction
 /// that wrote below `hwm` is still open, and reading committed data up to the
 /// returned LSO misses nothing that can still commit. Fails after `timeout`
-/// rather than end repair early.
+/// rather than end repair early; `None` when `abandon` says so first.
 fn wait_for_stable_end(
     partition: i32,
     hwm: i64,
     stable: &mut dyn FnMut() -> Result<(i64, i64), KafkaError>,
+    abandon: &dyn Fn() -> bool,
     timeout: Duration,
     poll_every: Duration,
-) -> Result<(i64, i64), KafkaError> {
+) -> Result<Option<(i64, i64)>, KafkaError> {
     let started = Instant::now();
     let mut warned = false;
     loop {
         let (low, lso) = stable()?;
         if lso >= hwm {
-            return Ok((low, lso));
+            return Ok(Some((low, lso)));
+        }
+        if abandon() {
+            return Ok(None);
         }
         let waited = started.elapsed();
         if waited >= timeout {
@@ -294,22 +311,48 @@ mod tests {
         // A dead owner's transaction holds the LSO at 40 until it aborts and
         // the LSO jumps past the HWM seen at start (50).
         let mut stable = replay(vec![(0, 40), (0, 40), (0, 40), (0, 52)]);
-        let end = wait_for_stable_end(0, 50, &mut stable, Duration::from_secs(5), Duration::ZERO).expect("ends");
-        assert_eq!(end, (0, 52));
+        let end = wait_for_stable_end(0, 50, &mut stable, &|| false, Duration::from_secs(5), Duration::ZERO);
+        assert_eq!(end.expect("ends"), Some((0, 52)));
     }
 
     #[test]
     fn repair_end_is_immediate_without_open_transactions() {
         let mut stable = replay(vec![(3, 50)]);
-        assert_eq!(wait_for_stable_end(0, 50, &mut stable, Duration::ZERO, Duration::ZERO).expect("ends"), (3, 50));
+        let end = wait_for_stable_end(0, 50, &mut stable, &|| false, Duration::ZERO, Duration::ZERO);
+        assert_eq!(end.expect("ends"), Some((3, 50)));
     }
 
     #[test]
     fn repair_fails_rather_than_stop_short_of_a_transaction_that_never_ends() {
         let mut stable = || Ok((0, 10));
-        let err = wait_for_stable_end(7, 11, &mut stable, Duration::from_millis(30), Duration::from_millis(5))
-            .expect_err("must not end repair below the high watermark");
+        let err =
+            wait_for_stable_end(7, 11, &mut stable, &|| false, Duration::from_millis(30), Duration::from_millis(5))
+                .expect_err("must not end repair below the high watermark");
         let text = err.to_string();
         assert!(text.contains("partition 7") && text.contains("last stable offset 10"), "{text}");
+    }
+
+    #[test]
+    fn a_revoke_abandons_the_wait_for_an_open_transaction() {
+        let stable = || Ok((0, 10));
+        let revoked = std::sync::atomic::AtomicBool::new(false);
+        let mut asked = 0;
+        let mut stable_then_revoke = || {
+            asked += 1;
+            if asked == 3 {
+                revoked.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+            stable()
+        };
+        let end = wait_for_stable_end(
+            0,
+            11,
+            &mut stable_then_revoke,
+            &|| revoked.load(std::sync::atomic::Ordering::SeqCst),
+            Duration::from_secs(60),
+            Duration::ZERO,
+        );
+        assert_eq!(end.expect("abandoned, not failed"), None);
+        assert_eq!(asked, 3, "stops at the first look after the revoke");
     }
 }
