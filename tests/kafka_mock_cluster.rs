@@ -27,15 +27,22 @@ fn cluster(topics: &Topics, output_partitions: i32) -> MockCluster<'static, rdka
     mock
 }
 
-/// Runs a worker in the background until `stop` is sent.
-fn spawn_worker(
-    settings: RunSettings,
-) -> (
+type Spawned = (
     tokio::sync::oneshot::Sender<()>,
     tokio::task::JoinHandle<Result<dedupd::kafka::RunReport, KafkaError>>,
     std::sync::Arc<dedupd::metrics::Metrics>,
-) {
-    let (parts, metrics) = parts();
+);
+
+/// Runs a worker over in-memory state in the background until `stop` is sent.
+fn spawn_worker(settings: RunSettings) -> Spawned {
+    spawn_worker_with(settings, parts())
+}
+
+/// [`spawn_worker`] over the given parts (e.g. a real state directory).
+fn spawn_worker_with(
+    settings: RunSettings,
+    (parts, metrics): (dedupd::kafka::WorkerParts, std::sync::Arc<dedupd::metrics::Metrics>),
+) -> Spawned {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let handle = tokio::spawn(run(settings, parts, async move {
         let _ = rx.await;
@@ -286,13 +293,10 @@ async fn state_ahead_of_a_recreated_output_topic_stops_the_worker_before_it_publ
     let state = tempfile::tempdir().expect("state dir");
 
     // A first life publishes everything and applies it to durable state.
-    let (parts1, metrics1) = parts_in(state.path());
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let first = tokio::spawn(run(settings(&brokers, "recreated", &topics, DeliveryMode::AtLeastOnce), parts1, async {
-        let _ = rx.await;
-    }));
+    let (stop, first, metrics1) =
+        spawn_worker_with(settings(&brokers, "recreated", &topics, DeliveryMode::AtLeastOnce), parts_in(state.path()));
     assert!(wait_until(Duration::from_secs(60), || buckets_total(&metrics1) >= s.records.len() as u64).await);
-    let _ = tx.send(());
+    let _ = stop.send(());
     first.await.expect("join").expect("first life");
 
     // The output topic is "recreated" (here: a new, empty one). The state

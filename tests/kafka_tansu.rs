@@ -46,6 +46,39 @@ impl Drop for Worker {
     }
 }
 
+impl Worker {
+    /// Waits until the group has committed every input record, failing if
+    /// this worker exits first or `timeout` passes.
+    async fn wait_input_done(&mut self, brokers: &str, group: &str, input: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while !all_input_done(brokers, group, input) {
+            assert!(Instant::now() < deadline, "the input was not finished within {timeout:?}");
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                panic!("worker exited on its own with {status}: {}", stderr_of(&mut self.child));
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    /// SIGTERM: the worker must finish, commit, flush and exit 0 within 60 s.
+    async fn stop(&mut self) {
+        signal(&self.child, libc::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "worker did not exit within 60 s of SIGTERM");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert!(
+            status.success(),
+            "SIGTERM must end the worker with exit 0, got {status}: {}",
+            stderr_of(&mut self.child)
+        );
+    }
+}
+
 /// `GET path` on the worker's metrics endpoint: (status, body).
 fn http_get(addr: std::net::SocketAddr, path: &str) -> Option<(u16, String)> {
     use std::io::{Read, Write};
@@ -148,6 +181,22 @@ fn distinct_sources(records: &[ReadRecord]) -> usize {
     set.len()
 }
 
+/// Every injected conflict and invalid record is reported on its side topic.
+/// At-least-once mode: a side record may be there twice after a crash (a
+/// report published, then the offset commit lost), so the check is on
+/// distinct input positions. Returns what the two topics hold.
+fn assert_every_report_once_per_position(
+    brokers: &str,
+    topics: &Topics,
+    s: &Scenario,
+) -> (Vec<ReadRecord>, Vec<ReadRecord>) {
+    let conflicts = read_topic(brokers, &topics.conflicts);
+    assert_eq!(distinct_sources(&conflicts) as u64, s.conflicts, "conflicts on the conflicts topic");
+    let rejected = read_topic(brokers, &topics.rejected);
+    assert_eq!(distinct_sources(&rejected) as u64, s.invalid, "rejects on the rejected topic");
+    (conflicts, rejected)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_once() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
@@ -200,36 +249,12 @@ async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_
         eprintln!("SIGKILL #{kills} {wait_ms} ms after ready");
     }
     let mut w = spawn_worker(&brokers, "crashloop", &topics, "w1", state.path());
-    let child = &mut w.child;
-    let deadline = Instant::now() + Duration::from_secs(900);
-    while !all_input_done(&brokers, "crashloop", &topics.input) {
-        assert!(Instant::now() < deadline, "final worker did not finish the input");
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            panic!("worker exited on its own with {status}: {}", stderr_of(child));
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    signal(child, libc::SIGTERM);
-    let stop_deadline = Instant::now() + Duration::from_secs(60);
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            break status;
-        }
-        assert!(Instant::now() < stop_deadline, "worker did not exit within 60 s of SIGTERM");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    let err = stderr_of(child);
-    assert!(status.success(), "SIGTERM must end the worker with exit 0, got {status}: {err}");
+    w.wait_input_done(&brokers, "crashloop", &topics.input, Duration::from_secs(900)).await;
+    w.stop().await;
 
     let output = read_topic(&brokers, &topics.output);
     assert_exactly_once(&output, &s);
-    // At-least-once mode: side topics may hold a record twice after a crash
-    // (a conflict or reject published, then the offset commit lost), so the
-    // check is on distinct input positions.
-    let conflicts = read_topic(&brokers, &topics.conflicts);
-    assert_eq!(distinct_sources(&conflicts) as u64, s.conflicts, "conflicts on the conflicts topic");
-    let rejected = read_topic(&brokers, &topics.rejected);
-    assert_eq!(distinct_sources(&rejected) as u64, s.invalid, "rejects on the rejected topic");
+    let (conflicts, rejected) = assert_every_report_once_per_position(&brokers, &topics, &s);
     eprintln!(
         "crash loop: output {} records for {} ids; conflicts topic {} ({} distinct); rejected {} ({} distinct)",
         output.len(),
@@ -294,27 +319,15 @@ async fn survivor_takes_over_a_sigkilled_peers_partitions_and_output_stays_exact
     signal(&a.child, libc::SIGKILL);
     let _ = a.child.wait();
     load.await.expect("join").expect("produce");
-    let deadline = Instant::now() + Duration::from_secs(600);
-    while !all_input_done(&brokers, "pair", &topics.input) {
-        assert!(Instant::now() < deadline, "survivor did not finish the input");
-        if let Some(status) = b.child.try_wait().expect("try_wait") {
-            panic!("survivor exited with {status}: {}", stderr_of(&mut b.child));
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    b.wait_input_done(&brokers, "pair", &topics.input, Duration::from_secs(600)).await;
     let owned = metric(b.metrics, "dedupd_assigned_partitions");
     let repaired = metric(b.metrics, "dedupd_repair_records_total");
     // The peer's partitions had input after it died, so the survivor can
     // only have finished the input by taking them over.
     assert_eq!(owned, Some(f64::from(PARTITIONS)), "the survivor must own every partition");
     assert!(repaired >= Some(1.0), "the survivor must have repaired the peer's output, read {repaired:?}");
-    signal(&b.child, libc::SIGTERM);
-    let status = b.child.wait().expect("wait");
-    assert!(status.success(), "survivor exit: {status}");
-    let conflicts = read_topic(&brokers, &topics.conflicts);
-    assert_eq!(distinct_sources(&conflicts) as u64, s.conflicts, "conflicts on the conflicts topic");
-    let rejected = read_topic(&brokers, &topics.rejected);
-    assert_eq!(distinct_sources(&rejected) as u64, s.invalid, "rejects on the rejected topic");
+    b.stop().await;
+    assert_every_report_once_per_position(&brokers, &topics, &s);
     let output = read_topic(&brokers, &topics.output);
     assert_exactly_once(&output, &s);
 }
@@ -355,17 +368,8 @@ async fn exactly_once_refuses_to_start_on_a_broker_without_transactions_and_name
 /// stops it with SIGTERM (exit 0).
 async fn run_until_input_done(brokers: &str, group: &str, topics: &Topics, state: &std::path::Path) {
     let mut w = spawn_worker(brokers, group, topics, "w1", state);
-    let deadline = Instant::now() + Duration::from_secs(180);
-    while !all_input_done(brokers, group, &topics.input) {
-        assert!(Instant::now() < deadline, "worker did not finish the input");
-        if let Some(status) = w.child.try_wait().expect("try_wait") {
-            panic!("worker exited on its own with {status}: {}", stderr_of(&mut w.child));
-        }
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
-    signal(&w.child, libc::SIGTERM);
-    let status = w.child.wait().expect("wait");
-    assert!(status.success(), "SIGTERM must end the worker with exit 0, got {status}");
+    w.wait_input_done(brokers, group, &topics.input, Duration::from_secs(180)).await;
+    w.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -201,24 +201,22 @@ impl Repairer {
     fn first_offset_within_horizon(&self, consumer: &BaseConsumer, partition: i32, low: i64, high: i64) -> i64 {
         let horizon_ms = i64::try_from(lock_engine(&self.engine).horizon().as_millis()).unwrap_or(i64::MAX);
         let since = self.clock.now_ms().saturating_sub(horizon_ms);
-        let mut tpl = TopicPartitionList::new();
-        if tpl.add_partition_offset(&self.output_topic, partition, Offset::Offset(since)).is_err() {
-            return low;
-        }
-        match consumer.offsets_for_times(tpl, self.stall_timeout) {
-            Ok(found) => match found.find_partition(&self.output_topic, partition).map(|e| e.offset()) {
-                Some(Offset::Offset(o)) => o.clamp(low, high),
-                // "No record at or after `since`": nothing within the horizon,
-                // if the broker can look offsets up by time at all. Brokers
-                // that cannot (librdkafka's mock cluster) give this same
-                // answer to every time, so ask for time 0, which any record
-                // matches: only a real lookup answers it with an offset.
-                Some(Offset::End) if self.looks_up_by_time(consumer, partition) => high,
-                other => {
-                    tracing::debug!(partition, ?other, "no offset by time for repair; reading from the log start");
-                    low
-                }
-            },
+        match self.offset_for_time(consumer, partition, since) {
+            Ok(Some(Offset::Offset(o))) => o.clamp(low, high),
+            // "No record at or after `since`": nothing within the horizon,
+            // if the broker can look offsets up by time at all. Brokers that
+            // cannot (librdkafka's mock cluster) give this same answer to
+            // every time, so ask for time 0, which any record matches: only a
+            // real lookup answers it with an offset.
+            Ok(Some(Offset::End))
+                if matches!(self.offset_for_time(consumer, partition, 0), Ok(Some(Offset::Offset(_)))) =>
+            {
+                high
+            }
+            Ok(other) => {
+                tracing::debug!(partition, ?other, "no offset by time for repair; reading from the log start");
+                low
+            }
             Err(e) => {
                 tracing::warn!(partition, error = %e, "cannot look up output offsets by time; repair reads from the log start");
                 low
@@ -226,18 +224,13 @@ impl Repairer {
         }
     }
 
-    fn looks_up_by_time(&self, consumer: &BaseConsumer, partition: i32) -> bool {
+    /// The broker's answer to "first output offset of `partition` with a
+    /// timestamp at or after `ts_ms`".
+    fn offset_for_time(&self, consumer: &BaseConsumer, partition: i32, ts_ms: i64) -> Result<Option<Offset>, RdError> {
         let mut tpl = TopicPartitionList::new();
-        if tpl.add_partition_offset(&self.output_topic, partition, Offset::Offset(0)).is_err() {
-            return false;
-        }
-        matches!(
-            consumer
-                .offsets_for_times(tpl, self.stall_timeout)
-                .ok()
-                .and_then(|f| f.find_partition(&self.output_topic, partition).map(|e| e.offset())),
-            Some(Offset::Offset(_))
-        )
+        tpl.add_partition_offset(&self.output_topic, partition, Offset::Offset(ts_ms))?;
+        let found = consumer.offsets_for_times(tpl, self.stall_timeout)?;
+        Ok(found.find_partition(&self.output_topic, partition).map(|e| e.offset()))
     }
 
     fn apply(&self, partition: i32, chunk: &mut Vec<StoredEvent>) -> Result<(), KafkaError> {
