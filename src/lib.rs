@@ -22,6 +22,8 @@
 //! - [`kafka`]: the worker (`dedupd run`, `dedupd demo`): consumer group,
 //!   publishing, repair (async).
 //! - [`metrics`]: the Prometheus registry and the HTTP endpoint.
+//! - [`sim`]: a model Kafka broker and faulty network for deterministic
+//!   simulation (pure, sans-I/O, seeded; knows nothing of dedupd's records).
 
 pub mod classify;
 pub mod config;
@@ -30,5 +32,6 @@ pub mod kafka;
 pub mod keystore;
 pub mod metrics;
 pub mod offline;
+pub mod sim;
 pub mod state;
 pub mod storage;
