@@ -58,35 +58,7 @@ import yaml
 # --------------------------------------------------------------------------
 # Facts the files must agree with.
 
-# The keys of dedupd's TOML file (src/config.rs `FileConfig`, which denies
-# unknown keys): DESIGN §9's flags with `-` -> `_`, the store tuning keys, and
-# `kafka_properties` (the list behind the repeatable `--kafka-property`).
-RUN_FLAGS = {
-    "brokers", "group", "input_topic", "output_topic", "conflicts_topic", "rejected_topic", "state_dir",
-    "metrics_addr", "delivery", "instance_id", "batch_max_records", "batch_max_wait", "kafka_properties",
-    "hot_ttl", "hot_capacity", "horizon", "keystore_max_bytes", "keystore_window_floor", "keystore_block_cache",
-    "keystore_write_buffer", "keystore_background_jobs", "keep_revoked_partitions", "fsync", "wal_rotate_bytes",
-    "memtable_events", "retention", "max_future_skew", "max_event_age", "max_record_bytes", "max_id_bytes",
-    "max_field_bytes", "max_dimensions", "derive_salt", "closed_periods",
-}
-# Flags with no TOML key (DEDUPD_CONFIG names the file itself).
-ENV_ONLY_FLAGS = {"config", "kafka_property", "closed_periods"}
-DURATION_KEYS = {"hot_ttl", "horizon", "max_future_skew", "max_event_age", "keystore_window_floor", "retention",
-                 "batch_max_wait"}
-INTEGER_KEYS = {"hot_capacity", "keystore_background_jobs", "memtable_events", "max_id_bytes", "max_field_bytes",
-                "max_dimensions", "batch_max_records"}
-# A number of bytes, or a string like "64MiB" (src/config.rs parse_bytes).
-BYTES_KEYS = {"keystore_max_bytes", "keystore_block_cache", "keystore_write_buffer", "wal_rotate_bytes",
-              "max_record_bytes"}
-BYTE_UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40, "KB": 10**3,
-              "MB": 10**6, "GB": 10**9, "TB": 10**12}
 TOPIC_KEYS = ["input_topic", "output_topic", "conflicts_topic", "rejected_topic"]
-# humantime's units; a duration is one or more <number><unit> terms.
-DURATION_RE = re.compile(
-    r"^(\s*\d+\s*(nsec|ns|usec|us|msec|ms|seconds|second|sec|s|minutes|minute|min|m|hours|hour|hr|h|"
-    r"days|day|d|weeks|week|w|months|month|M|years|year|y))+\s*$"
-)
-
 # Labels Prometheus itself attaches to every scraped series (both configs).
 TARGET_LABELS = {"job", "instance", "namespace", "pod", "service", "environment"}
 # Series Prometheus creates itself: allowed in queries, not exported by dedupd.
@@ -749,48 +721,45 @@ def check_grafana_provisioning(ctx: Context) -> None:
 # --------------------------------------------------------------------------
 # dedupd's own configuration.
 
-def check_toml(cfg: dict, where: str) -> list[str]:
+def dedupd_binary(ctx: Context) -> str:
+    """The dedupd binary whose `check-config` is the authority on
+    configuration: $DEDUPD_BIN, else cargo's debug build."""
+    explicit = os.environ.get("DEDUPD_BIN")
+    target = Path(os.environ.get("CARGO_TARGET_DIR", str(ctx.root / "target")))
+    for candidate in ([Path(explicit)] if explicit else []) + [target / "debug" / "dedupd"]:
+        if candidate.is_file():
+            return str(candidate)
+    raise CheckFailed("no dedupd binary: run `cargo build` first (or set DEDUPD_BIN)")
+
+
+def check_toml(ctx: Context, text: str, where: str) -> list[str]:
+    """The file through `dedupd check-config`, the same code path as `run`
+    (every key, type, unit and cross-setting rule), then what only a
+    deployment needs: the keys it must set and four distinct topics."""
     problems = []
-    for key, value in cfg.items():
-        if key not in RUN_FLAGS:
-            problems.append(f"{where}: {key} is not a `dedupd run` flag")
-        elif key in DURATION_KEYS and not (isinstance(value, str) and DURATION_RE.match(value)):
-            problems.append(f"{where}: {key} = {value!r} is not a humantime duration")
-        elif key in INTEGER_KEYS and not (isinstance(value, int) and value > 0):
-            problems.append(f"{where}: {key} must be a positive integer")
-        elif key in BYTES_KEYS and config_bytes(value) is None:
-            problems.append(f"{where}: {key} = {value!r} is not a byte size like 67108864 or \"64MiB\"")
-        elif key == "fsync" and not re.fullmatch(r"always|interval:\d+", str(value)):
-            problems.append(f"{where}: fsync = {value!r} is not always|interval:<ms>")
-        elif key == "delivery" and value not in ("exactly-once", "at-least-once"):
-            problems.append(f"{where}: delivery = {value!r} is not exactly-once|at-least-once")
-        elif key == "kafka_properties" and not (isinstance(value, list) and all(
-                isinstance(v, str) and re.fullmatch(r"[a-z0-9.]+=.+", v) for v in value)):
-            problems.append(f"{where}: kafka_properties must be a list of \"key=value\"")
-        elif key == "metrics_addr" and not re.fullmatch(r"[\w.\[\]:-]+:\d+", str(value)):
-            problems.append(f"{where}: metrics_addr = {value!r} is not host:port")
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+        f.write(text)
+        f.flush()
+        env = {"PATH": os.environ.get("PATH", ""), "DEDUPD_DERIVE_SALT": "check-deploy"}
+        proc = subprocess.run([dedupd_binary(ctx), "check-config", "--config", f.name], env=env,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            problems.append(f"{where}: dedupd check-config refuses it: {proc.stderr.strip()}")
+    cfg = parse_toml(text, where)
     for key in ["brokers", "group", "state_dir", "metrics_addr", "delivery", *TOPIC_KEYS]:
         if key not in cfg:
             problems.append(f"{where}: {key} is not set")
-    days = {k: duration_days(cfg[k]) for k in ("horizon", "retention") if isinstance(cfg.get(k), str)}
-    if "horizon" in days and "retention" in days and days["retention"] < days["horizon"]:
-        problems.append(f"{where}: retention must be at least the horizon")
     topics = [cfg.get(k) for k in TOPIC_KEYS]
     if len(set(topics)) != len(topics):
         problems.append(f"{where}: the four topics must be distinct, got {topics}")
     return problems
 
 
-def config_bytes(value: object) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value if value > 0 else None
-    m = re.fullmatch(r"\s*(\d+)\s*([KMGT]i?B|B)?\s*", str(value))
-    return int(m.group(1)) * BYTE_UNITS[m.group(2) or ""] if m else None
-
-
-def duration_days(value: str) -> float:
-    units = {"s": 1 / 86400, "m": 1 / 1440, "h": 1 / 24, "d": 1, "w": 7}
-    return sum(int(n) * units.get(u[0], 0) for n, u in re.findall(r"(\d+)\s*([a-zA-Z]+)", value))
+def binary_env_names(ctx: Context) -> set[str]:
+    """Every DEDUPD_* variable `dedupd run` reads, from its own --help, plus
+    DEDUPD_KAFKA_PROPERTIES (read beside the flags, named in their help)."""
+    out = subprocess.run([dedupd_binary(ctx), "run", "--help"], capture_output=True, text=True, check=True).stdout
+    return set(re.findall(r"\[env: DEDUPD_([A-Z_]+)", out)) | {"KAFKA_PROPERTIES"}
 
 
 def parse_toml(text: str, where: str) -> dict:
@@ -829,11 +798,12 @@ def k8s_toml(ctx: Context) -> dict:
     return parse_toml(text, "deploy/k8s/configmap.yaml dedupd.toml")
 
 
-@check("config: both TOML files use only `dedupd run` flags, in their forms")
+@check("config: both TOML files pass `dedupd check-config`; every DEDUPD_ variable is one dedupd reads")
 def check_configs(ctx: Context) -> None:
-    problems = check_toml(compose_toml(ctx), "deploy/compose/dedupd.toml")
+    compose_text = ctx.path("deploy/compose/dedupd.toml").read_text()
+    problems = check_toml(ctx, compose_text, "deploy/compose/dedupd.toml")
     k8s = k8s_toml(ctx)
-    problems += check_toml(k8s, "deploy/k8s/configmap.yaml")
+    problems += check_toml(ctx, dig(k8s_kind(ctx, "ConfigMap"), "data", "dedupd.toml"), "deploy/k8s/configmap.yaml")
     if "derive_salt" in k8s:
         problems.append("deploy/k8s/configmap.yaml: derive_salt belongs in the Secret, not the ConfigMap")
     if k8s.get("delivery") != "exactly-once":
@@ -841,9 +811,10 @@ def check_configs(ctx: Context) -> None:
     env_refs: set[str] = set()
     for rel in ("docker-compose.yml", "deploy/Dockerfile", "deploy/k8s/statefulset.yaml"):
         env_refs |= set(re.findall(r"\bDEDUPD_([A-Z_]+)\b", ctx.path(rel).read_text()))
+    known = binary_env_names(ctx)
     for name in sorted(env_refs - {"PARTITIONS"}):
-        if name.lower() not in RUN_FLAGS | ENV_ONLY_FLAGS:
-            problems.append(f"DEDUPD_{name} names no `dedupd run` flag")
+        if name not in known:
+            problems.append(f"DEDUPD_{name} is not a variable `dedupd run` reads")
     expect(not problems, "\n".join(problems))
 
 
@@ -1104,7 +1075,6 @@ def check_k8s_semantics(ctx: Context) -> None:
 HOT_CACHE_BYTES_PER_ENTRY = 96
 KEYSTORE_DISK_BYTES_PER_KEY = 64           # issue #4's ceiling; converts the byte cap into keys
 KEYSTORE_FILTER_INDEX_BYTES_PER_KEY = 1.3  # bloom (10 bits) + index, held outside the block cache
-KEYSTORE_DEFAULTS = {"keystore_block_cache": 64 << 20, "keystore_write_buffer": 32 << 20}  # src/config.rs
 KEYSTORE_MEMTABLES = 3                     # max_write_buffer_number of the keys column family
 KEYSTORE_META_BYTES = 16 << 20             # the meta column family's memtables
 PROCESS_BASE_BYTES = 256 << 20             # runtime, batches in flight, allocator slack
@@ -1120,16 +1090,34 @@ def quantity_bytes(q: str) -> int:
     return int(float(m.group(1)) * QUANTITY_UNITS[m.group(2)])
 
 
-def pod_memory_need(cfg: dict, partitions: int) -> dict[str, int]:
+def effective_engine(ctx: Context, text: str) -> dict[str, int]:
+    """The engine settings `dedupd check-config` resolves from a TOML file,
+    defaults included: the numbers sizing needs, never a copy of them."""
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+        f.write(text)
+        f.flush()
+        env = {"PATH": os.environ.get("PATH", ""), "DEDUPD_DERIVE_SALT": "check-deploy"}
+        proc = subprocess.run([dedupd_binary(ctx), "check-config", "--config", f.name], env=env,
+                              capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise CheckFailed(f"dedupd check-config refuses the file: {proc.stderr.strip()}")
+    engine = next((ln for ln in proc.stdout.splitlines() if ln.startswith("engine: ")), "")
+    values = {k: int(v) for k, v in re.findall(r"(\w+): (?:Some\()?(\d+)\b", engine)}
+    for key in ("hot_capacity", "keystore_block_cache_bytes", "keystore_write_buffer_bytes"):
+        if key not in values:
+            raise CheckFailed(f"dedupd check-config printed no {key}: {engine!r}")
+    return values
+
+
+def pod_memory_need(cfg: dict, partitions: int, engine: dict[str, int]) -> dict[str, int]:
     props = dict(p.split("=", 1) for p in cfg.get("kafka_properties", []))
     kbytes = {k: int(props.get(k, v)) for k, v in LIBRDKAFKA_DEFAULT_KBYTES.items()}
-    keys = (config_bytes(cfg.get("keystore_max_bytes")) or 0) // KEYSTORE_DISK_BYTES_PER_KEY
-    rocks = {k: config_bytes(cfg[k]) if k in cfg else v for k, v in KEYSTORE_DEFAULTS.items()}
+    keys = engine.get("keystore_max_bytes", 0) // KEYSTORE_DISK_BYTES_PER_KEY
     return {
-        "hot caches": partitions * int(cfg.get("hot_capacity", 0)) * HOT_CACHE_BYTES_PER_ENTRY,
+        "hot caches": partitions * engine["hot_capacity"] * HOT_CACHE_BYTES_PER_ENTRY,
         "key store filters and indexes": int(keys * KEYSTORE_FILTER_INDEX_BYTES_PER_KEY),
-        "key store cache and memtables": (rocks["keystore_block_cache"] or 0)
-        + KEYSTORE_MEMTABLES * (rocks["keystore_write_buffer"] or 0) + KEYSTORE_META_BYTES,
+        "key store cache and memtables": engine["keystore_block_cache_bytes"]
+        + KEYSTORE_MEMTABLES * engine["keystore_write_buffer_bytes"] + KEYSTORE_META_BYTES,
         "librdkafka fetch queues": partitions * kbytes["queued.max.messages.kbytes"] * 1024,
         "librdkafka producer queue": kbytes["queue.buffering.max.kbytes"] * 1024,
         "process": PROCESS_BASE_BYTES,
@@ -1148,7 +1136,8 @@ def check_k8s_sizing(ctx: Context) -> None:
     c = next(c for c in dig(sts, "spec", "template", "spec", "containers") or [] if c.get("name") == "dedupd")
     limit = quantity_bytes(dig(c, "resources", "limits", "memory") or "0")
     request = quantity_bytes(dig(c, "resources", "requests", "memory") or "0")
-    need = pod_memory_need(cfg, int(per_pod))
+    engine = effective_engine(ctx, dig(k8s_kind(ctx, "ConfigMap"), "data", "dedupd.toml"))
+    need = pod_memory_need(cfg, int(per_pod), engine)
     total = sum(need.values())
     detail = ", ".join(f"{k} {v / (1 << 30):.2f} GiB" for k, v in need.items())
     expect(limit >= total, f"memory limit {limit / (1 << 30):.2f} GiB < {total / (1 << 30):.2f} GiB needed "
@@ -1313,7 +1302,7 @@ MUTATIONS: list[tuple[str, str, Callable[[str], str], str]] = [
      lambda s: s.replace("condition: service_completed_successfully", "condition: service_started", 1),
      "compose: KRaft broker"),
     ("a compose file outside the compose spec", "docker-compose.yml",
-     lambda s: s.replace("    stop_grace_period: 30s", "    stop_grace_periods: 30s", 1),
+     lambda s: s.replace("    stop_grace_period: 150s", "    stop_grace_periods: 150s", 1),
      "compose: docker-compose.yml matches"),
     ("a Dockerfile running as root", "deploy/Dockerfile",
      lambda s: s.replace("USER 10001:10001", "USER root", 1),

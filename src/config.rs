@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::event::{ClosedPeriod, Limits};
+use crate::event::{ClosedPeriod, Limits, UnknownFields};
 
 /// Invalid configuration. Always names the offending key.
 #[derive(Debug, thiserror::Error)]
@@ -88,6 +88,10 @@ pub struct TuningArgs {
     /// Largest record accepted [default: 64KiB].
     #[arg(long, env = "DEDUPD_MAX_RECORD_BYTES", value_name = "BYTES")]
     pub max_record_bytes: Option<String>,
+    /// Largest canonical output record an accepted event may have; larger
+    /// ones are rejected as record_too_large [default: 512KiB].
+    #[arg(long, env = "DEDUPD_MAX_OUTPUT_BYTES", value_name = "BYTES")]
+    pub max_output_bytes: Option<String>,
     /// Longest identifier field [default: 256].
     #[arg(long, env = "DEDUPD_MAX_ID_BYTES", value_name = "BYTES")]
     pub max_id_bytes: Option<String>,
@@ -101,6 +105,10 @@ pub struct TuningArgs {
     /// never change, or retries of id-less events stop matching [default: dedupd].
     #[arg(long, env = "DEDUPD_DERIVE_SALT", value_name = "S", hide_env_values = true)]
     pub derive_salt: Option<String>,
+    /// A field schema v1 does not define: `reject` the event as unknown_field,
+    /// or `ignore` the field (kept out of the payload hash) [default: reject].
+    #[arg(long, env = "DEDUPD_UNKNOWN_FIELDS", value_name = "reject|ignore")]
+    pub unknown_fields: Option<String>,
     /// A (tenant, month) closed for usage, `tenant:YYYY-MM`; repeatable.
     #[arg(long = "closed-period", env = "DEDUPD_CLOSED_PERIODS", value_delimiter = ',', value_name = "TENANT:YYYY-MM")]
     pub closed_periods: Vec<String>,
@@ -143,6 +151,8 @@ pub struct FileConfig {
     pub max_event_age: Option<String>,
     /// See `--max-record-bytes`.
     pub max_record_bytes: Option<toml::Value>,
+    /// See `--max-output-bytes`.
+    pub max_output_bytes: Option<toml::Value>,
     /// See `--max-id-bytes`.
     pub max_id_bytes: Option<u64>,
     /// See `--max-field-bytes`.
@@ -151,6 +161,8 @@ pub struct FileConfig {
     pub max_dimensions: Option<u64>,
     /// See `--derive-salt`.
     pub derive_salt: Option<String>,
+    /// See `--unknown-fields`.
+    pub unknown_fields: Option<String>,
     /// See `--closed-period`.
     pub closed_periods: Option<Vec<String>>,
     // Keys only `dedupd run` reads; see `dedupd run --help`. They live in
@@ -169,6 +181,12 @@ pub struct FileConfig {
     pub batch_max_records: Option<u64>,
     pub batch_max_wait: Option<String>,
     pub kafka_properties: Option<Vec<String>>,
+    /// See `--kafka-secret`.
+    pub kafka_secrets: Option<Vec<String>>,
+    pub stall_timeout: Option<String>,
+    pub operation_timeout: Option<String>,
+    pub revoke_timeout: Option<String>,
+    pub on_output_gap: Option<String>,
 }
 
 impl FileConfig {
@@ -204,6 +222,7 @@ pub struct EngineSettings {
     pub limits: Limits,
     pub derive_salt: String,
     pub closed_periods: Vec<ClosedPeriod>,
+    pub unknown_fields: UnknownFields,
 }
 
 impl Default for EngineSettings {
@@ -225,8 +244,92 @@ impl Default for EngineSettings {
             limits: Limits::default(),
             derive_salt: "dedupd".to_owned(),
             closed_periods: Vec::new(),
+            unknown_fields: UnknownFields::Reject,
         }
     }
+}
+
+/// One source of librdkafka properties, by name (for error messages) and
+/// its `key=value` entries in order.
+pub struct PropertySource<'a> {
+    pub name: &'a str,
+    pub entries: &'a [String],
+}
+
+/// Merges librdkafka properties from several sources, lowest precedence
+/// first (config file, `DEDUPD_KAFKA_PROPERTIES`, `--kafka-property`), key by
+/// key: a later source replaces a key's value, every other key is kept. So a
+/// flag that adds `sasl.password` keeps the file's `security.protocol` and
+/// buffer caps. Keys keep the order they first appeared in.
+pub fn merge_kafka_properties(sources: &[PropertySource<'_>]) -> Result<Vec<(String, String)>, String> {
+    let mut merged: Vec<(String, String)> = Vec::new();
+    for source in sources {
+        for entry in source.entries {
+            let (k, v) = entry.split_once('=').ok_or_else(|| {
+                // The entry may hold a secret: name its key part only.
+                let shown: String = entry.chars().take_while(|c| !c.is_whitespace()).take(40).collect();
+                format!("{}: {shown:?}… is not key=value", source.name)
+            })?;
+            let (k, v) = (k.trim(), v.trim());
+            if k.is_empty() {
+                return Err(format!("{}: an entry has an empty key", source.name));
+            }
+            match merged.iter_mut().find(|(mk, _)| mk == k) {
+                Some(slot) => slot.1 = v.to_owned(),
+                None => merged.push((k.to_owned(), v.to_owned())),
+            }
+        }
+    }
+    Ok(merged)
+}
+
+/// `DEDUPD_KAFKA_PROPERTIES`: one `key=value` per line (blank lines and `#`
+/// comments skipped). Lines, not commas: values such as `sasl.jaas.config`
+/// or a broker list contain commas.
+pub fn property_lines(text: &str) -> Vec<String> {
+    text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(str::to_owned).collect()
+}
+
+/// Resolves `--kafka-secret KEY=file:PATH` or `KEY=env:VAR` to the property
+/// `(KEY, value)`: the value comes from the file (one trailing newline
+/// dropped, as `echo` and Kubernetes secret volumes write it) or the
+/// variable. Errors name the key and the source, never a value.
+pub fn resolve_kafka_secret(spec: &str, env: impl Fn(&str) -> Option<String>) -> Result<(String, String), String> {
+    let (key, source) =
+        spec.split_once('=').ok_or_else(|| "a --kafka-secret is KEY=file:PATH or KEY=env:VAR".to_owned())?;
+    let key = key.trim();
+    if key.is_empty() {
+        return Err("a --kafka-secret has an empty key".into());
+    }
+    let value = if let Some(path) = source.strip_prefix("file:") {
+        let mut v = std::fs::read_to_string(path).map_err(|e| format!("secret for {key}: cannot read {path}: {e}"))?;
+        if v.ends_with('\n') {
+            v.pop();
+            if v.ends_with('\r') {
+                v.pop();
+            }
+        }
+        v
+    } else if let Some(var) = source.strip_prefix("env:") {
+        env(var).ok_or_else(|| format!("secret for {key}: environment variable {var} is not set"))?
+    } else {
+        return Err(format!("secret for {key}: the source must be file:PATH or env:VAR"));
+    };
+    if value.is_empty() {
+        return Err(format!("secret for {key}: {source} is empty"));
+    }
+    Ok((key.to_owned(), value))
+}
+
+/// Whether a librdkafka property holds a secret, by its name: passwords,
+/// secrets, private keys, JAAS and OAuth configurations. Such values are
+/// shown as `***` in logs and in `check-config`.
+pub fn is_secret_property(key: &str) -> bool {
+    let k = key.trim().to_ascii_lowercase();
+    let k = k.strip_prefix("consumer.").or_else(|| k.strip_prefix("producer.")).unwrap_or(&k);
+    k.contains("password")
+        || k.contains("secret")
+        || matches!(k, "sasl.jaas.config" | "sasl.oauthbearer.config" | "ssl.key.pem" | "ssl_key" | "ssl.keystore.key")
 }
 
 /// Parses `7d`, `90s`, `1h 30m` (humantime).
@@ -377,6 +480,12 @@ impl EngineSettings {
             file_bytes("max_record_bytes", &file.max_record_bytes)?,
             parse_bytes,
         )?;
+        let max_output_bytes = pick(
+            "max_output_bytes",
+            &args.max_output_bytes,
+            file_bytes("max_output_bytes", &file.max_output_bytes)?,
+            parse_bytes,
+        )?;
         let max_id_bytes = pick("max_id_bytes", &args.max_id_bytes, file.max_id_bytes, parse_u64)?;
         let max_field_bytes = pick("max_field_bytes", &args.max_field_bytes, file.max_field_bytes, parse_u64)?;
         let max_dimensions = pick("max_dimensions", &args.max_dimensions, file.max_dimensions, parse_u64)?;
@@ -392,6 +501,18 @@ impl EngineSettings {
             .collect::<Result<Vec<_>, _>>()
             .map_err(|why| invalid("closed_periods", why))?;
 
+        let unknown_fields = pick(
+            "unknown_fields",
+            &args.unknown_fields,
+            file.unknown_fields
+                .as_deref()
+                .map(UnknownFields::parse)
+                .transpose()
+                .map_err(|why| invalid("unknown_fields", why))?,
+            UnknownFields::parse,
+        )?
+        .unwrap_or(d.unknown_fields);
+
         let dl = Limits::default();
         let limits = Limits {
             max_record_bytes: max_record_bytes.map_or(dl.max_record_bytes, |v| v as usize),
@@ -400,6 +521,7 @@ impl EngineSettings {
             max_dimensions: max_dimensions.map_or(dl.max_dimensions, |v| v as usize),
             max_future_skew_ms: max_future_skew.map_or(dl.max_future_skew_ms, ms),
             max_event_age_ms: max_event_age.map_or(dl.max_event_age_ms, ms),
+            max_output_bytes: max_output_bytes.map_or(dl.max_output_bytes, |v| v as usize),
         };
         let s = EngineSettings {
             hot_ttl,
@@ -419,9 +541,17 @@ impl EngineSettings {
             limits,
             derive_salt,
             closed_periods,
+            unknown_fields,
         };
         s.validate()?;
         Ok(s)
+    }
+
+    /// The effective settings for the start-up log and `dedupd check-config`;
+    /// the derive salt, which keys every derived event id, is masked.
+    pub fn describe(&self) -> String {
+        let masked = EngineSettings { derive_salt: "***".into(), ..self.clone() };
+        format!("{masked:?}")
     }
 
     /// Checks the settings as a whole.
@@ -432,13 +562,40 @@ impl EngineSettings {
         if self.hot_capacity == 0 {
             return Err(invalid("hot_capacity", "must be at least 1"));
         }
+        let d = |d: Duration| humantime::format_duration(d).to_string();
+        let ms_d = |ms: i64| d(Duration::from_millis(u64::try_from(ms).unwrap_or(0)));
         if self.horizon < self.hot_ttl {
             return Err(invalid(
                 "horizon",
                 format!(
-                    "{} is shorter than hot_ttl {}: the key store must remember at least as long as the cache",
-                    humantime::format_duration(self.horizon),
-                    humantime::format_duration(self.hot_ttl)
+                    "horizon {} is shorter than hot_ttl {}: the key store must remember at least as long as the cache",
+                    d(self.horizon),
+                    d(self.hot_ttl)
+                ),
+            ));
+        }
+        // An event may arrive up to max_event_age after its own time, and its
+        // first delivery up to that long before a retry: a horizon shorter
+        // than the age window forgets keys whose retries are still accepted,
+        // and each such retry is billed again.
+        if self.horizon_ms() < self.limits.max_event_age_ms {
+            return Err(invalid(
+                "horizon",
+                format!(
+                    "horizon {} is shorter than max_event_age {}: retries of events that old are still \
+                     accepted, but their keys would be forgotten, so they would be billed twice",
+                    d(self.horizon),
+                    ms_d(self.limits.max_event_age_ms)
+                ),
+            ));
+        }
+        if self.keystore_window_floor > self.horizon {
+            return Err(invalid(
+                "keystore_window_floor",
+                format!(
+                    "keystore_window_floor {} is longer than horizon {}: the alert would always fire",
+                    d(self.keystore_window_floor),
+                    d(self.horizon)
                 ),
             ));
         }
@@ -457,12 +614,26 @@ impl EngineSettings {
         if self.retention < self.horizon {
             return Err(invalid(
                 "retention",
-                "must be at least the horizon: the usage store backs the key store's answers within it",
+                format!(
+                    "retention {} is shorter than horizon {}: the usage store backs the key store's answers within it",
+                    d(self.retention),
+                    d(self.horizon)
+                ),
             ));
         }
         let l = &self.limits;
         if l.max_record_bytes < 64 {
             return Err(invalid("max_record_bytes", "must be at least 64"));
+        }
+        if l.max_output_bytes < 1024 || l.max_output_bytes > crate::event::OUTPUT_READ_CEILING_BYTES {
+            return Err(invalid(
+                "max_output_bytes",
+                format!(
+                    "{} is outside 1KiB..={} bytes (the most dedupd reads back from its output)",
+                    l.max_output_bytes,
+                    crate::event::OUTPUT_READ_CEILING_BYTES
+                ),
+            ));
         }
         if l.max_id_bytes == 0 {
             return Err(invalid("max_id_bytes", "must be positive"));
@@ -503,6 +674,7 @@ impl EngineSettings {
 
     pub fn validator(&self) -> crate::event::Validator {
         crate::event::Validator::new(self.limits.clone(), self.closed_periods.clone(), &self.derive_salt)
+            .with_unknown_fields(self.unknown_fields)
     }
 }
 
@@ -572,5 +744,71 @@ mod tests {
         assert_eq!(parse_bytes("2GB"), Ok(2_000_000_000));
         assert!(parse_bytes("12 parsecs").is_err());
         assert!(parse_bytes("-1").is_err());
+    }
+
+    #[test]
+    fn kafka_properties_merge_key_by_key_later_sources_winning() {
+        let file: Vec<String> =
+            ["security.protocol=SASL_SSL", "queued.max.messages.kbytes=16384", "sasl.mechanism=PLAIN"]
+                .map(String::from)
+                .to_vec();
+        let env = property_lines("# from the pod spec\nsasl.mechanism=SCRAM-SHA-512\n\nsasl.jaas.config=a b, c=d;\n");
+        let flags: Vec<String> =
+            ["sasl.password=hunter2", "queued.max.messages.kbytes=8192"].map(String::from).to_vec();
+        let merged = merge_kafka_properties(&[
+            PropertySource { name: "config file", entries: &file },
+            PropertySource { name: "DEDUPD_KAFKA_PROPERTIES", entries: &env },
+            PropertySource { name: "--kafka-property", entries: &flags },
+        ])
+        .expect("merge");
+        let want = [
+            ("security.protocol", "SASL_SSL"),
+            ("queued.max.messages.kbytes", "8192"),
+            ("sasl.mechanism", "SCRAM-SHA-512"),
+            ("sasl.jaas.config", "a b, c=d;"),
+            ("sasl.password", "hunter2"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()));
+        assert_eq!(merged, want.to_vec());
+
+        let bad = ["sasl.password:hunter2 and more".to_owned()];
+        let err = merge_kafka_properties(&[PropertySource { name: "--kafka-property", entries: &bad }])
+            .expect_err("not key=value");
+        assert!(err.contains("--kafka-property") && !err.contains("and more"), "{err}");
+    }
+
+    #[test]
+    fn kafka_secrets_come_from_files_or_variables_and_are_recognised_for_masking() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("pw");
+        std::fs::write(&path, "s3cret\n").expect("write");
+        let env = |v: &str| (v == "KAFKA_PW").then(|| "from-env".to_owned());
+        let spec = format!("sasl.password=file:{}", path.display());
+        assert_eq!(resolve_kafka_secret(&spec, env), Ok(("sasl.password".into(), "s3cret".into())));
+        assert_eq!(
+            resolve_kafka_secret("ssl.key.password=env:KAFKA_PW", env),
+            Ok(("ssl.key.password".into(), "from-env".into()))
+        );
+        let missing = resolve_kafka_secret("sasl.password=env:NOPE", env).expect_err("unset");
+        assert!(missing.contains("NOPE") && missing.contains("sasl.password"), "{missing}");
+        assert!(resolve_kafka_secret("sasl.password=hunter2", env).expect_err("inline").contains("file:PATH"));
+        for key in ["sasl.password", "producer.ssl.key.password", "sasl.oauthbearer.client.secret", "sasl.jaas.config"]
+        {
+            assert!(is_secret_property(key), "{key}");
+        }
+        for key in ["security.protocol", "sasl.mechanism", "sasl.username", "queued.max.messages.kbytes"] {
+            assert!(!is_secret_property(key), "{key}");
+        }
+    }
+
+    #[test]
+    fn unknown_fields_policy_is_read_from_flag_or_file() {
+        assert_eq!(resolve(TuningArgs::default(), "").expect("default").unknown_fields, UnknownFields::Reject);
+        let s = resolve(TuningArgs::default(), "unknown_fields = \"ignore\"").expect("file");
+        assert_eq!(s.unknown_fields, UnknownFields::Ignore);
+        let args = TuningArgs { unknown_fields: Some("reject".into()), ..TuningArgs::default() };
+        assert_eq!(resolve(args, "unknown_fields = \"ignore\"").expect("flag").unknown_fields, UnknownFields::Reject);
+        let err = resolve(TuningArgs::default(), "unknown_fields = \"drop\"").expect_err("bad").to_string();
+        assert!(err.contains("unknown_fields") && err.contains("drop"), "{err}");
     }
 }

@@ -7,9 +7,9 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use dedupd::classify::SystemClock;
-use dedupd::config::{EngineSettings, FileConfig, TuningArgs};
+use dedupd::config::{EngineSettings, FileConfig, PropertySource, TuningArgs};
 use dedupd::kafka::demo::DemoSettings;
-use dedupd::kafka::{DeliveryMode, RunSettings, StateEngine, Topics, WorkerParts};
+use dedupd::kafka::{DeliveryMode, OnOutputGap, RunSettings, StateEngine, Topics, WorkerParts};
 use dedupd::metrics::Metrics;
 use dedupd::offline::{run_dedupe, DedupeOptions, Stdio};
 use dedupd::state::LocalState;
@@ -20,6 +20,17 @@ use std::sync::Arc;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log format on standard error: `text` (coloured only on a terminal) or
+    /// `json` (one object per line). The filter comes from RUST_LOG (e.g.
+    /// `info,rdkafka=warn`); DEDUPD_LOG, when set, overrides it.
+    #[arg(long, global = true, env = "DEDUPD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 // Parsed once at start-up; the size difference between variants costs nothing.
@@ -28,6 +39,15 @@ struct Cli {
 enum Command {
     /// The Kafka worker: input topic to output topic, exactly once.
     Run {
+        #[command(flatten)]
+        run: RunArgs,
+        #[command(flatten)]
+        tuning: TuningArgs,
+    },
+    /// Validates a `dedupd run` configuration (flags, environment, file) by
+    /// the same code path as `run`, prints the effective settings with
+    /// secrets masked, and exits: 0 when valid, 2 naming the bad key.
+    CheckConfig {
         #[command(flatten)]
         run: RunArgs,
         #[command(flatten)]
@@ -123,14 +143,38 @@ struct RunArgs {
     #[arg(long, env = "DEDUPD_INSTANCE_ID")]
     instance_id: Option<String>,
     /// Extra librdkafka property `key=value` (TLS, SASL, tuning); repeatable.
-    #[arg(long = "kafka-property", env = "DEDUPD_KAFKA_PROPERTIES", value_delimiter = ',')]
+    /// Merged key by key over the config file's `kafka_properties` and
+    /// DEDUPD_KAFKA_PROPERTIES (one `key=value` per line): a flag replaces
+    /// only the keys it names.
+    #[arg(long = "kafka-property", value_name = "KEY=VALUE")]
     kafka_properties: Vec<String>,
+    /// A secret librdkafka property read from a file or an environment
+    /// variable: `KEY=file:PATH` or `KEY=env:VAR` (e.g.
+    /// `sasl.password=file:/run/secrets/kafka`); repeatable. Masked in logs.
+    #[arg(long = "kafka-secret", value_name = "KEY=file:PATH|env:VAR")]
+    kafka_secrets: Vec<String>,
     /// Most records per batch [default: 2000].
     #[arg(long, env = "DEDUPD_BATCH_MAX_RECORDS")]
     batch_max_records: Option<u64>,
     /// Longest wait to fill a batch [default: 20ms].
     #[arg(long, env = "DEDUPD_BATCH_MAX_WAIT")]
     batch_max_wait: Option<String>,
+    /// Time allowed for one broker operation (transaction commit, flush,
+    /// leaving the group) [default: 30s].
+    #[arg(long, env = "DEDUPD_OPERATION_TIMEOUT")]
+    operation_timeout: Option<String>,
+    /// How long a rebalance or shutdown waits for a partition's in-flight
+    /// batch before the process aborts rather than risk two publishers
+    /// [default: 60s]. Grace periods must exceed revoke + 2 × operation timeout.
+    #[arg(long, env = "DEDUPD_REVOKE_TIMEOUT")]
+    revoke_timeout: Option<String>,
+    /// A partition with input and no progress for this long fails /healthz [default: 5m].
+    #[arg(long, env = "DEDUPD_STALL_TIMEOUT")]
+    stall_timeout: Option<String>,
+    /// When retention deleted output that local state never applied: `stop`
+    /// (name the gap and exit) or `continue` (count it) [default: stop].
+    #[arg(long, env = "DEDUPD_ON_OUTPUT_GAP")]
+    on_output_gap: Option<String>,
 }
 
 fn need(key: &'static str, flag: Option<&String>, file: Option<&String>) -> anyhow::Result<String> {
@@ -145,7 +189,12 @@ fn need(key: &'static str, flag: Option<&String>, file: Option<&String>) -> anyh
 
 impl RunArgs {
     /// Merges the flags over the file's run keys; fails naming the key.
-    fn resolve(&self, file: &FileConfig) -> anyhow::Result<(RunSettings, Option<PathBuf>)> {
+    /// `env` reads environment variables (a seam for tests).
+    fn resolve(
+        &self,
+        file: &FileConfig,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> anyhow::Result<(RunSettings, Option<PathBuf>)> {
         let topics = Topics {
             input: need("input_topic", self.input_topic.as_ref(), file.input_topic.as_ref())?,
             output: need("output_topic", self.output_topic.as_ref(), file.output_topic.as_ref())?,
@@ -178,16 +227,22 @@ impl RunArgs {
                 anyhow::anyhow!("invalid `metrics_addr` (flag --metrics-addr, env DEDUPD_METRICS_ADDR): {a:?}: {e}")
             })?);
         }
-        let props: Vec<String> = if self.kafka_properties.is_empty() {
-            file.kafka_properties.clone().unwrap_or_default()
-        } else {
-            self.kafka_properties.clone()
-        };
-        for p in props {
-            let (k, v) = p.split_once('=').ok_or_else(|| {
-                anyhow::anyhow!("invalid `kafka_properties` (flag --kafka-property): {p:?} is not key=value")
-            })?;
-            s.kafka_properties.push((k.trim().to_owned(), v.trim().to_owned()));
+        let from_file = file.kafka_properties.clone().unwrap_or_default();
+        let from_env = env("DEDUPD_KAFKA_PROPERTIES").map(|t| dedupd::config::property_lines(&t)).unwrap_or_default();
+        s.kafka_properties = dedupd::config::merge_kafka_properties(&[
+            PropertySource { name: "config file `kafka_properties`", entries: &from_file },
+            PropertySource { name: "DEDUPD_KAFKA_PROPERTIES", entries: &from_env },
+            PropertySource { name: "--kafka-property", entries: &self.kafka_properties },
+        ])
+        .map_err(|why| anyhow::anyhow!("invalid `kafka_properties`: {why}"))?;
+        for spec in file.kafka_secrets.iter().flatten().chain(&self.kafka_secrets) {
+            let (k, v) = dedupd::config::resolve_kafka_secret(spec, env)
+                .map_err(|why| anyhow::anyhow!("invalid `kafka_secrets` (flag --kafka-secret): {why}"))?;
+            match s.kafka_properties.iter_mut().find(|(pk, _)| *pk == k) {
+                Some(slot) => slot.1 = v,
+                None => s.kafka_properties.push((k.clone(), v)),
+            }
+            s.kafka_secret_keys.push(k);
         }
         if let Some(n) = self.batch_max_records.or(file.batch_max_records) {
             if n == 0 {
@@ -199,16 +254,40 @@ impl RunArgs {
             s.batch.max_wait = dedupd::config::parse_duration(w)
                 .map_err(|why| anyhow::anyhow!("invalid `batch_max_wait` (flag --batch-max-wait): {why}"))?;
         }
+        if let Some(w) = self.operation_timeout.as_ref().or(file.operation_timeout.as_ref()) {
+            s.operation_timeout = dedupd::config::parse_duration(w)
+                .map_err(|why| anyhow::anyhow!("invalid `operation_timeout` (flag --operation-timeout): {why}"))?;
+        }
+        if let Some(w) = self.revoke_timeout.as_ref().or(file.revoke_timeout.as_ref()) {
+            s.revoke_timeout = dedupd::config::parse_duration(w)
+                .map_err(|why| anyhow::anyhow!("invalid `revoke_timeout` (flag --revoke-timeout): {why}"))?;
+        }
+        if let Some(w) = self.stall_timeout.as_ref().or(file.stall_timeout.as_ref()) {
+            s.stall_timeout = dedupd::config::parse_duration(w)
+                .map_err(|why| anyhow::anyhow!("invalid `stall_timeout` (flag --stall-timeout): {why}"))?;
+        }
+        if let Some(g) = self.on_output_gap.as_ref().or(file.on_output_gap.as_ref()) {
+            s.on_output_gap = OnOutputGap::parse(g).ok_or_else(|| {
+                anyhow::anyhow!("invalid `on_output_gap` (flag --on-output-gap, env DEDUPD_ON_OUTPUT_GAP): {g:?} is neither stop nor continue")
+            })?;
+        }
         let state_dir = self.state_dir.clone().or_else(|| file.state_dir.clone());
         Ok((s, state_dir))
     }
 }
 
-/// Logs go to stderr; `DEDUPD_LOG` overrides `default_level`.
-fn init_tracing(default_level: &str) {
+/// Logs go to stderr. The filter is `DEDUPD_LOG`, else `RUST_LOG` (what
+/// every deployment sets), else `default_level`; colour only on a terminal.
+fn init_tracing(default_level: &str, format: LogFormat) {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_env("DEDUPD_LOG")
+        .or_else(|_| tracing_subscriber::EnvFilter::try_from_default_env())
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false);
+    match format {
+        LogFormat::Json => builder.json().with_current_span(false).init(),
+        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
+    }
 }
 
 fn engine_settings(tuning: &TuningArgs) -> anyhow::Result<(EngineSettings, FileConfig)> {
@@ -222,7 +301,7 @@ fn engine_settings(tuning: &TuningArgs) -> anyhow::Result<(EngineSettings, FileC
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // The demo prints a table for a person; per-batch logs would bury it.
-    init_tracing(if matches!(cli.command, Command::Demo { .. }) { "warn" } else { "info" });
+    init_tracing(if matches!(cli.command, Command::Demo { .. }) { "warn" } else { "info" }, cli.log_format);
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
@@ -253,9 +332,29 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("{}", serde_json::to_string_pretty(&answer)?);
             Ok(ExitCode::SUCCESS)
         }
+        Command::CheckConfig { run, tuning } => {
+            let (settings, file) = engine_settings(&tuning)?;
+            let (run_settings, state_dir) = run.resolve(&file, &|k| std::env::var(k).ok())?;
+            let limits = settings.validator().limits().clone();
+            run_settings
+                .check_record_bounds(limits.max_output_bytes, limits.max_id_bytes)
+                .map_err(|why| anyhow::anyhow!("{why}"))?;
+            println!("dedupd {}: configuration ok", env!("CARGO_PKG_VERSION"));
+            println!("run: {}", run_settings.describe());
+            println!("state_dir: {}", state_dir.as_deref().map_or("- (in memory)".into(), |p| p.display().to_string()));
+            println!("engine: {}", settings.describe());
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Run { run, tuning } => {
             let (settings, file) = engine_settings(&tuning)?;
-            let (run_settings, state_dir) = run.resolve(&file)?;
+            let (run_settings, state_dir) = run.resolve(&file, &|k| std::env::var(k).ok())?;
+            tracing::info!(
+                version = env!("CARGO_PKG_VERSION"),
+                run = %run_settings.describe(),
+                state_dir = ?state_dir,
+                engine = %settings.describe(),
+                "dedupd starting"
+            );
             let metrics = Arc::new(Metrics::new());
             let state = LocalState::open_observed(state_dir.as_deref(), settings.clone(), true, metrics.clone())?;
             let parts = WorkerParts {

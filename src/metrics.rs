@@ -100,6 +100,15 @@ struct ReasonLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: String,
+}
+
+/// Label values of `dedupd_publish_retries_total{reason}`: a closed set.
+pub const PUBLISH_RETRY_REASONS: [&str; 5] =
+    ["timeout", "broker", "transaction_aborted", "not_group_member", "queue_full"];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct TierLabels {
     tier: WindowTier,
 }
@@ -147,6 +156,13 @@ pub struct Metrics {
     consumer_lag: Family<PartitionLabels, Gauge>,
     assigned_partitions: Gauge,
     unkeyed_records: Counter,
+    publish_retries: Family<ReasonLabels, Counter>,
+    transactions: Family<OutcomeLabels, Counter>,
+    transaction_resumes: Counter,
+    repair_gap_records: Counter,
+    stalled_partitions: Gauge,
+    consumer_lag_seconds: Family<PartitionLabels, Gauge<f64, AtomicU64>>,
+    unowned_lag: Gauge,
     healthy: AtomicBool,
     ready: AtomicBool,
 }
@@ -181,6 +197,13 @@ impl Metrics {
         let consumer_lag = Family::<PartitionLabels, Gauge>::default();
         let assigned_partitions = Gauge::default();
         let unkeyed_records = Counter::default();
+        let publish_retries = Family::<ReasonLabels, Counter>::default();
+        let transactions = Family::<OutcomeLabels, Counter>::default();
+        let transaction_resumes = Counter::default();
+        let repair_gap_records = Counter::default();
+        let stalled_partitions = Gauge::default();
+        let consumer_lag_seconds = Family::<PartitionLabels, Gauge<f64, AtomicU64>>::default();
+        let unowned_lag = Gauge::default();
 
         registry.register("events", "Input records by bucket", events.clone());
         registry.register("conflicts", "Conflicts (same id, different payload) by tenant", conflicts.clone());
@@ -229,7 +252,45 @@ impl Metrics {
             unkeyed_records.clone(),
         );
 
+        registry.register(
+            "publish_retries",
+            "Batches published again after a transient failure, by reason",
+            publish_retries.clone(),
+        );
+        registry.register("transactions", "Kafka transactions ended, by outcome", transactions.clone());
+        registry.register(
+            "transaction_resumes",
+            "Transaction commits or aborts repeated after they timed out with their outcome unknown",
+            transaction_resumes.clone(),
+        );
+        registry.register(
+            "repair_gap_records",
+            "Output records deleted by retention before local state applied them (--on-output-gap continue)",
+            repair_gap_records.clone(),
+        );
+        registry.register(
+            "stalled_partitions",
+            "Owned partitions with input that made no progress for --stall-timeout (/healthz fails)",
+            stalled_partitions.clone(),
+        );
+        registry.register(
+            "consumer_lag_seconds",
+            "Age of the oldest unprocessed input record's time, by input partition",
+            consumer_lag_seconds.clone(),
+        );
+        registry.register(
+            "unowned_input_lag_records",
+            "Input records the group has not processed while this instance owns no partition",
+            unowned_lag.clone(),
+        );
+
         // Pre-register every closed label value so series exist from the start.
+        for reason in PUBLISH_RETRY_REASONS {
+            let _ = publish_retries.get_or_create(&ReasonLabels { reason: reason.to_owned() });
+        }
+        for outcome in ["committed", "aborted"] {
+            let _ = transactions.get_or_create(&OutcomeLabels { outcome: outcome.to_owned() });
+        }
         for bucket in Bucket::ALL {
             let _ = events.get_or_create(&BucketLabels { bucket });
         }
@@ -263,6 +324,13 @@ impl Metrics {
             consumer_lag,
             assigned_partitions,
             unkeyed_records,
+            publish_retries,
+            transactions,
+            transaction_resumes,
+            repair_gap_records,
+            stalled_partitions,
+            consumer_lag_seconds,
+            unowned_lag,
             healthy: AtomicBool::new(true),
             ready: AtomicBool::new(false),
         }
@@ -276,7 +344,9 @@ impl Metrics {
             // answer if it ever does.
             return String::new();
         }
-        to_prometheus_text(&open_metrics)
+        let mut page = to_prometheus_text(&open_metrics);
+        write_process_metrics(&mut page);
+        page
     }
 
     /// Count of `bucket` so far (tests and the demo's table).
@@ -309,8 +379,37 @@ impl Metrics {
         self.healthy.store(false, Ordering::SeqCst);
     }
 
+    /// Healthy: no fatal error, and no owned partition stalled with input.
     pub fn is_healthy(&self) -> bool {
-        self.healthy.load(Ordering::SeqCst)
+        self.healthy.load(Ordering::SeqCst) && self.stalled_partitions.get() == 0
+    }
+
+    /// Publish retries so far with `reason` (tests).
+    pub fn publish_retries(&self, reason: &str) -> u64 {
+        self.publish_retries.get_or_create(&ReasonLabels { reason: reason.to_owned() }).get()
+    }
+
+    /// Transactions ended so far, committed or aborted (tests).
+    pub fn transactions(&self, committed: bool) -> u64 {
+        let outcome = if committed { "committed" } else { "aborted" };
+        self.transactions.get_or_create(&OutcomeLabels { outcome: outcome.to_owned() }).get()
+    }
+
+    pub fn transaction_resumes(&self) -> u64 {
+        self.transaction_resumes.get()
+    }
+
+    pub fn repair_gap_records(&self) -> u64 {
+        self.repair_gap_records.get()
+    }
+
+    pub fn stalled_partitions(&self) -> i64 {
+        self.stalled_partitions.get()
+    }
+
+    /// The lag gauge of `partition`, `None` while it has never been set.
+    pub fn consumer_lag(&self, partition: i32) -> Option<i64> {
+        self.consumer_lag.get(&PartitionLabels { partition }).map(|g| g.get())
     }
 
     fn tenant_label(&self, tenant: &str) -> String {
@@ -333,6 +432,96 @@ impl Metrics {
 /// Rewrites prometheus-client's OpenMetrics text into the 0.0.4 text format:
 /// counter families take their `_total` sample name in `# HELP`/`# TYPE`,
 /// `# UNIT` and `# EOF` lines go.
+/// The standard process metrics (the names every Prometheus client library
+/// exports, so dashboards can show memory against the pod's limit) and
+/// `dedupd_build_info`, read at scrape time from `/proc/self`. On a system
+/// without `/proc` only the build info is written.
+fn write_process_metrics(page: &mut String) {
+    use std::fmt::Write;
+    let mut metric = |name: &str, kind: &str, help: &str, value: Option<f64>| {
+        if let Some(v) = value {
+            let _ = write!(page, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n");
+        }
+    };
+    let stat = ProcessStat::read();
+    metric(
+        "process_cpu_seconds_total",
+        "counter",
+        "Total user and system CPU time spent in seconds.",
+        stat.as_ref().map(|s| s.cpu_seconds),
+    );
+    metric(
+        "process_resident_memory_bytes",
+        "gauge",
+        "Resident memory size in bytes.",
+        stat.as_ref().map(|s| s.resident_bytes),
+    );
+    metric(
+        "process_virtual_memory_bytes",
+        "gauge",
+        "Virtual memory size in bytes.",
+        stat.as_ref().map(|s| s.virtual_bytes),
+    );
+    metric(
+        "process_start_time_seconds",
+        "gauge",
+        "Start time of the process since unix epoch in seconds.",
+        stat.as_ref().and_then(|s| s.start_time_seconds),
+    );
+    let open_fds = std::fs::read_dir("/proc/self/fd").ok().map(|d| d.count() as f64);
+    metric("process_open_fds", "gauge", "Number of open file descriptors.", open_fds);
+    metric("process_max_fds", "gauge", "Maximum number of open file descriptors.", max_fds());
+    let _ = write!(
+        page,
+        "# HELP dedupd_build_info The running dedupd's version (value 1).\n# TYPE dedupd_build_info gauge\n\
+         dedupd_build_info{{version=\"{}\"}} 1\n",
+        env!("CARGO_PKG_VERSION")
+    );
+}
+
+/// What `/proc/self/stat` says about this process, in Prometheus units.
+struct ProcessStat {
+    cpu_seconds: f64,
+    resident_bytes: f64,
+    virtual_bytes: f64,
+    start_time_seconds: Option<f64>,
+}
+
+impl ProcessStat {
+    fn read() -> Option<ProcessStat> {
+        let text = std::fs::read_to_string("/proc/self/stat").ok()?;
+        // The command name (field 2) may hold spaces and parentheses: the
+        // fields we need come after its last `)`.
+        let rest = &text[text.rfind(')')? + 1..];
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        // `rest` starts at field 3 (state); field n is fields[n - 3].
+        let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<f64>().ok());
+        // SAFETY: sysconf only reads a system constant.
+        let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        // SAFETY: as above.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as f64;
+        if ticks <= 0.0 || page <= 0.0 {
+            return None;
+        }
+        let boot = std::fs::read_to_string("/proc/stat")
+            .ok()
+            .and_then(|s| s.lines().find_map(|l| l.strip_prefix("btime ").and_then(|v| v.trim().parse::<f64>().ok())));
+        Some(ProcessStat {
+            cpu_seconds: (field(14)? + field(15)?) / ticks,
+            virtual_bytes: field(23)?,
+            resident_bytes: field(24)? * page,
+            start_time_seconds: boot.zip(field(22)).map(|(b, start)| b + start / ticks),
+        })
+    }
+}
+
+fn max_fds() -> Option<f64> {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes into the struct we own.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
+    (ok && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur as f64)
+}
+
 fn to_prometheus_text(open_metrics: &str) -> String {
     let mut counters: HashSet<&str> = HashSet::new();
     for line in open_metrics.lines() {
@@ -483,6 +672,7 @@ impl AssignmentChanged {
         m.assigned_partitions.set(self.owned_now as i64);
         for p in &self.revoked {
             m.consumer_lag.remove(&PartitionLabels { partition: *p });
+            m.consumer_lag_seconds.remove(&PartitionLabels { partition: *p });
         }
         tracing::info!(assigned = ?self.assigned, revoked = ?self.revoked, owned = self.owned_now, "assignment changed");
     }
@@ -498,6 +688,123 @@ pub struct LagObserved {
 impl LagObserved {
     pub fn emit(&self, m: &Metrics) {
         m.consumer_lag.get_or_create(&PartitionLabels { partition: self.partition }).set(self.lag_records.max(0));
+    }
+}
+
+/// A batch failed to publish for a transient reason and will be retried.
+#[derive(Clone, Copy, Debug)]
+pub struct PublishRetried {
+    /// One of [`PUBLISH_RETRY_REASONS`].
+    pub reason: &'static str,
+}
+
+impl PublishRetried {
+    pub fn emit(&self, m: &Metrics) {
+        m.publish_retries.get_or_create(&ReasonLabels { reason: self.reason.to_owned() }).inc();
+    }
+}
+
+/// A Kafka transaction ended.
+#[derive(Clone, Copy, Debug)]
+pub struct TransactionEnded {
+    pub committed: bool,
+}
+
+impl TransactionEnded {
+    pub fn emit(&self, m: &Metrics) {
+        let outcome = if self.committed { "committed" } else { "aborted" };
+        m.transactions.get_or_create(&OutcomeLabels { outcome: outcome.to_owned() }).inc();
+    }
+}
+
+/// A transaction's commit or abort timed out and is being called again.
+#[derive(Clone, Copy, Debug)]
+pub struct TransactionResumed {
+    /// `commit` or `abort`.
+    pub operation: &'static str,
+    pub attempt: u32,
+}
+
+impl TransactionResumed {
+    pub fn emit(&self, m: &Metrics) {
+        m.transaction_resumes.inc();
+        tracing::warn!(
+            operation = self.operation,
+            attempt = self.attempt,
+            "transaction {} timed out with its outcome unknown; resuming the same call",
+            self.operation
+        );
+    }
+}
+
+/// Repair found output deleted by retention before local state applied it,
+/// and went on past it (`--on-output-gap continue`).
+#[derive(Clone, Copy, Debug)]
+pub struct RepairGapFound {
+    pub partition: i32,
+    pub records: u64,
+}
+
+impl RepairGapFound {
+    pub fn emit(&self, m: &Metrics) {
+        m.repair_gap_records.inc_by(self.records);
+        tracing::error!(
+            partition = self.partition,
+            records = self.records,
+            "output records were deleted by retention before local state applied them; retries of those events \
+             can no longer be recognised (continuing: --on-output-gap continue)"
+        );
+    }
+}
+
+/// How many owned partitions have input but made no progress for the
+/// stall timeout. Non-zero fails `/healthz`.
+#[derive(Clone, Copy, Debug)]
+pub struct PartitionsStalled {
+    pub count: usize,
+}
+
+impl PartitionsStalled {
+    pub fn emit(&self, m: &Metrics) {
+        let before = m.stalled_partitions.set(i64::try_from(self.count).unwrap_or(i64::MAX));
+        if self.count > 0 && before == 0 {
+            tracing::error!(
+                stalled = self.count,
+                "partitions with input made no progress for the stall timeout; /healthz now fails"
+            );
+        }
+    }
+}
+
+/// Age of the event time at the head of one partition's unprocessed input.
+#[derive(Clone, Copy, Debug)]
+pub struct HeadAgeObserved {
+    pub partition: i32,
+    pub seconds: f64,
+}
+
+impl HeadAgeObserved {
+    pub fn emit(&self, m: &Metrics) {
+        m.consumer_lag_seconds.get_or_create(&PartitionLabels { partition: self.partition }).set(self.seconds.max(0.0));
+    }
+}
+
+/// Input lag of the whole group while this instance owns no partition.
+#[derive(Clone, Copy, Debug)]
+pub struct UnownedLagObserved {
+    pub lag_records: i64,
+}
+
+impl UnownedLagObserved {
+    pub fn emit(&self, m: &Metrics) {
+        m.unowned_lag.set(self.lag_records.max(0));
+        if self.lag_records > 0 {
+            tracing::warn!(
+                lag_records = self.lag_records,
+                "this instance owns no input partition while the group's input has lag; \
+                 if no other instance is consuming, the group is stuck"
+            );
+        }
     }
 }
 
@@ -690,6 +997,24 @@ mod tests {
             assert!(page.contains(&format!("# TYPE {name} ")), "{name} missing from\n{page}");
         }
         assert!(!page.contains("# EOF"));
+    }
+
+    #[test]
+    fn page_carries_the_process_metrics_and_the_build_info() {
+        let page = Metrics::new().encode();
+        let value = |name: &str| -> f64 {
+            let line = page.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_else(|| panic!("{name}"));
+            line[name.len() + 1..].parse().expect("a number")
+        };
+        // This test process has memory, file descriptors and a start time.
+        assert!(value("process_resident_memory_bytes") > 1e5);
+        assert!(value("process_virtual_memory_bytes") >= value("process_resident_memory_bytes"));
+        assert!(value("process_open_fds") >= 3.0);
+        assert!(value("process_start_time_seconds") > 1.6e9);
+        assert!(value("process_cpu_seconds_total") >= 0.0);
+        assert!(page.contains("# TYPE process_cpu_seconds_total counter"));
+        let build = format!("dedupd_build_info{{version=\"{}\"}} 1", env!("CARGO_PKG_VERSION"));
+        assert!(page.contains(&build), "{page}");
     }
 
     #[test]

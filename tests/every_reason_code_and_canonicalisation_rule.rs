@@ -2,7 +2,8 @@
 //! DESIGN §3, through the public validator and hashes.
 
 use dedupd::event::{
-    id_hash, payload_hash, to_canonical_json, ClosedPeriod, EventKind, Limits, RejectReason, UsageEvent, Validator,
+    id_hash, payload_hash, to_canonical_json, ClosedPeriod, EventKind, Limits, RejectReason, UnknownFields, UsageEvent,
+    Validator,
 };
 
 /// 2026-11-21T12:00:00Z
@@ -89,6 +90,40 @@ fn unknown_field_at_top_level_or_in_correction_ref() {
     );
     // Server-side stamps are not accepted from producers.
     assert_eq!(reason(&with(r#""event_id_derived":true"#)), RejectReason::UnknownField);
+}
+
+#[test]
+fn unknown_fields_ignored_leave_identity_payload_hash_and_output_unchanged() {
+    // A producer upgrade adds fields; with `--unknown-fields ignore` the
+    // event is accepted and its retries still match the events sent before
+    // the upgrade: same identity, same payload hash, same canonical output.
+    let ignoring = validator().with_unknown_fields(UnknownFields::Ignore);
+    let id = r#""event_id":"evt-1""#;
+    let before = accept(&with(id));
+    for extra in [
+        r#""price":"1""#,
+        r#""trace":{"span":[1,2,{"deep":null}]}"#,
+        r#""kind":"retraction","correction_ref":{"original_event_id":"e","note":"x"}"#,
+    ] {
+        let after = ignoring
+            .validate(with(&format!("{id},{extra}")).as_bytes(), NOW_MS)
+            .unwrap_or_else(|r| panic!("{extra} rejected under ignore: {r}"));
+        if after.kind == EventKind::Usage {
+            assert_eq!(
+                id_hash(&after.tenant_id, &after.event_id),
+                id_hash(&before.tenant_id, &before.event_id),
+                "{extra}"
+            );
+            assert_eq!(payload_hash(&after), payload_hash(&before), "{extra}");
+            assert_eq!(to_canonical_json(&after), to_canonical_json(&before), "{extra}");
+        }
+    }
+    // The default still rejects, and ignoring never relaxes another rule.
+    assert_eq!(UnknownFields::default(), UnknownFields::Reject);
+    let missing = ignoring.validate(br#"{"tenant_id":"acme","price":"1"}"#, NOW_MS).expect_err("incomplete");
+    assert_eq!(missing.reason, RejectReason::MissingField);
+    assert_eq!(UnknownFields::parse("ignore"), Ok(UnknownFields::Ignore));
+    assert!(UnknownFields::parse("drop").expect_err("unknown policy").contains("reject nor ignore"));
 }
 
 #[test]

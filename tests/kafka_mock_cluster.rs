@@ -109,10 +109,9 @@ async fn exactly_once_survives_produce_errors_and_aborted_transactions() {
         RDKafkaApiKey::Produce,
         &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS, RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS],
     );
-    mock.request_errors(
-        RDKafkaApiKey::AddPartitionsToTxn,
-        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED],
-    );
+    // (An abortable error that is not permanent: TOPIC_AUTHORIZATION_FAILED
+    // would now stop the worker, as an ACL problem should.)
+    mock.request_errors(RDKafkaApiKey::AddPartitionsToTxn, &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_PRODUCER_ID]);
     produce_traffic(&producer, &topics.input, PARTITIONS, half2).await.expect("produce");
     // Move the transaction and group coordinators mid-stream.
     mock.coordinator(MockCoordinator::Transaction("dedupd-eos-faults-w1".into()), 2).expect("coordinator");
@@ -314,4 +313,234 @@ async fn state_ahead_of_a_recreated_output_topic_stops_the_worker_before_it_publ
     .expect_err("state ahead of the output must stop the worker");
     assert!(matches!(err, KafkaError::StateAheadOfOutput { .. }), "{err}");
     assert_eq!(high_watermarks(&brokers, &recreated.output, PARTITIONS), vec![0; PARTITIONS as usize], "published");
+}
+
+/// A worker over in-memory state whose engine limits are `limits`.
+fn parts_with_limits(
+    limits: dedupd::event::Limits,
+) -> (dedupd::kafka::WorkerParts, std::sync::Arc<dedupd::metrics::Metrics>) {
+    use dedupd::config::EngineSettings;
+    use dedupd::kafka::StateEngine;
+    use dedupd::state::LocalState;
+    let metrics = std::sync::Arc::new(dedupd::metrics::Metrics::new());
+    let engine = EngineSettings { limits, ..EngineSettings::default() };
+    let parts = dedupd::kafka::WorkerParts {
+        validator: engine.validator(),
+        engine: Box::new(StateEngine::new(LocalState::in_memory(engine.clone(), true), engine.validator())),
+        clock: std::sync::Arc::new(dedupd::classify::SystemClock),
+        metrics: metrics.clone(),
+    };
+    (parts, metrics)
+}
+
+/// The record of the report: ~33 KB of input whose canonical form is ~98 KB
+/// (sixteen dimensions of 1 KiB of `\b`, each 6 bytes once escaped).
+fn escape_heavy(id: &str) -> dedupd::kafka::demo::TrafficRecord {
+    let now = dedupd::classify::Clock::now_ms(&dedupd::classify::SystemClock);
+    let mut v = format!(
+        r#"{{"event_id":"{id}","tenant_id":"acme","customer_id":"c","meter":"m","quantity":1,"timestamp":{now},"dimensions":{{"#
+    );
+    for d in 0..16 {
+        if d > 0 {
+            v.push(',');
+        }
+        v.push_str(&format!("\"d{d:02}\":\"{}\"", "\\b".repeat(1024)));
+    }
+    v.push_str("}}");
+    dedupd::kafka::demo::TrafficRecord { key: Some(format!("acme\0{id}").into_bytes()), value: Some(v.into_bytes()) }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_record_too_large_to_publish_is_rejected_and_the_committed_offset_passes_it() {
+    let topics = topics("poison");
+    let mock = cluster(&topics, PARTITIONS);
+    let brokers = mock.bootstrap_servers();
+    let s = scenario(600, 0, 0, 0);
+    let producer = traffic_producer(&brokers);
+    // The poison record sits in the middle of partition 0's input.
+    let (head, tail) = s.records.split_at(300);
+    produce_traffic(&producer, &topics.input, PARTITIONS, head).await.expect("produce");
+    let poison = escape_heavy("poison");
+    produce_traffic(&producer, &topics.input, PARTITIONS, std::slice::from_ref(&poison)).await.expect("produce");
+    produce_traffic(&producer, &topics.input, PARTITIONS, tail).await.expect("produce");
+
+    // The producer sends at most 50 kB: the poison's canonical form (~98 KB)
+    // could never be published, so acceptance must turn it away.
+    let mut settings = settings(&brokers, "poison", &topics, DeliveryMode::AtLeastOnce);
+    settings.kafka_properties.push(("producer.message.max.bytes".into(), "50000".into()));
+    settings.max_rejected_raw_bytes = 8 << 10;
+    let limits = dedupd::event::Limits { max_output_bytes: 32 << 10, ..Default::default() };
+    let (stop, worker, metrics) = spawn_worker_with(settings, parts_with_limits(limits));
+    let total = s.records.len() as u64 + 1;
+    let done = wait_until(Duration::from_secs(60), || {
+        buckets_total(&metrics) >= total
+            && committed(&brokers, "poison", &topics.input, PARTITIONS)
+                == high_watermarks(&brokers, &topics.input, PARTITIONS)
+    })
+    .await;
+    assert!(done, "the committed offsets never passed the poison record");
+    let _ = stop.send(());
+    let report = worker.await.expect("join").expect("run");
+    assert_eq!(report.rejected, 1);
+    assert_exactly_once(&read_topic(&brokers, &topics.output), &s);
+    let rejected = read_topic(&brokers, &topics.rejected);
+    assert_eq!(rejected.len(), 1, "exactly the poison on the rejected topic");
+    assert_eq!(rejected[0].header(dedupd::kafka::records::H_REASON), Some(&b"record_too_large"[..]));
+    assert_eq!(rejected[0].value.as_ref().map(Vec::len), Some(8 << 10), "raw bytes truncated to the bound");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transaction_commit_delayed_past_its_timeout_is_resumed_and_the_worker_catches_up() {
+    let topics = topics("slow-commit");
+    let mock = cluster(&topics, PARTITIONS);
+    let brokers = mock.bootstrap_servers();
+    let s = scenario(3000, 20, 5, 5);
+    let producer = traffic_producer(&brokers);
+    let (half1, half2) = s.records.split_at(s.records.len() / 2);
+    produce_traffic(&producer, &topics.input, PARTITIONS, half1).await.expect("produce");
+
+    let mut settings = settings(&brokers, "slow-commit", &topics, DeliveryMode::ExactlyOnce);
+    settings.instance_id = Some("w1".into());
+    // Short timeouts, so the injected delay outlasts several calls.
+    settings.operation_timeout = Duration::from_secs(2);
+    settings.revoke_timeout = Duration::from_secs(60);
+    settings.kafka_properties.push(("producer.transaction.timeout.ms".into(), "60000".into()));
+    let (stop, worker, metrics) = spawn_worker(settings);
+    assert!(wait_until(Duration::from_secs(60), || metrics.transactions(true) > 0).await, "no first commit");
+
+    // Every broker answers 3 s late for a while: commits (and anything else
+    // mid-transaction) time out on the client, whose outcome is unknown.
+    for b in 1..=3 {
+        mock.broker_round_trip_time(b, Duration::from_secs(3)).expect("rtt");
+    }
+    produce_traffic(&producer, &topics.input, PARTITIONS, half2).await.expect("produce");
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    for b in 1..=3 {
+        mock.broker_round_trip_time(b, Duration::ZERO).expect("rtt");
+    }
+    let total = s.records.len() as u64;
+    assert!(
+        wait_until(Duration::from_secs(120), || buckets_total(&metrics) >= total).await,
+        "the worker did not catch up once the delay was removed"
+    );
+    // The fault happened: calls timed out and were resumed or aborted.
+    let faults = metrics.transaction_resumes() + metrics.transactions(false) + metrics.publish_retries("timeout");
+    assert!(faults > 0, "the injected delay caused no resumed or aborted transaction");
+    assert!(metrics.is_healthy(), "the worker recovered");
+    let _ = stop.send(());
+    let report = worker.await.expect("join").expect("run");
+    assert_eq!(report.conflict, s.conflicts);
+    assert_eq!(report.rejected, s.invalid);
+    check_outcome(&brokers, &topics, "slow-commit", &s, DeliveryMode::ExactlyOnce);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_fenced_by_another_process_with_its_instance_id_stops_and_says_so() {
+    let topics = topics("fenced");
+    let mock = cluster(&topics, PARTITIONS);
+    let brokers = mock.bootstrap_servers();
+    let s = scenario(300, 0, 0, 0);
+    produce_traffic(&traffic_producer(&brokers), &topics.input, PARTITIONS, &s.records).await.expect("produce");
+    let mut settings = settings(&brokers, "fenced", &topics, DeliveryMode::AtLeastOnce);
+    settings.instance_id = Some("pod-0".into());
+    let (_stop, worker, metrics) = spawn_worker(settings);
+    assert!(wait_until(Duration::from_secs(60), || metrics.is_ready()).await, "never ready");
+    // What the coordinator answers a static member whose instance id another
+    // process has taken over (KIP-345). The mock cluster does not fence on
+    // its own, so the answer is injected.
+    mock.request_errors(RDKafkaApiKey::Heartbeat, &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_FENCED_INSTANCE_ID; 20]);
+    let err = tokio::time::timeout(Duration::from_secs(60), worker)
+        .await
+        .expect("a fenced worker must stop on its own")
+        .expect("join")
+        .expect_err("and fail");
+    let text = err.to_string();
+    assert!(matches!(err, KafkaError::ConsumerFatal { .. }), "{text}");
+    assert!(text.contains("FencedInstanceId") && text.contains("--instance-id") && text.contains("pod-0"), "{text}");
+    assert!(!metrics.is_healthy(), "/healthz fails while it stops");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lost_assignment_abandons_its_batches_and_output_stays_exactly_once() {
+    let topics = topics("lost");
+    let mock = cluster(&topics, PARTITIONS);
+    let brokers = mock.bootstrap_servers();
+    let s = scenario(4000, 20, 5, 5);
+    let producer = traffic_producer(&brokers);
+    let (half1, half2) = s.records.split_at(s.records.len() / 2);
+    produce_traffic(&producer, &topics.input, PARTITIONS, half1).await.expect("produce");
+    let (stop, worker, metrics) = spawn_worker(settings(&brokers, "lost", &topics, DeliveryMode::AtLeastOnce));
+    assert!(wait_until(Duration::from_secs(60), || buckets_total(&metrics) > 0).await);
+    // The coordinator no longer knows this generation: librdkafka revokes
+    // everything as lost, then rejoins.
+    let (p2, input, rest) = (producer.clone(), topics.input.clone(), half2.to_vec());
+    let late = tokio::spawn(async move { produce_traffic(&p2, &input, PARTITIONS, &rest).await });
+    mock.request_errors(RDKafkaApiKey::Heartbeat, &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_ILLEGAL_GENERATION; 3]);
+    late.await.expect("join").expect("produce");
+    let total = s.records.len() as u64;
+    let caught_up = wait_until(Duration::from_secs(90), || {
+        buckets_total(&metrics) >= total
+            && committed(&brokers, "lost", &topics.input, PARTITIONS)
+                == high_watermarks(&brokers, &topics.input, PARTITIONS)
+    })
+    .await;
+    assert!(caught_up, "worker did not catch up after losing its assignment");
+    let _ = stop.send(());
+    let report = worker.await.expect("join").expect("run");
+    assert!(report.assignments_lost >= 1, "the fault did not happen: no lost assignment");
+    check_outcome(&brokers, &topics, "lost", &s, DeliveryMode::AtLeastOnce);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_least_once_publish_waits_for_every_record_handed_over_before_it_reports_a_failure() {
+    use dedupd::kafka::publisher::{PublishError, Publisher};
+    use dedupd::kafka::records::{Destination, OutRecord};
+    use rdkafka::producer::Producer;
+    let topics = topics("handed-over");
+    let mock = cluster(&topics, PARTITIONS);
+    let brokers = mock.bootstrap_servers();
+    let producer: rdkafka::producer::FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "200")
+        .set("message.max.bytes", "10000")
+        .create()
+        .expect("producer");
+    let record = |len: usize| OutRecord {
+        destination: Destination::Output,
+        partition: 0,
+        key: Some(b"k".to_vec()),
+        value: Some(vec![b'x'; len]),
+        headers: vec![],
+        timestamp_ms: 1,
+    };
+    let publisher = Publisher::Idempotent { producer: producer.clone(), topics: std::sync::Arc::new(topics.clone()) };
+    // The first record is handed to the producer (and lingers); the second
+    // is refused at once. The failure must come back only once the first
+    // is acknowledged or failed, never while it may still land.
+    let err = publisher.publish(0, vec![record(10), record(50_000)], 1).await.expect_err("too large");
+    assert!(matches!(err, PublishError::Permanent { .. }), "{err}");
+    assert_eq!(producer.in_flight_count(), 0, "a record was still in flight when the failure was reported");
+    assert_eq!(high_watermarks(&brokers, &topics.output, PARTITIONS)[0], 1, "the first record landed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_lag_gauge_reaches_zero_once_the_input_is_consumed_in_exactly_once_mode() {
+    let topics = topics("eos-lag");
+    let mock = cluster(&topics, PARTITIONS);
+    let brokers = mock.bootstrap_servers();
+    let s = scenario(1500, 0, 0, 0);
+    produce_traffic(&traffic_producer(&brokers), &topics.input, PARTITIONS, &s.records).await.expect("produce");
+    let mut settings = settings(&brokers, "eos-lag", &topics, DeliveryMode::ExactlyOnce);
+    settings.instance_id = Some("w1".into());
+    let (stop, worker, metrics) = spawn_worker(settings);
+    let total = s.records.len() as u64;
+    assert!(wait_until(Duration::from_secs(60), || buckets_total(&metrics) >= total).await, "not consumed");
+    // Offsets commit through the transaction, out of the consumer's sight:
+    // the gauge must follow what was processed, not the consumer's commits.
+    let lags = || (0..PARTITIONS).map(|p| metrics.consumer_lag(p)).collect::<Vec<_>>();
+    let zero = wait_until(Duration::from_secs(20), || lags().iter().all(|l| *l == Some(0))).await;
+    assert!(zero, "lag gauge still {:?} after all input was processed", lags());
+    let _ = stop.send(());
+    worker.await.expect("join").expect("run");
 }

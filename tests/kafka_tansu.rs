@@ -10,9 +10,8 @@
 //! survives its deaths as a pod's volume does.
 //!
 //! Needs the `tansu` binary (`DEDUPD_E2E=1 scripts/setup`, or `cargo install
-//! tansu --locked --features dynostore,libsql`, or `TANSU_BIN`). Without it
-//! the tests say so loudly and check nothing, unless `DEDUPD_REQUIRE_TANSU=1`
-//! (set by `scripts/test`), which makes a missing broker a failure.
+//! tansu --version 0.6.0 --locked --features dynostore,libsql`, or
+//! `TANSU_BIN`). Without it every test here fails, however the suite is run.
 //!
 //! The tests run one at a time (each starts its own broker and workers; two
 //! at once on two cores would measure the machine, not dedupd).
@@ -29,6 +28,7 @@ use kafka_common::tansu::Tansu;
 use kafka_common::*;
 
 const PARTITIONS: i32 = 4;
+const BATCH_MAX_RECORDS: usize = 2000;
 
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
@@ -98,6 +98,40 @@ fn metric(addr: std::net::SocketAddr, series: &str) -> Option<f64> {
     page.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
+/// Waits until the worker owns `partitions` input partitions and has
+/// repaired them (`/readyz`).
+async fn wait_owning(w: &mut Worker, partitions: i32, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        wait_ready(w, deadline.saturating_duration_since(Instant::now())).await;
+        let owned = metric(w.metrics, "dedupd_assigned_partitions").unwrap_or(0.0);
+        if owned >= f64::from(partitions) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the worker owns {owned} of {partitions} partitions after {timeout:?}: the group did not give them back"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// `dedupd verify` on a state directory no process holds: exit 0.
+fn assert_state_dir_verifies(state_dir: &std::path::Path) {
+    let out = Command::new(env!("CARGO_BIN_EXE_dedupd"))
+        .arg("verify")
+        .arg("--state-dir")
+        .arg(state_dir)
+        .output()
+        .expect("run dedupd verify");
+    assert!(
+        out.status.success(),
+        "dedupd verify failed on the state directory: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// Waits until the worker answers 200 on `/readyz` (assigned and repaired).
 async fn wait_ready(w: &mut Worker, timeout: Duration) {
     let deadline = Instant::now() + timeout;
@@ -113,16 +147,37 @@ async fn wait_ready(w: &mut Worker, timeout: Duration) {
     }
 }
 
+/// How a worker joins its group.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Membership {
+    /// A new member id every life; a dead life is evicted after its session.
+    Dynamic,
+    /// `--instance-id` = the instance name, as the StatefulSet runs it (the
+    /// pod name): a restarted life takes its predecessor's place at once.
+    Static,
+}
+
 /// Starts the real `dedupd run` binary on `brokers` in at-least-once mode
 /// (Tansu has no transactions), with its state in `state_dir`; its output
 /// goes to a log file (a pipe nobody drains could block it).
-fn spawn_worker(brokers: &str, group: &str, topics: &Topics, instance: &str, state_dir: &std::path::Path) -> Worker {
+fn spawn_worker(
+    brokers: &str,
+    group: &str,
+    topics: &Topics,
+    instance: &str,
+    membership: Membership,
+    state_dir: &std::path::Path,
+) -> Worker {
     let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
     let metrics = std::net::SocketAddr::from(([127, 0, 0, 1], port));
     let log = std::env::temp_dir().join(format!("dedupd-child-{}-{group}-{instance}.log", std::process::id()));
     let log = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("child log");
-    let child = Command::new(env!("CARGO_BIN_EXE_dedupd"))
-        .arg("run")
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_dedupd"));
+    cmd.arg("run");
+    if membership == Membership::Static {
+        cmd.args(["--instance-id", instance]);
+    }
+    let child = cmd
         .args(["--brokers", brokers, "--group", group])
         .args(["--input-topic", &topics.input, "--output-topic", &topics.output])
         .args(["--conflicts-topic", &topics.conflicts, "--rejected-topic", &topics.rejected])
@@ -130,10 +185,9 @@ fn spawn_worker(brokers: &str, group: &str, topics: &Topics, instance: &str, sta
         .arg("--state-dir")
         .arg(state_dir)
         .args(["--metrics-addr", &metrics.to_string()])
-        .args(["--batch-max-records", "2000", "--batch-max-wait", "20ms"])
-        // Dynamic membership: every life joins as a new member, and a dead
-        // one is evicted after the session timeout; the short timeout keeps
-        // each restart's rebalance to a few seconds.
+        .args(["--batch-max-records", &BATCH_MAX_RECORDS.to_string(), "--batch-max-wait", "20ms"])
+        // A dead dynamic member is evicted after the session timeout; the
+        // short timeout keeps each such rebalance to a few seconds.
         .args(["--kafka-property", "consumer.session.timeout.ms=6000"])
         .args(["--kafka-property", "consumer.max.poll.interval.ms=20000"])
         .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "dedupd=info".into()))
@@ -200,7 +254,7 @@ fn assert_every_report_once_per_position(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_once() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
-    let Some(tansu) = Tansu::start() else { return };
+    let tansu = Tansu::start();
     let topics = topics("crashloop");
     tansu.create_topics(&topics, PARTITIONS);
     let brokers = tansu.brokers.clone();
@@ -234,10 +288,11 @@ async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_
     let state = tempfile::tempdir().expect("state dir");
     let mut kills = 0;
     while kills < want_kills {
-        let mut w = spawn_worker(&brokers, "crashloop", &topics, "w1", state.path());
-        // Kill only once it is consuming (assigned and repaired), at a random
-        // point of its processing.
-        wait_ready(&mut w, Duration::from_secs(90)).await;
+        let mut w = spawn_worker(&brokers, "crashloop", &topics, "w1", Membership::Static, state.path());
+        // Kill only once it is consuming (owns every partition, repaired), at
+        // a random point of its processing. A life that gets no partitions
+        // fails here, in two minutes, not at the end of the run.
+        wait_owning(&mut w, PARTITIONS, Duration::from_secs(120)).await;
         let wait_ms = 200 + next() % 2500;
         tokio::time::sleep(Duration::from_millis(wait_ms)).await;
         if let Some(status) = w.child.try_wait().expect("try_wait") {
@@ -247,10 +302,24 @@ async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_
         let _ = w.child.wait();
         kills += 1;
         eprintln!("SIGKILL #{kills} {wait_ms} ms after ready");
+        // Every checksum of the state directory a SIGKILL left behind holds.
+        assert_state_dir_verifies(state.path());
     }
-    let mut w = spawn_worker(&brokers, "crashloop", &topics, "w1", state.path());
-    w.wait_input_done(&brokers, "crashloop", &topics.input, Duration::from_secs(900)).await;
+    let mut w = spawn_worker(&brokers, "crashloop", &topics, "w1", Membership::Static, state.path());
+    wait_owning(&mut w, PARTITIONS, Duration::from_secs(120)).await;
+    // The life after the last kill started from the state directory: repair
+    // re-applied at most the batches in flight at the kill (one per
+    // partition, published but not yet applied), not the whole output.
+    let repaired = metric(w.metrics, "dedupd_repair_records_total").expect("metrics answer");
+    let in_flight_bound = f64::from(PARTITIONS) * BATCH_MAX_RECORDS as f64;
+    assert!(
+        repaired <= in_flight_bound,
+        "the restart re-applied {repaired} output records, more than the {in_flight_bound} of the batches in flight: \
+         the state directory was not used"
+    );
+    w.wait_input_done(&brokers, "crashloop", &topics.input, Duration::from_secs(600)).await;
     w.stop().await;
+    assert_state_dir_verifies(state.path());
 
     let output = read_topic(&brokers, &topics.output);
     assert_exactly_once(&output, &s);
@@ -269,7 +338,7 @@ async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn survivor_takes_over_a_sigkilled_peers_partitions_and_output_stays_exactly_once() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
-    let Some(tansu) = Tansu::start() else { return };
+    let tansu = Tansu::start();
     let topics = topics("pair");
     tansu.create_topics(&topics, PARTITIONS);
     let brokers = tansu.brokers.clone();
@@ -283,9 +352,9 @@ async fn survivor_takes_over_a_sigkilled_peers_partitions_and_output_stays_exact
     // partitions move back to the survivor after its session times out, and
     // the survivor must repair them from the output topic before consuming.
     let (state_a, state_b) = (tempfile::tempdir().expect("state dir"), tempfile::tempdir().expect("state dir"));
-    let mut b = spawn_worker(&brokers, "pair", &topics, "b", state_b.path());
+    let mut b = spawn_worker(&brokers, "pair", &topics, "b", Membership::Dynamic, state_b.path());
     wait_ready(&mut b, Duration::from_secs(90)).await;
-    let mut a = spawn_worker(&brokers, "pair", &topics, "a", state_a.path());
+    let mut a = spawn_worker(&brokers, "pair", &topics, "a", Membership::Dynamic, state_a.path());
     let deadline = Instant::now() + Duration::from_secs(180);
     while metric(a.metrics, "dedupd_assigned_partitions").unwrap_or(0.0) < 1.0 {
         assert!(Instant::now() < deadline, "the peer never got a partition");
@@ -335,7 +404,7 @@ async fn survivor_takes_over_a_sigkilled_peers_partitions_and_output_stays_exact
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exactly_once_refuses_to_start_on_a_broker_without_transactions_and_names_the_way_out() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
-    let Some(tansu) = Tansu::start() else { return };
+    let tansu = Tansu::start();
     let topics = topics("eos-refused");
     tansu.create_topics(&topics, PARTITIONS);
     let state = tempfile::tempdir().expect("state dir");
@@ -367,7 +436,7 @@ async fn exactly_once_refuses_to_start_on_a_broker_without_transactions_and_name
 /// Runs one worker life until the group has committed all input, then
 /// stops it with SIGTERM (exit 0).
 async fn run_until_input_done(brokers: &str, group: &str, topics: &Topics, state: &std::path::Path) {
-    let mut w = spawn_worker(brokers, group, topics, "w1", state);
+    let mut w = spawn_worker(brokers, group, topics, "w1", Membership::Dynamic, state);
     w.wait_input_done(brokers, group, &topics.input, Duration::from_secs(180)).await;
     w.stop().await;
 }
@@ -381,7 +450,7 @@ async fn state_for_a_never_owned_partition_is_rebuilt_from_the_output_within_the
     use dedupd::state::LocalState;
 
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
-    let Some(tansu) = Tansu::start() else { return };
+    let tansu = Tansu::start();
     let topics = topics("horizon");
     tansu.create_topics(&topics, PARTITIONS);
     let brokers = tansu.brokers.clone();
@@ -424,6 +493,8 @@ async fn state_for_a_never_owned_partition_is_rebuilt_from_the_output_within_the
         stall_timeout: Duration::from_secs(30),
         settle_timeout: Duration::from_secs(30),
         uncommitted_config: clients::watermark_probe_config(&run_settings),
+        on_output_gap: dedupd::kafka::OnOutputGap::Stop,
+        metrics: std::sync::Arc::new(dedupd::metrics::Metrics::new()),
     };
     for p in 0..PARTITIONS {
         repairer.engine.lock().expect("engine").assign(p, now).expect("assign");

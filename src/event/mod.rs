@@ -25,4 +25,6 @@ pub use model::{CorrectionRef, EventKind, UsageEvent};
 pub use position::Position;
 pub use quantity::{parse_decimal, QuantityError};
 pub use reason::{RejectReason, Rejection};
-pub use validate::{parse_timestamp, ClosedPeriod, Limits, Validator, DAY_MS};
+pub use validate::{
+    parse_timestamp, ClosedPeriod, Limits, UnknownFields, Validator, DAY_MS, OUTPUT_READ_CEILING_BYTES,
+};

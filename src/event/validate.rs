@@ -32,6 +32,35 @@ pub struct Limits {
     pub max_future_skew_ms: i64,
     /// How far in the past an event time may be.
     pub max_event_age_ms: i64,
+    /// Largest canonical output record (the published JSON) an accepted
+    /// event may have, in bytes. Escaping can make the canonical form longer
+    /// than the input (a `\b` in a string is 2 bytes in, `\u0008` 6 bytes
+    /// out), so acceptance checks it: an event whose output could not be
+    /// published, or read back by repair, is rejected instead of wedging the
+    /// partition. At most [`OUTPUT_READ_CEILING_BYTES`].
+    pub max_output_bytes: usize,
+}
+
+/// The most bytes one output record may have when dedupd reads its own
+/// output back (repair, the offline output file). Fixed, not configured: the
+/// output was written under whatever limits were in force then, and lowering
+/// a limit must never make existing output unreadable. It only bounds memory
+/// against a foreign or corrupt line.
+pub const OUTPUT_READ_CEILING_BYTES: usize = 16 << 20;
+
+/// Bytes the canonical form can add to an event beyond 3× its input size:
+/// the default `kind`, a derived `event_id` and its flag, a quantity written
+/// out in full (`1e27` becomes 28 digits) and an RFC 3339 timestamp.
+const CANONICAL_GROWTH_BYTES: usize = 512;
+
+/// Which records a validation is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reading {
+    /// A producer's input record: every limit and time window applies.
+    Input,
+    /// One of dedupd's own output records: it passed validation when it was
+    /// accepted, so only its shape is checked, never a configurable limit.
+    Output,
 }
 
 pub const DAY_MS: i64 = 24 * 60 * 60 * 1000;
@@ -45,6 +74,7 @@ impl Default for Limits {
             max_dimensions: 16,
             max_future_skew_ms: 60 * 60 * 1000,
             max_event_age_ms: 35 * DAY_MS,
+            max_output_bytes: 512 << 10,
         }
     }
 }
@@ -72,6 +102,32 @@ impl ClosedPeriod {
     }
 }
 
+/// What acceptance does with a field schema v1 does not define.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UnknownFields {
+    /// Reject the event as `unknown_field` (the default): a field dedupd does
+    /// not know may carry billing meaning (a discount, a unit change) that
+    /// the output would silently drop. The record is kept whole on the
+    /// rejected topic and can be replayed once the schema or this setting
+    /// changes.
+    #[default]
+    Reject,
+    /// Accept the event without the field. The field is not part of the
+    /// canonical form, so it never enters the payload hash: a producer that
+    /// starts sending it does not turn its retries into conflicts.
+    Ignore,
+}
+
+impl UnknownFields {
+    pub fn parse(s: &str) -> Result<UnknownFields, String> {
+        match s.trim() {
+            "reject" => Ok(UnknownFields::Reject),
+            "ignore" => Ok(UnknownFields::Ignore),
+            other => Err(format!("{other:?} is neither reject nor ignore")),
+        }
+    }
+}
+
 /// Turns record bytes into validated events. Holds everything validation
 /// needs besides the current time, which each call passes in (the clock seam).
 #[derive(Clone, Debug)]
@@ -79,11 +135,18 @@ pub struct Validator {
     limits: Limits,
     closed: Vec<ClosedPeriod>,
     deriver: IdDeriver,
+    unknown_fields: UnknownFields,
 }
 
 impl Validator {
     pub fn new(limits: Limits, closed: Vec<ClosedPeriod>, derive_salt: &str) -> Validator {
-        Validator { limits, closed, deriver: IdDeriver::new(derive_salt) }
+        Validator { limits, closed, deriver: IdDeriver::new(derive_salt), unknown_fields: UnknownFields::Reject }
+    }
+
+    /// The same validator with `policy` for fields schema v1 does not define.
+    pub fn with_unknown_fields(mut self, policy: UnknownFields) -> Validator {
+        self.unknown_fields = policy;
+        self
     }
 
     pub fn limits(&self) -> &Limits {
@@ -92,37 +155,36 @@ impl Validator {
 
     /// Validates one input record at time `now_ms`.
     pub fn validate(&self, bytes: &[u8], now_ms: i64) -> Result<UsageEvent, Rejection> {
-        self.validate_with(bytes, now_ms, false, true)
+        self.validate_with(bytes, now_ms, Reading::Input)
     }
 
-    /// Reads back one of dedupd's own output records (canonical JSON). Time
-    /// windows are not applied: the event was valid when it was accepted.
+    /// Reads back one of dedupd's own output records (canonical JSON). No
+    /// limit, time window or closed period applies: the event was valid when
+    /// it was accepted, and repair must be able to read it whatever the
+    /// configuration is now.
     pub fn read_output(&self, bytes: &[u8]) -> Result<UsageEvent, Rejection> {
-        self.validate_with(bytes, 0, true, false)
+        self.validate_with(bytes, 0, Reading::Output)
     }
 
-    fn validate_with(
-        &self,
-        bytes: &[u8],
-        now_ms: i64,
-        server_stamps: bool,
-        time_windows: bool,
-    ) -> Result<UsageEvent, Rejection> {
+    fn validate_with(&self, bytes: &[u8], now_ms: i64, reading: Reading) -> Result<UsageEvent, Rejection> {
         use RejectReason::*;
-        if bytes.len() > self.limits.max_record_bytes {
+        let input = reading == Reading::Input;
+        if input && bytes.len() > self.limits.max_record_bytes {
             return Err(Rejection::new(
                 RecordTooLarge,
                 format!("{} bytes, limit {}", bytes.len(), self.limits.max_record_bytes),
             ));
         }
-        let w = wire::decode(bytes, server_stamps).map_err(|e| Rejection::new(MalformedJson, e.0))?;
-        if let Some(f) = &w.unknown_field {
+        let w = wire::decode(bytes, !input).map_err(|e| Rejection::new(MalformedJson, e.0))?;
+        // Output records are dedupd's canonical form, which has no unknown
+        // fields: one there means a foreign line, never to be trusted.
+        let reject_unknown = !input || self.unknown_fields == UnknownFields::Reject;
+        let unknown = w.unknown_field.as_ref().or(match &w.correction_ref {
+            WireField::Value(c) => c.unknown_field.as_ref(),
+            _ => None,
+        });
+        if let (true, Some(f)) = (reject_unknown, unknown) {
             return Err(Rejection::new(UnknownField, format!("`{f}` is not a field of schema v1")));
-        }
-        if let WireField::Value(c) = &w.correction_ref {
-            if let Some(f) = &c.unknown_field {
-                return Err(Rejection::new(UnknownField, format!("`{f}` is not a field of schema v1")));
-            }
         }
         check_types(&w)?;
 
@@ -180,19 +242,10 @@ impl Validator {
             }
         }
 
-        for (name, v) in ids {
-            check_len(name, v, self.limits.max_id_bytes)?;
+        if input {
+            self.check_sizes(&ids, &texts, dims)?;
         }
-        for (name, v) in texts {
-            check_len(name, v, self.limits.max_field_bytes)?;
-        }
-        for (k, v) in dims {
-            check_len("dimension key", Some(k), self.limits.max_id_bytes)?;
-            if let WireField::Value(v) = v {
-                check_len(&format!("dimensions.{k}"), Some(v), self.limits.max_field_bytes)?;
-            }
-        }
-        if dims.len() > self.limits.max_dimensions {
+        if input && dims.len() > self.limits.max_dimensions {
             return Err(Rejection::new(
                 TooManyDimensions,
                 format!("{} dimensions, limit {}", dims.len(), self.limits.max_dimensions),
@@ -212,7 +265,7 @@ impl Validator {
         }
 
         let timestamp_ms = parse_timestamp(timestamp)?;
-        if time_windows {
+        if input {
             if timestamp_ms > now_ms.saturating_add(self.limits.max_future_skew_ms) {
                 return Err(Rejection::new(
                     TimestampInFuture,
@@ -241,7 +294,7 @@ impl Validator {
                 format!("a {} needs `correction_ref.original_event_id`", kind.as_str()),
             ));
         }
-        if kind == EventKind::Usage && time_windows {
+        if kind == EventKind::Usage && input {
             if let Some(p) = self.closed_period_of(tenant_id, timestamp_ms) {
                 return Err(Rejection::new(
                     ClosedPeriod,
@@ -271,7 +324,7 @@ impl Validator {
             Some(id) => (id.to_owned(), derived_flag),
             None => (self.deriver.derive(tenant_id, customer_id, meter, resource_id, timestamp_ms), true),
         };
-        Ok(UsageEvent {
+        let event = UsageEvent {
             event_id,
             event_id_derived,
             tenant_id: tenant_id.to_owned(),
@@ -288,7 +341,54 @@ impl Validator {
             unit: unit.map(str::to_owned),
             source: source.map(str::to_owned),
             dimensions,
-        })
+        };
+        if input {
+            self.check_output_size(&event, bytes.len())?;
+        }
+        Ok(event)
+    }
+
+    fn check_sizes(
+        &self,
+        ids: &[(&str, Option<&str>)],
+        texts: &[(&str, Option<&str>)],
+        dims: &[(String, WireField<String>)],
+    ) -> Result<(), Rejection> {
+        for (name, v) in ids {
+            check_len(name, *v, self.limits.max_id_bytes)?;
+        }
+        for (name, v) in texts {
+            check_len(name, *v, self.limits.max_field_bytes)?;
+        }
+        for (k, v) in dims {
+            check_len("dimension key", Some(k), self.limits.max_id_bytes)?;
+            if let WireField::Value(v) = v {
+                check_len(&format!("dimensions.{k}"), Some(v), self.limits.max_field_bytes)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Rejects an event whose canonical output would exceed
+    /// `max_output_bytes`. Rendering costs as much as the publish itself, so
+    /// it is done only when the cheap bound (every string byte escaped to 3×,
+    /// plus what the canonical form adds) says the limit could be reached.
+    fn check_output_size(&self, event: &UsageEvent, input_bytes: usize) -> Result<(), Rejection> {
+        let bound = input_bytes.saturating_mul(3).saturating_add(CANONICAL_GROWTH_BYTES);
+        if bound <= self.limits.max_output_bytes {
+            return Ok(());
+        }
+        let out = super::canonical::to_canonical_json(event).len();
+        if out > self.limits.max_output_bytes {
+            return Err(Rejection::new(
+                RejectReason::RecordTooLarge,
+                format!(
+                    "its canonical output would be {out} bytes (escaping expands it), limit max_output_bytes {}",
+                    self.limits.max_output_bytes
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn closed_period_of(&self, tenant_id: &str, timestamp_ms: i64) -> Option<&ClosedPeriod> {

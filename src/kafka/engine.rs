@@ -46,6 +46,12 @@ pub trait Engine: Send + 'static {
     fn revoke(&mut self, partition: i32);
     /// The last output offset of `partition` applied, `None` if none.
     fn checkpoint(&self, partition: i32) -> Option<i64>;
+    /// The last output offset applied to *any* tier of `partition`: where
+    /// the furthest tier got to. Repair checks it against the output's end,
+    /// so a tier without a checkpoint cannot hide a recreated topic.
+    fn furthest_checkpoint(&self, partition: i32) -> Option<i64> {
+        self.checkpoint(partition)
+    }
     /// How long a key is remembered: repair of a partition with no
     /// checkpoint reads only the output published within it.
     fn horizon(&self) -> std::time::Duration;
@@ -111,6 +117,10 @@ impl Engine for StateEngine {
 
     fn checkpoint(&self, partition: i32) -> Option<i64> {
         self.state.as_ref().and_then(|s| s.checkpoint(partition))
+    }
+
+    fn furthest_checkpoint(&self, partition: i32) -> Option<i64> {
+        self.state.as_ref().and_then(|s| s.furthest_checkpoint(partition))
     }
 
     fn horizon(&self) -> std::time::Duration {

@@ -24,7 +24,10 @@ pub enum KafkaError {
          exactly-once delivery needs them: run with `--delivery at-least-once` against this broker"
     )]
     TransactionsUnsupported { brokers: String, detail: String },
-    #[error("this instance was fenced by a newer producer with transactional id `{transactional_id}`: {source}")]
+    #[error(
+        "the producer cannot go on ({source}): a newer instance with transactional id `{transactional_id}` fenced \
+         it, or an idempotence error made it fatal; restart to repair from the output topic"
+    )]
     Fenced {
         transactional_id: String,
         #[source]
@@ -37,6 +40,23 @@ pub enum KafkaError {
          rebuild it from the output topic"
     )]
     StateAheadOfOutput { topic: String, partition: i32, checkpoint: i64, end: i64 },
+    #[error(
+        "retention deleted output records {first_missing}..{log_start} of `{topic}` partition {partition} before \
+         local state applied them (checkpoint {checkpoint}): retries of those {missing} events could no longer be \
+         recognised and would be billed twice. Keep the output topic's retention longer than the dedupe horizon; \
+         to go on anyway and count the gap, run with `--on-output-gap continue`"
+    )]
+    OutputGap { topic: String, partition: i32, checkpoint: i64, first_missing: i64, log_start: i64, missing: i64 },
+    #[error("publishing a batch of input partition {partition} failed for good: {source}")]
+    Publish {
+        partition: i32,
+        #[source]
+        source: crate::kafka::publisher::PublishError,
+    },
+    #[error("the Kafka consumer cannot go on: {detail}")]
+    ConsumerFatal { detail: String },
+    #[error("invalid configuration: {0}")]
+    Config(String),
     #[error("output record {partition}@{offset} of topic `{topic}` is not a dedupd record: {detail}")]
     ForeignOutputRecord { topic: String, partition: i32, offset: i64, detail: String },
     #[error(transparent)]

@@ -28,5 +28,5 @@ pub mod worker;
 
 pub use engine::{Engine, EngineError, EngineStats, InputRecord, Outcome, StateEngine, StoredEvent};
 pub use error::KafkaError;
-pub use settings::{BatchLimits, DeliveryMode, RunSettings, Topics};
+pub use settings::{BatchLimits, DeliveryMode, OnOutputGap, RunSettings, Topics};
 pub use worker::{run, shutdown_signal, RunReport, WorkerParts};

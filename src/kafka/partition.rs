@@ -5,7 +5,7 @@
 //! classified against state that already holds every earlier batch of the
 //! partition. Parallelism comes from partitions, each its own task.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,13 +24,61 @@ use crate::kafka::records::{accepted_record, conflict_record, rejected_record, O
 use crate::kafka::repair::lock_engine;
 use crate::kafka::settings::DeliveryMode;
 use crate::kafka::worker::{InputQueue, Shared};
-use crate::metrics::{BatchClassified, RepairCompleted, Stage, StageTimed};
+use crate::metrics::{BatchClassified, PublishRetried, RepairCompleted, Stage, StageTimed};
 
 /// How often an idle partition task polls its queue again (see the idle
 /// branch of [`pipeline`]).
 const IDLE_REPOLL: Duration = Duration::from_millis(250);
 /// How often an unconfirmed input offset commit is sent again while idle.
 const COMMIT_RETRY: Duration = Duration::from_secs(1);
+
+/// What the worker knows of one partition's progress, shared between its
+/// task (which writes it) and the statistics callback (which turns it into
+/// lag, head-age and stall gauges). Atomics: written once per batch, read
+/// once a second, never a reason to block either side.
+#[derive(Debug)]
+pub(crate) struct PartitionProgress {
+    /// The assignment was lost (session timeout): the task abandons its
+    /// in-flight batch instead of finishing it, because another member may
+    /// already own the partition.
+    pub lost: AtomicBool,
+    /// True while repair runs: repair has its own no-progress deadline, and
+    /// a long repair is not a stall.
+    pub repairing: AtomicBool,
+    /// Wall-clock ms of the last sign of progress: a batch done, or an idle
+    /// poll that found no input.
+    pub last_progress_ms: AtomicI64,
+    /// The next input offset this task will process; -1 until known.
+    pub next_offset: AtomicI64,
+    /// Append time (ms) of the last input record processed; -1 until known.
+    pub last_record_ms: AtomicI64,
+}
+
+impl PartitionProgress {
+    pub(crate) fn new(now_ms: i64) -> PartitionProgress {
+        PartitionProgress {
+            lost: AtomicBool::new(false),
+            repairing: AtomicBool::new(true),
+            last_progress_ms: AtomicI64::new(now_ms),
+            next_offset: AtomicI64::new(-1),
+            last_record_ms: AtomicI64::new(-1),
+        }
+    }
+
+    fn progressed(&self, now_ms: i64) {
+        self.last_progress_ms.store(now_ms, Ordering::Relaxed);
+    }
+
+    /// Stalled: not repairing, and no progress for `stall_ms` while the
+    /// partition has input (`lag` > 0, or a batch is in flight, which shows
+    /// as no progress since it began).
+    pub(crate) fn stalled(&self, now_ms: i64, stall_ms: i64, lag: Option<i64>) -> bool {
+        if self.repairing.load(Ordering::Relaxed) || lag == Some(0) {
+            return false;
+        }
+        now_ms.saturating_sub(self.last_progress_ms.load(Ordering::Relaxed)) > stall_ms
+    }
+}
 
 /// A classified batch, ready to publish.
 struct Prepared {
@@ -50,9 +98,10 @@ pub(crate) async fn run_partition(
     queue: InputQueue,
     mut stop: watch::Receiver<bool>,
     mut strays: mpsc::UnboundedReceiver<OwnedMessage>,
+    progress: Arc<PartitionProgress>,
     _done: std::sync::mpsc::Sender<()>,
 ) {
-    let result = pipeline(&shared, partition, &queue, &mut stop, &mut strays).await;
+    let result = pipeline(&shared, partition, &queue, &mut stop, &mut strays, &progress).await;
     let engine = shared.engine.clone();
     let _ = tokio::task::spawn_blocking(move || lock_engine(&engine).revoke(partition)).await;
     if let Err(e) = result {
@@ -66,6 +115,7 @@ async fn pipeline(
     queue: &InputQueue,
     stop: &mut watch::Receiver<bool>,
     strays: &mut mpsc::UnboundedReceiver<OwnedMessage>,
+    progress: &PartitionProgress,
 ) -> Result<(), KafkaError> {
     let now = shared.clock.now_ms();
     let engine = shared.engine.clone();
@@ -75,6 +125,8 @@ async fn pipeline(
     if !repair(shared, partition, move || *revoked.borrow()).await? {
         return Ok(());
     }
+    progress.progressed(wall_ms());
+    progress.repairing.store(false, Ordering::Relaxed);
     shared.partition_repaired();
 
     let limits = shared.settings.batch;
@@ -111,6 +163,11 @@ async fn pipeline(
                 // (rust-rdkafka #665, #840). A fresh `recv` polls the queue
                 // before it waits, so waking up regularly heals it.
                 _ = tokio::time::sleep(IDLE_REPOLL) => {
+                    // Nothing arrived: progress, unless the statistics show
+                    // input waiting that the queue does not deliver.
+                    if !matches!(shared.input_lag(partition, progress), Some(lag) if lag > 0) {
+                        progress.progressed(wall_ms());
+                    }
                     // Idle with a commit not yet confirmed by the broker:
                     // send it again now and then (commits are idempotent).
                     if let Some(next) = uncommitted {
@@ -150,7 +207,17 @@ async fn pipeline(
         if stopping {
             break;
         }
-        let next = process_batch(shared, partition, batch).await?;
+        let last_record_ms = batch.last().and_then(|m| m.timestamp().to_millis());
+        let Some(next) = process_batch(shared, partition, batch, progress).await? else {
+            tracing::warn!(partition, "assignment lost: abandoned the in-flight batch; the next owner consumes it");
+            shared.batches_abandoned.fetch_add(1, Ordering::Relaxed);
+            break;
+        };
+        progress.next_offset.store(next, Ordering::Relaxed);
+        if let Some(ms) = last_record_ms {
+            progress.last_record_ms.store(ms, Ordering::Relaxed);
+        }
+        progress.progressed(wall_ms());
         if at_least_once {
             let started = Instant::now();
             uncommitted = Some(next);
@@ -162,7 +229,7 @@ async fn pipeline(
             break;
         }
     }
-    if let Some(next) = uncommitted {
+    if let Some(next) = uncommitted.filter(|_| !progress.lost.load(Ordering::SeqCst)) {
         // Last chance before the partition is released: send the commit and
         // give the broker a moment to confirm it. Unconfirmed, the next owner
         // replays the tail and recognises it as replays.
@@ -173,6 +240,14 @@ async fn pipeline(
         }
     }
     Ok(())
+}
+
+/// Wall-clock milliseconds, for progress only (never for event time, which
+/// comes from the injectable clock).
+fn wall_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 fn join_error(e: tokio::task::JoinError) -> KafkaError {
@@ -221,15 +296,26 @@ async fn repair(
 
 /// Classifies, publishes, applies and (at-least-once) commits one batch.
 /// Finishes it even when a revoke arrives meanwhile: the rebalance callback
-/// waits for this, so two owners never publish the same record.
+/// waits for this, so two owners never publish the same record. A *lost*
+/// assignment is different: another member may own the partition already,
+/// so the batch is abandoned (`None`) at the next point where nothing of it
+/// is in flight — before its first publish, or before a retry.
 /// Returns the next input offset to consume (to commit, at-least-once).
-async fn process_batch(shared: &Arc<Shared>, partition: i32, batch: Vec<OwnedMessage>) -> Result<i64, KafkaError> {
+async fn process_batch(
+    shared: &Arc<Shared>,
+    partition: i32,
+    batch: Vec<OwnedMessage>,
+    progress: &PartitionProgress,
+) -> Result<Option<i64>, KafkaError> {
     let Some(last_offset) = batch.iter().map(|m| m.offset()).max() else {
         return Err(KafkaError::Task { detail: "empty batch".into() });
     };
     let batch = Arc::new(batch);
     let mut backoff = Duration::from_millis(100);
     loop {
+        if progress.lost.load(Ordering::SeqCst) {
+            return Ok(None);
+        }
         let now_ms = shared.clock.now_ms();
         let started = Instant::now();
         let (s, b) = (shared.clone(), batch.clone());
@@ -245,10 +331,17 @@ async fn process_batch(shared: &Arc<Shared>, partition: i32, batch: Vec<OwnedMes
             Err(PublishError::Fatal { source }) => {
                 return Err(KafkaError::Fenced { transactional_id: shared.transactional_id.clone(), source });
             }
-            Err(PublishError::Retriable { detail }) => {
-                tracing::warn!(partition, %detail, backoff_ms = backoff.as_millis() as u64, "publish failed; repairing, then retrying the batch");
+            Err(e @ (PublishError::Permanent { .. } | PublishError::Unresolved { .. })) => {
+                return Err(KafkaError::Publish { partition, source: e });
+            }
+            Err(PublishError::Retriable { reason, detail }) => {
+                PublishRetried { reason }.emit(&shared.metrics);
+                tracing::warn!(partition, %detail, reason, backoff_ms = backoff.as_millis() as u64, "publish failed; repairing, then retrying the batch");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
+                if progress.lost.load(Ordering::SeqCst) {
+                    return Ok(None);
+                }
                 // Whatever of the batch did reach the output is read back, so
                 // the retry sees those records as replays, not new events.
                 // Not abandonable: the batch in flight must finish.
@@ -273,7 +366,7 @@ async fn process_batch(shared: &Arc<Shared>, partition: i32, batch: Vec<OwnedMes
         StageTimed { stage: Stage::apply, duration: started.elapsed() }.emit(&shared.metrics);
 
         prepared.summary.emit(&shared.metrics);
-        return Ok(last_offset + 1);
+        return Ok(Some(last_offset + 1));
     }
 }
 
@@ -372,4 +465,22 @@ fn prepare(shared: &Shared, partition: i32, batch: &[OwnedMessage], now_ms: i64)
     summary.conflicts_by_tenant = tenants.into_iter().collect();
     shared.batches.fetch_add(1, Ordering::Relaxed);
     Ok(Prepared { records, accepted, summary })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_partition_is_stalled_only_with_input_and_no_progress_past_the_timeout() {
+        let p = PartitionProgress::new(1_000);
+        assert!(!p.stalled(1_000_000, 10_000, Some(5)), "repair has its own deadline");
+        p.repairing.store(false, Ordering::Relaxed);
+        assert!(!p.stalled(5_000, 10_000, Some(5)), "within the timeout");
+        assert!(p.stalled(20_000, 10_000, Some(5)), "input waiting, no progress for longer than the timeout");
+        assert!(p.stalled(20_000, 10_000, None), "a batch in flight for longer than the timeout");
+        assert!(!p.stalled(20_000, 10_000, Some(0)), "caught up is never a stall");
+        p.progressed(19_000);
+        assert!(!p.stalled(20_000, 10_000, Some(5)), "progress resets the clock");
+    }
 }

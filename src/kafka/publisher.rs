@@ -27,14 +27,16 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::kafka::records::{Destination, OutRecord};
 use crate::kafka::settings::Topics;
+use crate::metrics::{Metrics, TransactionEnded, TransactionResumed};
 
 /// Why a publish did not happen.
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
     /// Nothing of the batch is committed (exactly-once), or an unknown part
     /// of it reached the output (at-least-once): retry after repair.
+    /// `reason` is the bounded label of `dedupd_publish_retries_total`.
     #[error("publish failed, retry: {detail}")]
-    Retriable { detail: String },
+    Retriable { reason: &'static str, detail: String },
     /// The producer cannot go on (fenced by a newer instance, or a fatal
     /// idempotence error): stop the worker.
     #[error("publish failed for good: {source}")]
@@ -42,6 +44,44 @@ pub enum PublishError {
         #[source]
         source: RdError,
     },
+    /// The brokers refuse these records whatever the number of retries
+    /// (too large, not authorised, no such partition): retrying would stall
+    /// the partition for ever, so the worker stops and names the cause.
+    #[error("the brokers refuse the batch for good ({source}): {hint}")]
+    Permanent {
+        #[source]
+        source: RdError,
+        hint: &'static str,
+    },
+    /// A transaction's commit or abort did not resolve within the deadline,
+    /// though repeated as librdkafka requires: its outcome is unknown, so
+    /// the worker stops (a restart fences the transaction and repairs).
+    #[error("the transaction {operation} did not resolve within {waited:?}: {last}")]
+    Unresolved { operation: &'static str, waited: Duration, last: String },
+}
+
+impl PublishError {
+    fn retriable(reason: &'static str, detail: impl Into<String>) -> PublishError {
+        PublishError::Retriable { reason, detail: detail.into() }
+    }
+
+    /// A copy for every batch of a failed transaction group (the rdkafka
+    /// error is `Clone`, this enum is not, for its `#[source]`).
+    fn duplicate(&self) -> PublishError {
+        match self {
+            PublishError::Retriable { reason, detail } => PublishError::retriable(reason, detail.clone()),
+            PublishError::Fatal { source } => PublishError::Fatal { source: source.clone() },
+            PublishError::Permanent { source, hint } => PublishError::Permanent { source: source.clone(), hint },
+            PublishError::Unresolved { operation, waited, last } => {
+                PublishError::Unresolved { operation, waited: *waited, last: last.clone() }
+            }
+        }
+    }
+
+    /// Whether the worker must stop rather than retry the batch.
+    pub fn stops_the_worker(&self) -> bool {
+        !matches!(self, PublishError::Retriable { .. })
+    }
 }
 
 /// Where each record of a published batch landed: `(partition, offset)` in
@@ -91,8 +131,9 @@ impl Publisher {
             Publisher::Transactional { tx } => {
                 let (reply, rx) = oneshot::channel();
                 let req = TxnRequest { input_partition, records, next_input_offset, reply };
-                tx.send(req).await.map_err(|_| PublishError::Retriable { detail: "publisher task stopped".into() })?;
-                rx.await.map_err(|_| PublishError::Retriable { detail: "publisher task stopped".into() })?
+                let stopped = || PublishError::retriable("broker", "publisher task stopped");
+                tx.send(req).await.map_err(|_| stopped())?;
+                rx.await.map_err(|_| stopped())?
             }
             Publisher::Idempotent { producer, topics } => produce_all(producer, topics, &records).await,
         }
@@ -107,19 +148,43 @@ fn topic(topics: &Topics, d: Destination) -> &str {
     }
 }
 
-fn classify_error(e: RdError) -> PublishError {
+/// Sorts a producer error into retry, stop, or refuse-for-good. Permanent
+/// errors are told apart because retrying them only stalls the partition:
+/// the same records are refused again, for ever.
+pub fn classify_error(e: RdError) -> PublishError {
+    use RDKafkaErrorCode as C;
+    let code = e.rdkafka_error_code();
     let fatal = match &e {
         RdError::Transaction(t) => t.is_fatal(),
-        other => matches!(
-            other.rdkafka_error_code(),
-            Some(RDKafkaErrorCode::Fatal | RDKafkaErrorCode::ProducerFenced | RDKafkaErrorCode::InvalidProducerEpoch)
-        ),
+        _ => matches!(code, Some(C::Fatal | C::ProducerFenced | C::InvalidProducerEpoch | C::Fenced)),
     };
     if fatal {
-        PublishError::Fatal { source: e }
-    } else {
-        PublishError::Retriable { detail: e.to_string() }
+        return PublishError::Fatal { source: e };
     }
+    let hint = match code {
+        Some(C::MessageSizeTooLarge | C::MessageBatchTooLarge | C::InvalidRecord) => Some(
+            "a record is larger than the producer's message.max.bytes or the topic's max.message.bytes; \
+             raise the topic's limit or lower --max-output-bytes / --max-rejected-raw-bytes",
+        ),
+        Some(C::TopicAuthorizationFailed | C::ClusterAuthorizationFailed | C::TransactionalIdAuthorizationFailed) => {
+            Some("dedupd's principal lacks an ACL on the output, side topics or transactional id")
+        }
+        Some(C::SaslAuthenticationFailed | C::Authentication) => Some("the brokers refused dedupd's credentials"),
+        Some(C::UnknownPartition) => {
+            Some("a partition dedupd writes to does not exist (was a topic recreated smaller?)")
+        }
+        _ => None,
+    };
+    if let Some(hint) = hint {
+        return PublishError::Permanent { source: e, hint };
+    }
+    let reason = match code {
+        Some(C::QueueFull) => "queue_full",
+        Some(C::MessageTimedOut | C::RequestTimedOut | C::OperationTimedOut) => "timeout",
+        _ if matches!(&e, RdError::Transaction(t) if t.txn_requires_abort()) => "transaction_aborted",
+        _ => "broker",
+    };
+    PublishError::retriable(reason, e.to_string())
 }
 
 /// Produces every record and waits for every acknowledgement.
@@ -129,6 +194,7 @@ async fn produce_all(
     records: &[OutRecord],
 ) -> Result<Published, PublishError> {
     let mut pending = Vec::with_capacity(records.len());
+    let mut enqueue_error = None;
     for r in records {
         let headers = r.owned_headers();
         let mut fr: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic(topics, r.destination))
@@ -141,23 +207,30 @@ async fn produce_all(
         if let Some(v) = &r.value {
             fr = fr.payload(v.as_slice());
         }
-        loop {
+        let enqueued = loop {
             match producer.send_result(fr) {
-                Ok(f) => {
-                    pending.push(f);
-                    break;
-                }
+                Ok(f) => break Ok(f),
                 Err((RdError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
                     // librdkafka's queue is full: let deliveries drain it.
                     fr = back;
                     tokio::time::sleep(Duration::from_millis(2)).await;
                 }
-                Err((e, _)) => return Err(classify_error(e)),
+                Err((e, _)) => break Err(e),
+            }
+        };
+        match enqueued {
+            Ok(f) => pending.push(f),
+            Err(e) => {
+                enqueue_error = Some(e);
+                break;
             }
         }
     }
+    // Every record already handed to the producer is awaited, even after an
+    // enqueue error: one still in flight could land after the caller's
+    // repair has read the output, and its retry would then publish it twice.
     let mut out = Vec::with_capacity(pending.len());
-    let mut first_error = None;
+    let mut first_error = enqueue_error;
     for result in join_all(pending).await {
         match result {
             Ok(Ok(d)) => out.push((d.partition, d.offset)),
@@ -175,13 +248,24 @@ async fn produce_all(
     }
 }
 
+/// How the transaction task bounds the end of a transaction.
+#[derive(Clone, Copy, Debug)]
+pub struct TxnTimeouts {
+    /// One call to librdkafka (produce wait, send offsets, one commit try).
+    pub operation: Duration,
+    /// How long a commit or abort is repeated before the worker gives up on
+    /// it: past the transaction timeout the broker has resolved it anyway.
+    pub resolve_deadline: Duration,
+}
+
 /// Starts the transaction task. `producer` must have completed
 /// `init_transactions`.
 pub fn start_transactional(
     producer: FutureProducer,
     topics: Arc<Topics>,
     group_metadata: GroupMetadataSource,
-    timeout: Duration,
+    timeouts: TxnTimeouts,
+    metrics: Arc<Metrics>,
 ) -> (Publisher, tokio::task::JoinHandle<()>) {
     // Bounded: a pipeline has at most one batch in flight, so this never
     // fills; the bound only guards against a bug turning into memory growth.
@@ -192,7 +276,7 @@ pub fn start_transactional(
             while let Ok(more) = rx.try_recv() {
                 group.push(more);
             }
-            let result = run_transaction(&producer, &topics, &group_metadata, &group, timeout).await;
+            let result = run_transaction(&producer, &topics, &group_metadata, &group, timeouts, &metrics).await;
             match result {
                 Ok(mut per_request) => {
                     for (req, published) in group.into_iter().zip(per_request.drain(..)) {
@@ -200,19 +284,14 @@ pub fn start_transactional(
                     }
                 }
                 Err(e) => {
-                    let fatal = matches!(e, PublishError::Fatal { .. });
                     for req in group {
-                        let err = match &e {
-                            PublishError::Fatal { source } => PublishError::Fatal { source: source.clone() },
-                            PublishError::Retriable { detail } => PublishError::Retriable { detail: detail.clone() },
-                        };
-                        let _ = req.reply.send(Err(err));
+                        let _ = req.reply.send(Err(e.duplicate()));
                     }
-                    if fatal {
-                        // The producer is unusable; later requests fail fast.
+                    if e.stops_the_worker() {
+                        // The producer is unusable or its last transaction
+                        // unresolved: later requests fail the same way.
                         while let Some(req) = rx.recv().await {
-                            let _ =
-                                req.reply.send(Err(PublishError::Retriable { detail: "producer is fenced".into() }));
+                            let _ = req.reply.send(Err(e.duplicate()));
                         }
                     }
                 }
@@ -231,7 +310,8 @@ async fn run_transaction(
     topics: &Topics,
     group_metadata: &GroupMetadataSource,
     group: &[TxnRequest],
-    timeout: Duration,
+    timeouts: TxnTimeouts,
+    metrics: &Metrics,
 ) -> Result<Vec<Published>, PublishError> {
     producer.begin_transaction().map_err(classify_error)?;
     let outcome = async {
@@ -244,42 +324,95 @@ async fn run_transaction(
             tpl.add_partition_offset(&topics.input, req.input_partition, Offset::Offset(req.next_input_offset))
                 .map_err(classify_error)?;
         }
-        let cgm = group_metadata().ok_or_else(|| PublishError::Retriable { detail: "not a group member".into() })?;
+        let cgm = group_metadata().ok_or_else(|| PublishError::retriable("not_group_member", "not a group member"))?;
         let p = producer.clone();
-        blocking(move || p.send_offsets_to_transaction(&tpl, &cgm, timeout)).await.map_err(classify_error)?;
-        commit_with_retries(producer, timeout).await?;
+        let op = timeouts.operation;
+        blocking(move || p.send_offsets_to_transaction(&tpl, &cgm, op)).await.map_err(classify_error)?;
+        end_transaction(producer, Ending::Commit, timeouts, metrics).await?;
         Ok(per_request)
     }
     .await;
-    if let Err(PublishError::Retriable { detail }) = &outcome {
-        tracing::warn!(%detail, batches = group.len(), "transaction failed; aborting it");
-        let p = producer.clone();
-        if let Err(e) = blocking(move || p.abort_transaction(timeout)).await {
-            let e = classify_error(e);
-            if matches!(e, PublishError::Fatal { .. }) {
-                return Err(e);
-            }
-            tracing::warn!(error = %e, "abort failed; the broker aborts the transaction on its timeout");
+    match &outcome {
+        Ok(_) => TransactionEnded { committed: true }.emit(metrics),
+        Err(e @ PublishError::Retriable { .. }) => {
+            tracing::warn!(error = %e, batches = group.len(), "transaction failed; aborting it");
+            end_transaction(producer, Ending::Abort, timeouts, metrics).await?;
+            TransactionEnded { committed: false }.emit(metrics);
         }
+        Err(_) => {}
     }
     outcome
 }
 
-/// Commits the open transaction. A retriable commit error leaves the outcome
-/// unknown to us, so it is retried (librdkafka's documented recovery) rather
-/// than aborted: aborting a commit that did reach the broker would make the
-/// pipeline publish its batch again.
-async fn commit_with_retries(producer: &FutureProducer, timeout: Duration) -> Result<(), PublishError> {
-    const ATTEMPTS: usize = 5;
-    for attempt in 1..=ATTEMPTS {
-        let p = producer.clone();
-        match blocking(move || p.commit_transaction(timeout)).await {
-            Ok(()) => return Ok(()),
-            Err(RdError::Transaction(t)) if t.is_retriable() && !t.txn_requires_abort() && attempt < ATTEMPTS => {
-                tracing::warn!(error = %t, attempt, "transaction commit outcome unknown; retrying the commit");
-            }
-            Err(e) => return Err(classify_error(e)),
+/// The two calls that end a transaction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ending {
+    Commit,
+    Abort,
+}
+
+impl Ending {
+    fn name(self) -> &'static str {
+        match self {
+            Ending::Commit => "commit",
+            Ending::Abort => "abort",
         }
     }
-    Err(PublishError::Retriable { detail: "transaction commit did not complete".into() })
+}
+
+/// Commits or aborts the open transaction, repeating the same call while it
+/// times out. librdkafka's transaction calls are resumable: a timed-out
+/// commit may still complete, and the only correct next step is the same
+/// call again (a different call, or an abort, cannot be made meanwhile);
+/// aborting a commit that did reach the broker would publish the batch twice.
+/// A commit the broker says must be aborted returns `Retriable`, so the
+/// caller aborts. Past `resolve_deadline` the outcome stays unknown and the
+/// worker stops, naming it, rather than wedge the partition for ever.
+async fn end_transaction(
+    producer: &FutureProducer,
+    ending: Ending,
+    timeouts: TxnTimeouts,
+    metrics: &Metrics,
+) -> Result<(), PublishError> {
+    let started = tokio::time::Instant::now();
+    let mut attempt = 0u32;
+    loop {
+        attempt += 1;
+        let p = producer.clone();
+        let op = timeouts.operation;
+        let result = blocking(move || match ending {
+            Ending::Commit => p.commit_transaction(op),
+            Ending::Abort => p.abort_transaction(op),
+        })
+        .await;
+        let e = match result {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        // rust-rdkafka flushes before committing: a flush that times out is
+        // resumed like the commit itself (the records are still on their way).
+        let resumable = match &e {
+            RdError::Transaction(t) => t.is_retriable() && !t.is_fatal() && !t.txn_requires_abort(),
+            RdError::Flush(_) => ending == Ending::Commit,
+            _ => false,
+        };
+        if !resumable {
+            return match classify_error(e) {
+                // A commit that must be aborted: the caller aborts.
+                e @ PublishError::Retriable { .. } if ending == Ending::Commit => Err(e),
+                // An abort that fails other than by timing out leaves the
+                // producer in a state no call can leave: stop.
+                PublishError::Retriable { detail, .. } => {
+                    Err(PublishError::Unresolved { operation: ending.name(), waited: started.elapsed(), last: detail })
+                }
+                other => Err(other),
+            };
+        }
+        let waited = started.elapsed();
+        if waited >= timeouts.resolve_deadline {
+            return Err(PublishError::Unresolved { operation: ending.name(), waited, last: e.to_string() });
+        }
+        tracing::debug!(error = %e, ?waited, "transaction call timed out");
+        TransactionResumed { operation: ending.name(), attempt }.emit(metrics);
+    }
 }

@@ -19,7 +19,7 @@
 //!   headers    dedupd.source.*, dedupd.ingest.ms, dedupd.id.hash, dedupd.payload.hash
 //!
 //! rejected topic (partition p mod its partition count)
-//!   key        the input record's key, as is
+//!   key        the input record's key, truncated to 1 KiB (MAX_SIDE_KEY_BYTES)
 //!   value      the raw input bytes, as is (null for a tombstone), truncated to
 //!              max_rejected_raw_bytes
 //!   headers    dedupd.reason            reason code (DESIGN §4)
@@ -28,7 +28,14 @@
 //!              dedupd.raw.bytes         length of the raw input
 //!              dedupd.raw.truncated     "true" when value holds a prefix only
 //!              dedupd.raw.blake3        hex blake3 of the whole raw input, when truncated
+//!              dedupd.key.bytes         length of the input key, when it was truncated
 //! ```
+//!
+//! Every record dedupd writes is bounded in bytes, so none can exceed the
+//! producer's `message.max.bytes` (checked at start against the settings):
+//! output values by `max_output_bytes`, rejected values by
+//! `max_rejected_raw_bytes`, side keys by [`MAX_SIDE_KEY_BYTES`], details by
+//! 1 KiB, and conflicts by the canonical event plus a fixed envelope.
 
 use rdkafka::message::{Header, Headers, OwnedHeaders};
 use serde_json::value::RawValue;
@@ -49,8 +56,18 @@ pub const H_DETAIL: &str = "dedupd.detail";
 pub const H_RAW_BYTES: &str = "dedupd.raw.bytes";
 pub const H_RAW_TRUNCATED: &str = "dedupd.raw.truncated";
 pub const H_RAW_BLAKE3: &str = "dedupd.raw.blake3";
+pub const H_KEY_BYTES: &str = "dedupd.key.bytes";
 
 const MAX_DETAIL_BYTES: usize = 1024;
+
+/// Longest input key copied into a rejected record. Keys are not bounded on
+/// the way in (any producer may send any key), so the copy must be.
+pub const MAX_SIDE_KEY_BYTES: usize = 1024;
+
+/// What a side or output record may add to its value and key in headers and
+/// framing: the headers above, Kafka's record overhead, and the conflict
+/// record's JSON envelope around the canonical event.
+pub const RECORD_OVERHEAD_BYTES: usize = 4096;
 
 /// Which of the three topics a record goes to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -219,10 +236,18 @@ pub fn rejected_record(
             raw.to_vec()
         }
     });
+    let key = key.map(|k| {
+        if k.len() > MAX_SIDE_KEY_BYTES {
+            headers.push((H_KEY_BYTES, k.len().to_string().into_bytes()));
+            k[..MAX_SIDE_KEY_BYTES].to_vec()
+        } else {
+            k.to_vec()
+        }
+    });
     OutRecord {
         destination: Destination::Rejected,
         partition: side_partition(source.partition, partitions),
-        key: key.map(<[u8]>::to_vec),
+        key,
         value,
         headers,
         timestamp_ms: ingest_ms,
@@ -360,5 +385,16 @@ mod tests {
         assert_eq!(get(H_RAW_TRUNCATED), Some(b"true".to_vec()));
         assert_eq!(get(H_DETAIL).map(|d| d.len()), Some(MAX_DETAIL_BYTES));
         assert_eq!(get(H_REASON), Some(b"record_too_large".to_vec()));
+        assert_eq!(get(H_KEY_BYTES), None);
+    }
+
+    #[test]
+    fn a_huge_input_key_is_truncated_in_the_rejected_record_with_its_length() {
+        let key = vec![b'k'; 3 * MAX_SIDE_KEY_BYTES];
+        let rej = Rejection::new(RejectReason::MalformedJson, "x");
+        let r = rejected_record(&rej, Some(&key), Some(b"{"), Position::new(0, 1), NOW, 1000, 1);
+        assert_eq!(r.key.as_ref().map(Vec::len), Some(MAX_SIDE_KEY_BYTES));
+        let got = r.headers.iter().find(|(n, _)| *n == H_KEY_BYTES).map(|(_, v)| v.clone());
+        assert_eq!(got, Some(b"3072".to_vec()));
     }
 }

@@ -34,6 +34,8 @@ use crate::event::{Position, Validator};
 use crate::kafka::engine::{Engine, StoredEvent};
 use crate::kafka::error::KafkaError;
 use crate::kafka::records::parse_output;
+use crate::kafka::settings::OnOutputGap;
+use crate::metrics::{Metrics, RepairGapFound};
 
 /// Records applied per engine call: bounds memory and engine lock hold time.
 const APPLY_CHUNK: usize = 4096;
@@ -63,6 +65,8 @@ pub struct Repairer {
     /// Reads the high watermark regardless of transactions (a
     /// `read_uncommitted` client of the same brokers).
     pub uncommitted_config: ClientConfig,
+    pub on_output_gap: OnOutputGap,
+    pub metrics: Arc<Metrics>,
 }
 
 impl std::fmt::Debug for Repairer {
@@ -78,6 +82,9 @@ pub(crate) fn lock_engine(engine: &Mutex<Box<dyn Engine>>) -> std::sync::MutexGu
     engine.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// How often a running repair logs its progress.
+const REPAIR_PROGRESS_INTERVAL: Duration = Duration::from_secs(10);
+
 impl Repairer {
     /// Repairs `partition`. Blocking (network and fsync): run it on a
     /// blocking thread. `abandon` is asked while repair waits or reads: when
@@ -89,7 +96,10 @@ impl Repairer {
         abandon: &dyn Fn() -> bool,
     ) -> Result<Option<RepairOutcome>, KafkaError> {
         let started = Instant::now();
-        let checkpoint = lock_engine(&self.engine).checkpoint(partition);
+        let (checkpoint, furthest) = {
+            let engine = lock_engine(&self.engine);
+            (engine.checkpoint(partition), engine.furthest_checkpoint(partition))
+        };
         let consumer: BaseConsumer =
             self.config.create().map_err(KafkaError::client("creating the repair consumer"))?;
         let probe: BaseConsumer =
@@ -98,7 +108,11 @@ impl Repairer {
             .fetch_watermarks(&self.output_topic, partition, self.stall_timeout)
             .map_err(KafkaError::client("reading the output high watermark for repair"))?;
         drop(probe);
-        if let Some(c) = checkpoint.filter(|&c| c >= hwm) {
+        // The furthest tier decides this check: a tier with no checkpoint
+        // (a dropped or moved key store) beside one that has one must not
+        // hide a recreated output topic, or the other tier would skip the
+        // new topic's offsets as already applied.
+        if let Some(c) = furthest.filter(|&c| c >= hwm) {
             return Err(KafkaError::StateAheadOfOutput {
                 topic: self.output_topic.clone(),
                 partition,
@@ -118,19 +132,13 @@ impl Repairer {
             return Ok(None);
         };
         let from = match checkpoint {
-            Some(c) if c.saturating_add(1) < low => {
-                // Retention deleted output this instance never applied:
-                // retries of those events can no longer be recognised here.
-                tracing::error!(
-                    partition,
-                    checkpoint = c,
-                    log_start = low,
-                    "output records past the local checkpoint were deleted by retention before repair read them; \
-                     keep the output topic's retention longer than the dedupe horizon"
-                );
-                low
+            Some(c) => {
+                let (from, gap) = start_after_checkpoint(&self.output_topic, partition, c, low, self.on_output_gap)?;
+                if gap > 0 {
+                    RepairGapFound { partition, records: gap }.emit(&self.metrics);
+                }
+                from
             }
-            Some(c) => c.saturating_add(1),
             None => self.first_offset_within_horizon(&consumer, partition, low, high),
         };
         if from >= high {
@@ -144,7 +152,22 @@ impl Repairer {
         let mut chunk: Vec<StoredEvent> = Vec::with_capacity(APPLY_CHUNK.min((high - from) as usize));
         let mut records = 0u64;
         let mut last_progress = Instant::now();
+        let mut last_report = Instant::now();
         loop {
+            // A repair over the whole horizon can read for a long time: say
+            // where it is at a steady interval, not only when it is done.
+            if last_report.elapsed() >= REPAIR_PROGRESS_INTERVAL {
+                last_report = Instant::now();
+                let next = from + records as i64;
+                tracing::info!(
+                    partition,
+                    records,
+                    remaining = high - next,
+                    seconds = started.elapsed().as_secs(),
+                    rate = records as f64 / started.elapsed().as_secs_f64().max(0.001),
+                    "repair in progress"
+                );
+            }
             if abandon() {
                 self.apply(partition, &mut chunk)?;
                 return Ok(None);
@@ -244,6 +267,37 @@ impl Repairer {
     }
 }
 
+/// Where repair of a partition with checkpoint `c` starts, given the
+/// output's log start `low`: right after the checkpoint, unless retention
+/// deleted output this instance never applied. Retries of those events can
+/// no longer be recognised, so that gap stops the worker (naming it) unless
+/// the operator chose to continue; then repair starts at the log start and
+/// the gap size is returned to be counted.
+fn start_after_checkpoint(
+    topic: &str,
+    partition: i32,
+    c: i64,
+    low: i64,
+    on_gap: OnOutputGap,
+) -> Result<(i64, u64), KafkaError> {
+    let first_missing = c.saturating_add(1);
+    if first_missing >= low {
+        return Ok((first_missing, 0));
+    }
+    let missing = low - first_missing;
+    match on_gap {
+        OnOutputGap::Stop => Err(KafkaError::OutputGap {
+            topic: topic.to_owned(),
+            partition,
+            checkpoint: c,
+            first_missing,
+            log_start: low,
+            missing,
+        }),
+        OnOutputGap::Continue => Ok((low, u64::try_from(missing).unwrap_or(0))),
+    }
+}
+
 /// Polls `stable` (log start, last stable offset) until the LSO reaches
 /// `hwm`, the high watermark seen when repair began: then no transaction
 /// that wrote below `hwm` is still open, and reading committed data up to the
@@ -297,6 +351,21 @@ mod tests {
     fn replay(answers: Vec<(i64, i64)>) -> impl FnMut() -> Result<(i64, i64), KafkaError> {
         let mut it = answers.into_iter();
         move || Ok(it.next().expect("asked more often than scripted"))
+    }
+
+    #[test]
+    fn a_retention_gap_below_the_log_start_stops_the_worker_naming_it() {
+        let err = start_after_checkpoint("out", 2, 99, 150, OnOutputGap::Stop).expect_err("a gap must stop");
+        let text = err.to_string();
+        assert!(matches!(err, KafkaError::OutputGap { missing: 50, first_missing: 100, log_start: 150, .. }));
+        assert!(text.contains("100..150") && text.contains("--on-output-gap continue"), "{text}");
+    }
+
+    #[test]
+    fn a_retention_gap_is_skipped_and_counted_only_when_asked_to_continue() {
+        assert_eq!(start_after_checkpoint("out", 0, 99, 150, OnOutputGap::Continue).expect("continues"), (150, 50));
+        assert_eq!(start_after_checkpoint("out", 0, 149, 150, OnOutputGap::Stop).expect("no gap"), (150, 0));
+        assert_eq!(start_after_checkpoint("out", 0, 7, 0, OnOutputGap::Stop).expect("no gap"), (8, 0));
     }
 
     #[test]

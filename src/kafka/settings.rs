@@ -41,6 +41,29 @@ impl std::fmt::Display for DeliveryMode {
     }
 }
 
+/// What repair does when retention deleted output that local state never
+/// applied (`--on-output-gap`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum OnOutputGap {
+    /// Stop the worker and name the gap: retries of the deleted events can
+    /// no longer be recognised, so going on may bill them twice.
+    #[default]
+    Stop,
+    /// Go on from the log start, counting the gap
+    /// (`dedupd_repair_gap_records_total`) so an alert fires.
+    Continue,
+}
+
+impl OnOutputGap {
+    pub fn parse(s: &str) -> Option<OnOutputGap> {
+        match s {
+            "stop" => Some(OnOutputGap::Stop),
+            "continue" => Some(OnOutputGap::Continue),
+            _ => None,
+        }
+    }
+}
+
 /// The four topics of one deployment.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topics {
@@ -82,6 +105,10 @@ pub struct RunSettings {
     /// client after dedupd's own. A key prefixed `consumer.` or `producer.`
     /// applies to that kind of client only, without the prefix.
     pub kafka_properties: Vec<(String, String)>,
+    /// Keys of `kafka_properties` whose values came from `--kafka-secret`:
+    /// masked wherever settings are shown, like every key
+    /// [`is_secret_property`](crate::config::is_secret_property) recognises.
+    pub kafka_secret_keys: Vec<String>,
     pub batch: BatchLimits,
     /// Where `/metrics`, `/healthz` and `/readyz` are served; `None` serves nothing.
     pub metrics_addr: Option<SocketAddr>,
@@ -97,6 +124,11 @@ pub struct RunSettings {
     pub revoke_timeout: Duration,
     /// How often local state is maintained and its gauges refreshed.
     pub maintain_interval: Duration,
+    /// A partition with input that makes no progress for this long makes
+    /// `/healthz` fail, so an orchestrator restarts the worker.
+    pub stall_timeout: Duration,
+    /// See [`OnOutputGap`].
+    pub on_output_gap: OnOutputGap,
 }
 
 impl RunSettings {
@@ -109,13 +141,107 @@ impl RunSettings {
             instance_id: None,
             delivery: DeliveryMode::ExactlyOnce,
             kafka_properties: Vec::new(),
+            kafka_secret_keys: Vec::new(),
             batch: BatchLimits::default(),
             metrics_addr: None,
             max_rejected_raw_bytes: 256 * 1024,
             operation_timeout: Duration::from_secs(30),
             revoke_timeout: Duration::from_secs(60),
             maintain_interval: Duration::from_secs(5),
+            stall_timeout: Duration::from_secs(300),
+            on_output_gap: OnOutputGap::Stop,
         }
+    }
+
+    /// The effective settings on one line, for the start-up log and
+    /// `dedupd check-config`, with every secret property shown as `***`.
+    pub fn describe(&self) -> String {
+        let props: Vec<String> = self
+            .kafka_properties
+            .iter()
+            .map(|(k, v)| {
+                let secret = crate::config::is_secret_property(k) || self.kafka_secret_keys.contains(k);
+                format!("{k}={}", if secret { "***" } else { v.as_str() })
+            })
+            .collect();
+        let d = |d: Duration| humantime::format_duration(d).to_string();
+        format!(
+            "brokers={} group={} instance_id={} delivery={:?} input={} output={} conflicts={} rejected={} \
+             batch_max_records={} batch_max_wait={} operation_timeout={} revoke_timeout={} stall_timeout={} \
+             on_output_gap={:?} metrics_addr={} kafka_properties=[{}]",
+            self.brokers,
+            self.group,
+            self.instance_id.as_deref().unwrap_or("-"),
+            self.delivery,
+            self.topics.input,
+            self.topics.output,
+            self.topics.conflicts,
+            self.topics.rejected,
+            self.batch.max_records,
+            d(self.batch.max_wait),
+            d(self.operation_timeout),
+            d(self.revoke_timeout),
+            d(self.stall_timeout),
+            self.on_output_gap,
+            self.metrics_addr.map_or_else(|| "-".to_owned(), |a| a.to_string()),
+            props.join(", "),
+        )
+    }
+
+    /// The longest an orderly shutdown (SIGTERM) can take: every partition's
+    /// in-flight batch finishes or is abandoned within the revoke timeout,
+    /// then the producer flush and the consumer's leaving the group each
+    /// take at most one operation timeout. Orchestrator grace periods must
+    /// exceed it, or a slow shutdown is SIGKILLed half way (safe, but the
+    /// next start repairs and the group rebalances twice).
+    pub fn shutdown_budget(&self) -> Duration {
+        self.revoke_timeout + 2 * self.operation_timeout
+    }
+
+    /// The producer's `message.max.bytes`: the largest record it sends
+    /// (librdkafka's default unless passed through).
+    pub fn producer_message_max_bytes(&self) -> Result<usize, String> {
+        match self
+            .kafka_properties
+            .iter()
+            .rev()
+            .find(|(k, _)| k == "message.max.bytes" || k == "producer.message.max.bytes")
+        {
+            Some((_, v)) => v.parse::<usize>().map_err(|_| format!("message.max.bytes={v:?} is not a number")),
+            None => Ok(1_000_000),
+        }
+    }
+
+    /// Checks, before any I/O, that every record dedupd may write fits the
+    /// producer's `message.max.bytes`; otherwise such a record would be
+    /// refused for ever and its partition would stall. Names both values.
+    pub fn check_record_bounds(&self, max_output_bytes: usize, max_id_bytes: usize) -> Result<(), String> {
+        use crate::kafka::records::{MAX_SIDE_KEY_BYTES, RECORD_OVERHEAD_BYTES};
+        let limit = self.producer_message_max_bytes()?;
+        let output = max_output_bytes + 2 * max_id_bytes + 1 + RECORD_OVERHEAD_BYTES;
+        if output > limit {
+            return Err(format!(
+                "max_output_bytes {max_output_bytes} (plus key and headers: {output}) exceeds the producer's \
+                 message.max.bytes {limit}: lower max_output_bytes or raise message.max.bytes (and the topics' \
+                 max.message.bytes)"
+            ));
+        }
+        let rejected = self.max_rejected_raw_bytes + MAX_SIDE_KEY_BYTES + RECORD_OVERHEAD_BYTES;
+        if rejected > limit {
+            return Err(format!(
+                "max_rejected_raw_bytes {} (plus key and headers: {rejected}) exceeds the producer's \
+                 message.max.bytes {limit}",
+                self.max_rejected_raw_bytes
+            ));
+        }
+        if self.stall_timeout < self.operation_timeout {
+            return Err(format!(
+                "stall_timeout {:?} is shorter than the operation timeout {:?}: one slow broker call would \
+                 already count as a stall",
+                self.stall_timeout, self.operation_timeout
+            ));
+        }
+        Ok(())
     }
 
     /// How long a transaction of ours may stay open before the broker aborts

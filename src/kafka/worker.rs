@@ -22,7 +22,7 @@ use hashbrown::HashMap;
 use rdkafka::client::ClientContext;
 use rdkafka::consumer::stream_consumer::StreamPartitionQueue;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
-use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::error::{KafkaError as RdError, RDKafkaErrorCode};
 use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::producer::{FutureProducer, Producer};
 use rdkafka::statistics::Statistics;
@@ -34,11 +34,14 @@ use crate::event::Validator;
 use crate::kafka::clients::{self, TopicLayout};
 use crate::kafka::engine::Engine;
 use crate::kafka::error::KafkaError;
-use crate::kafka::partition::run_partition;
-use crate::kafka::publisher::{self, Publisher};
+use crate::kafka::partition::{run_partition, PartitionProgress};
+use crate::kafka::publisher::{self, Publisher, TxnTimeouts};
 use crate::kafka::repair::{lock_engine, Repairer};
 use crate::kafka::settings::{DeliveryMode, RunSettings};
-use crate::metrics::{AssignmentChanged, Bucket, LagObserved, Metrics, MetricsServer, StateObserved};
+use crate::metrics::{
+    AssignmentChanged, Bucket, HeadAgeObserved, LagObserved, Metrics, MetricsServer, PartitionsStalled, StateObserved,
+    UnownedLagObserved,
+};
 
 pub type InputConsumer = StreamConsumer<WorkerContext>;
 pub type InputQueue = StreamPartitionQueue<WorkerContext>;
@@ -64,6 +67,10 @@ pub struct RunReport {
     pub replayed: u64,
     pub repaired_records: u64,
     pub batches: u64,
+    /// Batches given up because the partition's assignment was lost.
+    pub batches_abandoned: u64,
+    /// Revokes that came with the assignment lost (session timeout, fencing).
+    pub assignments_lost: u64,
 }
 
 /// State shared by the main task, partition tasks and rebalance callbacks.
@@ -86,6 +93,15 @@ pub(crate) struct Shared {
     pending_repairs: AtomicUsize,
     assignment_seen: AtomicBool,
     pub batches: AtomicU64,
+    pub batches_abandoned: AtomicU64,
+    pub assignments_lost: AtomicU64,
+    /// The end of each input partition a `read_committed` consumer can
+    /// reach (last stable offset), from librdkafka statistics; with each
+    /// task's next offset it gives the lag in both delivery modes (librdkafka's
+    /// own `consumer_lag` follows committed offsets, which exactly-once mode
+    /// commits through the transaction, out of the consumer's sight).
+    /// A std `Mutex`: written once a second by the statistics callback.
+    input_ends: Mutex<HashMap<i32, i64>>,
     /// Input offsets the broker confirmed as committed (commit callback).
     /// A std `Mutex`: touched briefly from the callback and the pipelines.
     committed: Mutex<HashMap<i32, i64>>,
@@ -108,6 +124,13 @@ impl Shared {
         self.committed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(&partition).copied()
     }
 
+    /// Records of `partition` not yet processed, when both ends are known.
+    pub(crate) fn input_lag(&self, partition: i32, progress: &PartitionProgress) -> Option<i64> {
+        let next = progress.next_offset.load(Ordering::Relaxed);
+        let end = *self.input_ends.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(&partition)?;
+        (next >= 0).then(|| (end - next).max(0))
+    }
+
     pub(crate) fn partition_repaired(&self) {
         let before = self.pending_repairs.fetch_sub(1, Ordering::SeqCst);
         self.update_ready(before.saturating_sub(1));
@@ -124,6 +147,7 @@ struct PartitionHandle {
     /// Disconnects when the task ends (its sender is dropped).
     done: std::sync::mpsc::Receiver<()>,
     strays: mpsc::UnboundedSender<OwnedMessage>,
+    progress: Arc<PartitionProgress>,
 }
 
 /// The consumer context: rebalance callbacks and statistics.
@@ -155,9 +179,18 @@ impl WorkerContext {
             let (stop, stop_rx) = watch::channel(false);
             let (done_tx, done) = std::sync::mpsc::channel();
             let (strays, strays_rx) = mpsc::unbounded_channel();
+            let progress = Arc::new(PartitionProgress::new(wall_ms()));
             self.shared.pending_repairs.fetch_add(1, Ordering::SeqCst);
-            self.runtime.spawn(run_partition(self.shared.clone(), p, queue, stop_rx, strays_rx, done_tx));
-            self.tasks().insert(p, PartitionHandle { stop, done, strays });
+            self.runtime.spawn(run_partition(
+                self.shared.clone(),
+                p,
+                queue,
+                stop_rx,
+                strays_rx,
+                progress.clone(),
+                done_tx,
+            ));
+            self.tasks().insert(p, PartitionHandle { stop, done, strays, progress });
             started.push(p);
         }
         self.shared.assignment_seen.store(true, Ordering::SeqCst);
@@ -168,10 +201,16 @@ impl WorkerContext {
 
     /// Stops the tasks of `partitions` and waits (bounded) until each has
     /// finished or abandoned its batch: only then may another owner start.
-    fn revoke(&self, partitions: &[i32]) {
+    /// `lost`: the assignment was lost (session timeout), another member may
+    /// own the partitions already, so in-flight batches are abandoned rather
+    /// than finished.
+    fn revoke(&self, partitions: &[i32], lost: bool) {
         let handles: Vec<(i32, PartitionHandle)> =
             partitions.iter().filter_map(|p| self.tasks().remove(p).map(|h| (*p, h))).collect();
         for (_, h) in &handles {
+            if lost {
+                h.progress.lost.store(true, Ordering::SeqCst);
+            }
             let _ = h.stop.send(true);
         }
         let timeout = self.shared.settings.revoke_timeout;
@@ -229,13 +268,128 @@ fn block_outside_runtime<T>(f: impl FnOnce() -> T) -> T {
 impl ClientContext for WorkerContext {
     fn stats(&self, statistics: Statistics) {
         let Some(topic) = statistics.topics.get(&self.shared.settings.topics.input) else { return };
-        let owned: Vec<i32> = self.tasks().keys().copied().collect();
-        for (&partition, p) in &topic.partitions {
-            if owned.contains(&partition) && p.consumer_lag >= 0 {
-                LagObserved { partition, lag_records: p.consumer_lag }.emit(&self.shared.metrics);
+        let now = wall_ms();
+        let stall_ms = i64::try_from(self.shared.settings.stall_timeout.as_millis()).unwrap_or(i64::MAX);
+        let owned: Vec<(i32, Arc<PartitionProgress>)> =
+            self.tasks().iter().map(|(p, h)| (*p, h.progress.clone())).collect();
+        {
+            let mut ends = self.shared.input_ends.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            for (&partition, p) in &topic.partitions {
+                // read_committed: the last stable offset is the end this
+                // consumer can reach; before it is known, the high watermark.
+                let end = if p.ls_offset >= 0 { p.ls_offset } else { p.hi_offset };
+                if end >= 0 {
+                    ends.insert(partition, end);
+                }
             }
         }
+        let mut stalled = 0;
+        for (partition, progress) in &owned {
+            let lag = self
+                .shared
+                .input_lag(*partition, progress)
+                .or_else(|| topic.partitions.get(partition).map(|p| p.consumer_lag).filter(|l| *l >= 0));
+            if let Some(lag_records) = lag {
+                LagObserved { partition: *partition, lag_records }.emit(&self.shared.metrics);
+                // The head of the unprocessed input is younger than the last
+                // record processed: its age bounds the head's from above.
+                let last = progress.last_record_ms.load(Ordering::Relaxed);
+                let seconds = if lag_records > 0 && last >= 0 { (now - last) as f64 / 1000.0 } else { 0.0 };
+                HeadAgeObserved { partition: *partition, seconds }.emit(&self.shared.metrics);
+            }
+            if progress.stalled(now, stall_ms, lag) {
+                stalled += 1;
+            }
+        }
+        PartitionsStalled { count: stalled }.emit(&self.shared.metrics);
     }
+
+    fn error(&self, error: RdError, reason: &str) {
+        if let Some(detail) = self.fatal_detail(&error, reason) {
+            self.shared.fail(KafkaError::ConsumerFatal { detail });
+        } else {
+            tracing::warn!(%error, reason, "kafka client error");
+        }
+    }
+}
+
+impl WorkerContext {
+    /// Describes `error` when no retry can heal it: a fatal client error
+    /// (e.g. `FENCED_INSTANCE_ID`: another process uses this
+    /// `--instance-id`), or credentials and ACLs the brokers refuse. Such
+    /// errors stop the worker at once rather than leave it retrying for ever
+    /// with `/healthz` green.
+    fn fatal_detail(&self, error: &RdError, reason: &str) -> Option<String> {
+        let client_fatal = self.shared.consumer().and_then(|c| c.client().fatal_error());
+        let fatal_event = matches!(error, RdError::MessageConsumptionFatal(_));
+        let code = error.rdkafka_error_code()?;
+        if !(fatal_event || client_fatal.is_some() || fatal_consumer_code(code)) {
+            return None;
+        }
+        // librdkafka reports a fatal error under its underlying code (or as
+        // `Fatal`, whose cause the client keeps).
+        let (code, why) = match client_fatal {
+            Some((c, why)) if code == RDKafkaErrorCode::Fatal => (c, why),
+            _ => (code, format!("{error} ({reason})")),
+        };
+        let hint = if code == RDKafkaErrorCode::FencedInstanceId {
+            format!(
+                "; another process joined group `{}` with the same --instance-id {:?}: give each worker its own",
+                self.shared.settings.group,
+                self.shared.settings.instance_id.as_deref().unwrap_or("")
+            )
+        } else {
+            String::new()
+        };
+        Some(format!("{code:?}: {why}{hint}"))
+    }
+}
+
+/// Consumer error codes no retry heals.
+pub(crate) fn fatal_consumer_code(code: RDKafkaErrorCode) -> bool {
+    use RDKafkaErrorCode as C;
+    matches!(
+        code,
+        C::Fatal
+            | C::FencedInstanceId
+            | C::Authentication
+            | C::SaslAuthenticationFailed
+            | C::GroupAuthorizationFailed
+            | C::TopicAuthorizationFailed
+            | C::ClusterAuthorizationFailed
+    )
+}
+
+/// How long after start a worker may own nothing before it reports the
+/// group's input lag as unowned (joins and first rebalances take seconds).
+const UNOWNED_LAG_GRACE: Duration = Duration::from_secs(30);
+
+/// The group's unprocessed input: high watermarks minus the group's
+/// committed offsets, over every input partition. Blocking. `None` when the
+/// brokers do not answer.
+fn group_input_lag(consumer: &InputConsumer, topic: &str, partitions: usize, timeout: Duration) -> Option<i64> {
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    for p in 0..i32::try_from(partitions).ok()? {
+        tpl.add_partition(topic, p);
+    }
+    let committed = consumer.committed_offsets(tpl, timeout).ok()?;
+    let mut lag = 0i64;
+    for e in committed.elements() {
+        let (low, high) = consumer.fetch_watermarks(topic, e.partition(), timeout).ok()?;
+        let from = match e.offset() {
+            rdkafka::Offset::Offset(o) => o,
+            _ => low,
+        };
+        lag += (high - from).max(0);
+    }
+    Some(lag)
+}
+
+/// Wall-clock milliseconds, for progress and lag only.
+fn wall_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 fn partitions_of(tpl: &rdkafka::TopicPartitionList, topic: &str) -> Vec<i32> {
@@ -260,9 +414,14 @@ impl ConsumerContext for WorkerContext {
         }
     }
 
-    fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn pre_rebalance(&self, base: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(tpl) = rebalance {
-            self.revoke(&partitions_of(tpl, &self.shared.settings.topics.input));
+            let lost = base.assignment_lost();
+            if lost {
+                self.shared.assignments_lost.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!("assignment lost (session timeout or fenced): abandoning in-flight batches");
+            }
+            self.revoke(&partitions_of(tpl, &self.shared.settings.topics.input), lost);
         }
         if let Rebalance::Error(e) = rebalance {
             tracing::warn!(error = %e, "rebalance error");
@@ -298,6 +457,7 @@ async fn start_publisher(
     settings: &RunSettings,
     transactional_id: &str,
     consumer_slot: Arc<OnceLock<Weak<InputConsumer>>>,
+    metrics: Arc<Metrics>,
 ) -> Result<(Publisher, Option<tokio::task::JoinHandle<()>>, FutureProducer), KafkaError> {
     let topics = Arc::new(settings.topics.clone());
     let timeout = settings.operation_timeout;
@@ -342,7 +502,8 @@ async fn start_publisher(
             })?;
             let cgm: publisher::GroupMetadataSource =
                 Arc::new(move || consumer_slot.get().and_then(Weak::upgrade).and_then(|c| c.group_metadata()));
-            let (publisher, task) = publisher::start_transactional(producer.clone(), topics, cgm, timeout);
+            let timeouts = TxnTimeouts { operation: timeout, resolve_deadline: settings.repair_settle_timeout() };
+            let (publisher, task) = publisher::start_transactional(producer.clone(), topics, cgm, timeouts, metrics);
             Ok((publisher, Some(task), producer))
         }
     }
@@ -361,6 +522,9 @@ pub async fn run(
         return Err(KafkaError::Task { detail: "dedupd run needs a multi-threaded tokio runtime".into() });
     }
     let WorkerParts { validator, engine, clock, metrics } = parts;
+    settings
+        .check_record_bounds(validator.limits().max_output_bytes, validator.limits().max_id_bytes)
+        .map_err(KafkaError::Config)?;
     let s = settings.clone();
     let timeout = settings.operation_timeout;
     let layout = blocking(move || clients::check_topics(&s, timeout)).await??;
@@ -381,7 +545,7 @@ pub async fn run(
     let transactional_id = settings.transactional_id(rand::random::<u64>());
     let consumer_slot: Arc<OnceLock<Weak<InputConsumer>>> = Arc::new(OnceLock::new());
     let (publisher, publisher_task, producer) =
-        start_publisher(&settings, &transactional_id, consumer_slot.clone()).await?;
+        start_publisher(&settings, &transactional_id, consumer_slot.clone(), metrics.clone()).await?;
 
     let engine = Arc::new(Mutex::new(engine));
     let (fatal_tx, mut fatal_rx) = mpsc::unbounded_channel();
@@ -394,6 +558,8 @@ pub async fn run(
         stall_timeout: settings.operation_timeout,
         settle_timeout: settings.repair_settle_timeout(),
         uncommitted_config: clients::watermark_probe_config(&settings),
+        on_output_gap: settings.on_output_gap,
+        metrics: metrics.clone(),
     };
     let shared = Arc::new(Shared {
         settings: settings.clone(),
@@ -409,6 +575,9 @@ pub async fn run(
         pending_repairs: AtomicUsize::new(0),
         assignment_seen: AtomicBool::new(false),
         batches: AtomicU64::new(0),
+        batches_abandoned: AtomicU64::new(0),
+        assignments_lost: AtomicU64::new(0),
+        input_ends: Mutex::new(HashMap::new()),
         committed: Mutex::new(HashMap::new()),
     });
     let context =
@@ -423,6 +592,11 @@ pub async fn run(
 
     let maintain_task = {
         let (engine, metrics, clock) = (engine.clone(), metrics.clone(), clock.clone());
+        // Weak: the consumer must close when the main task drops it.
+        let watched = Arc::downgrade(&consumer);
+        let (input_topic, partitions, op_timeout) =
+            (settings.topics.input.clone(), shared.layout.partitions, settings.operation_timeout);
+        let started = std::time::Instant::now();
         let mut stop = server_stop_rx.clone();
         let every = settings.maintain_interval;
         tokio::spawn(async move {
@@ -445,6 +619,22 @@ pub async fn run(
                         tracing::warn!(error = %e, "local state maintenance failed");
                     }
                 }
+                // A worker that owns nothing while the group's input waits
+                // says so: alone in its group, that is a stuck group.
+                if started.elapsed() >= UNOWNED_LAG_GRACE {
+                    if let Some(c) = watched.upgrade() {
+                        if c.context().tasks().is_empty() {
+                            let (topic, n, timeout) = (input_topic.clone(), partitions, op_timeout);
+                            if let Ok(Some(lag)) =
+                                tokio::task::spawn_blocking(move || group_input_lag(&c, &topic, n, timeout)).await
+                            {
+                                UnownedLagObserved { lag_records: lag }.emit(&metrics);
+                            }
+                        } else {
+                            UnownedLagObserved { lag_records: 0 }.emit(&metrics);
+                        }
+                    }
+                }
             }
         })
     };
@@ -464,6 +654,11 @@ pub async fn run(
             m = consumer.recv() => match m {
                 Ok(m) => consumer.context().forward_stray(m.detach()),
                 Err(e) => {
+                    if let Some(detail) = consumer.context().fatal_detail(&e, "input consumer") {
+                        fatal = Some(KafkaError::ConsumerFatal { detail });
+                        metrics.set_unhealthy();
+                        break;
+                    }
                     tracing::warn!(error = %e, "input consumer error");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
@@ -476,7 +671,7 @@ pub async fn run(
     // its batch. The wait is bounded by revoke_timeout.
     let owned: Vec<i32> = consumer.context().tasks().keys().copied().collect();
     let ctx_consumer = consumer.clone();
-    blocking(move || ctx_consumer.context().revoke(&owned)).await?;
+    blocking(move || ctx_consumer.context().revoke(&owned, false)).await?;
 
     let p = producer.clone();
     if let Err(e) = blocking(move || p.flush(timeout)).await? {
@@ -517,6 +712,8 @@ pub async fn run(
         replayed: metrics.events(Bucket::replayed),
         repaired_records: metrics.repair_records(),
         batches: shared.batches.load(Ordering::Relaxed),
+        batches_abandoned: shared.batches_abandoned.load(Ordering::Relaxed),
+        assignments_lost: shared.assignments_lost.load(Ordering::Relaxed),
     })
 }
 

@@ -364,9 +364,10 @@ fn repair_from_output(
     let checkpoint = state.checkpoint(OFFLINE_PARTITION);
     let mut reader = BufReader::with_capacity(1 << 16, f);
     let mut line = Line::default();
-    // Output lines are canonical renderings of events that passed the input
-    // limit; they are never much longer than it.
-    let limit = validator.limits().max_record_bytes.saturating_mul(2).saturating_add(4096);
+    // Output lines were accepted under whatever limits were in force then;
+    // reading them back applies none of today's (a lowered limit must not
+    // make existing output unreadable), only a fixed memory ceiling.
+    let limit = crate::event::OUTPUT_READ_CEILING_BYTES;
     let mut offset: i64 = 0;
     let mut pending: Vec<StoredEvent> = Vec::new();
     let mut repaired = 0usize;

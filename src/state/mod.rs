@@ -229,6 +229,20 @@ impl LocalState {
         }
     }
 
+    /// The last output offset applied to *any* tier of `partition`. Differs
+    /// from [`checkpoint`](Self::checkpoint) when one tier has none (its
+    /// partition dropped, a moved key store) or lags the other after a crash.
+    pub fn furthest_checkpoint(&self, partition: i32) -> Option<i64> {
+        match &self.durable {
+            None => self.memory_checkpoints.get(&partition).copied(),
+            Some(d) => {
+                let usage = d.usage.checkpoint(partition);
+                let keys = d.keys.checkpoint(partition).ok().flatten();
+                usage.max(keys)
+            }
+        }
+    }
+
     fn long_horizon(&self) -> &dyn LongHorizon {
         match &self.durable {
             Some(d) => &d.keys,
@@ -340,5 +354,31 @@ impl LocalState {
             d.usage.close()?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::testutil::sample_event_at;
+
+    const NOW: i64 = 1_700_000_100_000;
+
+    #[test]
+    fn a_tier_without_a_checkpoint_does_not_hide_how_far_the_other_got() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let settings = EngineSettings { keep_revoked_partitions: false, ..EngineSettings::default() };
+        let mut state = LocalState::open(Some(dir.path()), settings, true).expect("open");
+        state.assign(4, NOW).expect("assign");
+        let batch: Vec<StoredEvent> = (0..3).map(|i| sample_event_at(i, 4, 10 + i as i64, NOW)).collect();
+        state.apply_published(4, &batch, NOW).expect("apply");
+        assert_eq!((state.checkpoint(4), state.furthest_checkpoint(4)), (Some(12), Some(12)));
+
+        // The revoke drops the key store's copy of the partition; the usage
+        // store still holds offsets up to 12.
+        state.revoke(4).expect("revoke");
+        state.assign(4, NOW).expect("assign again");
+        assert_eq!(state.checkpoint(4), None, "repair must start from scratch for the key store");
+        assert_eq!(state.furthest_checkpoint(4), Some(12), "but the usage store's progress stays visible");
     }
 }

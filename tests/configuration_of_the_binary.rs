@@ -1,0 +1,160 @@
+//! The binary's configuration as an operator meets it: Kafka properties from
+//! file, environment and flags merged key by key, secrets that never appear
+//! in `--help`, `check-config` or the start-up log, and JSON logs.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const SECRET: &str = "hunter2-do-not-print";
+const SALT: &str = "pepper-do-not-print";
+
+fn dedupd() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_dedupd"));
+    // Only what each test sets: no DEDUPD_* or RUST_LOG from the caller.
+    c.env_clear().env("PATH", std::env::var_os("PATH").unwrap_or_default());
+    c
+}
+
+/// A config file with the deployment's base properties, a secret file, and
+/// the run flags every test shares.
+fn setup(dir: &std::path::Path) -> Vec<String> {
+    let config = dir.join("dedupd.toml");
+    std::fs::write(
+        &config,
+        r#"
+brokers = "127.0.0.1:1"
+group = "billing"
+input_topic = "usage-events"
+output_topic = "usage-accepted"
+conflicts_topic = "usage-conflicts"
+rejected_topic = "usage-rejected"
+delivery = "at-least-once"
+kafka_properties = ["security.protocol=plaintext", "queued.max.messages.kbytes=16384", "sasl.mechanism=PLAIN"]
+"#,
+    )
+    .expect("config");
+    let secret = dir.join("kafka-password");
+    std::fs::write(&secret, format!("{SECRET}\n")).expect("secret");
+    [
+        "--config".into(),
+        config.display().to_string(),
+        "--kafka-property".into(),
+        "queued.max.messages.kbytes=8192".into(),
+        "--kafka-secret".into(),
+        format!("sasl.password=file:{}", secret.display()),
+    ]
+    .to_vec()
+}
+
+#[test]
+fn help_never_prints_secret_environment_values() {
+    let out = dedupd()
+        .args(["run", "--help"])
+        .env("DEDUPD_KAFKA_PROPERTIES", format!("sasl.password={SECRET}"))
+        .env("DEDUPD_DERIVE_SALT", SALT)
+        .output()
+        .expect("run --help");
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("--kafka-secret") && help.contains("DEDUPD_KAFKA_PROPERTIES"), "{help}");
+    assert!(!help.contains(SECRET) && !help.contains(SALT), "--help printed a secret:\n{help}");
+}
+
+#[test]
+fn check_config_merges_file_env_and_flags_key_by_key_and_masks_secrets() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let args = setup(dir.path());
+    let out = dedupd()
+        .arg("check-config")
+        .args(&args)
+        .env("DEDUPD_KAFKA_PROPERTIES", "sasl.mechanism=SCRAM-SHA-512\nsasl.username=billing-svc\n")
+        .env("DEDUPD_DERIVE_SALT", SALT)
+        .output()
+        .expect("check-config");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "check-config failed:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("configuration ok"), "{stdout}");
+    // The file's key kept, the env's override, the flag's override, the secret masked.
+    for want in [
+        "security.protocol=plaintext",
+        "sasl.mechanism=SCRAM-SHA-512",
+        "sasl.username=billing-svc",
+        "queued.max.messages.kbytes=8192",
+        "sasl.password=***",
+    ] {
+        assert!(stdout.contains(want), "{want} missing from:\n{stdout}");
+    }
+    assert!(!stdout.contains("queued.max.messages.kbytes=16384"), "the flag did not win:\n{stdout}");
+    assert!(!stdout.contains(SECRET) && !stdout.contains(SALT), "a secret was printed:\n{stdout}");
+}
+
+#[test]
+fn check_config_refuses_a_bad_configuration_naming_the_key() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let mut args = setup(dir.path());
+    args.extend(["--hot-ttl".into(), "1d".into(), "--horizon".into(), "2d".into()]);
+    let out = dedupd().arg("check-config").args(&args).output().expect("check-config");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("horizon") && stderr.contains("max_event_age"), "{stderr}");
+
+    let missing = dedupd()
+        .arg("check-config")
+        .args(&setup(dir.path())[..4])
+        .args(["--kafka-secret", "sasl.password=env:KAFKA_PASSWORD"])
+        .output()
+        .expect("check-config");
+    assert_eq!(missing.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&missing.stderr);
+    assert!(stderr.contains("KAFKA_PASSWORD") && stderr.contains("sasl.password"), "{stderr}");
+}
+
+#[test]
+fn the_start_up_log_line_is_json_names_the_version_and_masks_secrets() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let args = setup(dir.path());
+    let mut child = dedupd()
+        .arg("run")
+        .args(&args)
+        .args(["--log-format", "json"])
+        .env("RUST_LOG", "info")
+        .env("DEDUPD_DERIVE_SALT", SALT)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn run");
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut seen = Vec::new();
+    let start = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => {
+                if line.contains("dedupd starting") {
+                    break line;
+                }
+                seen.push(line);
+            }
+            Err(_) => panic!("no start-up line within 30 s; stderr so far:\n{}", seen.join("\n")),
+        }
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    let v: serde_json::Value = serde_json::from_str(&start).unwrap_or_else(|e| panic!("not JSON ({e}): {start}"));
+    let fields = &v["fields"];
+    assert_eq!(fields["version"], env!("CARGO_PKG_VERSION"), "{start}");
+    let run = fields["run"].as_str().expect("run settings");
+    assert!(run.contains("sasl.password=***") && run.contains("queued.max.messages.kbytes=8192"), "{run}");
+    assert!(!start.contains(SECRET) && !start.contains(SALT), "the start-up line printed a secret: {start}");
+    assert!(!start.contains('\u{1b}'), "colour codes in a log that is not a terminal: {start}");
+}

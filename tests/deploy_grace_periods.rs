@@ -1,0 +1,49 @@
+//! The orchestrators' grace periods cover dedupd's shutdown budget with a
+//! margin. A SIGTERM starts an orderly shutdown that may take the revoke
+//! timeout (in-flight batches) plus two operation timeouts (producer flush,
+//! leaving the group); a grace period shorter than that SIGKILLs it half way.
+
+use std::time::Duration;
+
+use dedupd::kafka::{RunSettings, Topics};
+
+/// Margin over the budget: a tenth of it, and at least 15 s for process
+/// start-up of the signal path and scheduling on a busy node.
+fn required(budget: Duration) -> Duration {
+    budget + (budget / 10).max(Duration::from_secs(15))
+}
+
+fn default_budget() -> Duration {
+    let topics = Topics { input: "i".into(), output: "o".into(), conflicts: "c".into(), rejected: "r".into() };
+    RunSettings::new("b", "g", topics).shutdown_budget()
+}
+
+/// The value of the first line `key: N<unit>` in a deployment file.
+fn seconds_of(file: &str, key: &str) -> Duration {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let line = text
+        .lines()
+        .map(str::trim)
+        .find(|l| l.starts_with(&format!("{key}:")))
+        .unwrap_or_else(|| panic!("{file} has no {key}"));
+    let value = line[key.len() + 1..].trim();
+    let digits = value.trim_end_matches('s');
+    Duration::from_secs(digits.parse().unwrap_or_else(|_| panic!("{file}: {key}: {value:?} is not seconds")))
+}
+
+#[test]
+fn kubernetes_and_compose_grace_periods_exceed_the_shutdown_budget_with_margin() {
+    let budget = default_budget();
+    assert_eq!(budget, Duration::from_secs(120), "the deployment comments quote 60s + 2 x 30s");
+    for (file, key) in
+        [("deploy/k8s/statefulset.yaml", "terminationGracePeriodSeconds"), ("docker-compose.yml", "stop_grace_period")]
+    {
+        let grace = seconds_of(file, key);
+        assert!(
+            grace >= required(budget),
+            "{file}: {key} {grace:?} does not cover the shutdown budget {budget:?} plus margin ({:?})",
+            required(budget)
+        );
+    }
+}
