@@ -732,19 +732,25 @@ def dedupd_binary(ctx: Context) -> str:
     raise CheckFailed("no dedupd binary: run `cargo build` first (or set DEDUPD_BIN)")
 
 
+def check_config(ctx: Context, text: str) -> subprocess.CompletedProcess[str]:
+    """`dedupd check-config` on a TOML text, with no DEDUPD_ variable from
+    the caller's environment but a salt (the k8s file keeps it in a Secret)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+        f.write(text)
+        f.flush()
+        env = {"PATH": os.environ.get("PATH", ""), "DEDUPD_DERIVE_SALT": "check-deploy"}
+        return subprocess.run([dedupd_binary(ctx), "check-config", "--config", f.name], env=env,
+                              capture_output=True, text=True)
+
+
 def check_toml(ctx: Context, text: str, where: str) -> list[str]:
     """The file through `dedupd check-config`, the same code path as `run`
     (every key, type, unit and cross-setting rule), then what only a
     deployment needs: the keys it must set and four distinct topics."""
     problems = []
-    with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
-        f.write(text)
-        f.flush()
-        env = {"PATH": os.environ.get("PATH", ""), "DEDUPD_DERIVE_SALT": "check-deploy"}
-        proc = subprocess.run([dedupd_binary(ctx), "check-config", "--config", f.name], env=env,
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            problems.append(f"{where}: dedupd check-config refuses it: {proc.stderr.strip()}")
+    proc = check_config(ctx, text)
+    if proc.returncode != 0:
+        problems.append(f"{where}: dedupd check-config refuses it: {proc.stderr.strip()}")
     cfg = parse_toml(text, where)
     for key in ["brokers", "group", "state_dir", "metrics_addr", "delivery", *TOPIC_KEYS]:
         if key not in cfg:
@@ -1093,12 +1099,7 @@ def quantity_bytes(q: str) -> int:
 def effective_engine(ctx: Context, text: str) -> dict[str, int]:
     """The engine settings `dedupd check-config` resolves from a TOML file,
     defaults included: the numbers sizing needs, never a copy of them."""
-    with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
-        f.write(text)
-        f.flush()
-        env = {"PATH": os.environ.get("PATH", ""), "DEDUPD_DERIVE_SALT": "check-deploy"}
-        proc = subprocess.run([dedupd_binary(ctx), "check-config", "--config", f.name], env=env,
-                              capture_output=True, text=True)
+    proc = check_config(ctx, text)
     if proc.returncode != 0:
         raise CheckFailed(f"dedupd check-config refuses the file: {proc.stderr.strip()}")
     engine = next((ln for ln in proc.stdout.splitlines() if ln.startswith("engine: ")), "")

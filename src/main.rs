@@ -11,7 +11,7 @@ use dedupd::config::{EngineSettings, FileConfig, PropertySource, TuningArgs};
 use dedupd::kafka::demo::DemoSettings;
 use dedupd::kafka::{DeliveryMode, OnOutputGap, RunSettings, StateEngine, Topics, WorkerParts};
 use dedupd::metrics::Metrics;
-use dedupd::offline::{run_dedupe, DedupeOptions, Stdio};
+use dedupd::offline::{run_dedupe_with_progress, DedupeOptions, Stdio};
 use dedupd::state::LocalState;
 use std::sync::Arc;
 
@@ -290,6 +290,30 @@ fn init_tracing(default_level: &str, format: LogFormat) {
     }
 }
 
+/// A progress bar on standard error for `dedupd dedupe`, only when standard
+/// error is a terminal: a file or a pipe gets the summary line alone. By
+/// bytes when the input's size is known, a spinner otherwise.
+fn progress_bar(total_bytes: Option<u64>) -> Option<indicatif::ProgressBar> {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let target = indicatif::ProgressDrawTarget::stderr();
+    let bar = match total_bytes {
+        Some(total) => indicatif::ProgressBar::with_draw_target(Some(total), target).with_style(
+            indicatif::ProgressStyle::with_template(
+                "{bar:30} {bytes}/{total_bytes} ({bytes_per_sec}, eta {eta}) {msg}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        ),
+        None => indicatif::ProgressBar::with_draw_target(None, target).with_style(
+            indicatif::ProgressStyle::with_template("{spinner} {bytes} read ({bytes_per_sec}) {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+        ),
+    };
+    Some(bar)
+}
+
 fn engine_settings(tuning: &TuningArgs) -> anyhow::Result<(EngineSettings, FileConfig)> {
     let file = match &tuning.config {
         Some(path) => FileConfig::load(path)?,
@@ -315,8 +339,25 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Dedupe { input, output, state_dir, rejected, conflicts, batch_records, tuning } => {
             let (settings, _) = engine_settings(&tuning)?;
+            let total_bytes = match &input {
+                Stdio::File(p) => std::fs::metadata(p).ok().map(|m| m.len()),
+                Stdio::Std => None,
+            };
             let opts = DedupeOptions { input, output, state_dir, rejected, conflicts, batch_records };
-            let summary = run_dedupe(&opts, &settings, &SystemClock)?;
+            let bar = progress_bar(total_bytes);
+            let summary = run_dedupe_with_progress(&opts, &settings, &SystemClock, &mut |p| {
+                if let Some(bar) = &bar {
+                    bar.set_position(p.bytes);
+                    bar.set_message(format!(
+                        "{} records: {} accepted, {} duplicates, {} conflicts, {} rejected",
+                        p.records, p.summary.accepted, p.summary.duplicates, p.summary.conflicts, p.summary.rejected
+                    ));
+                }
+            });
+            if let Some(bar) = &bar {
+                bar.finish();
+            }
+            let summary = summary?;
             // The summary is the last line on stderr, machine-readable.
             eprintln!("{}", serde_json::to_string(&summary)?);
             Ok(ExitCode::SUCCESS)

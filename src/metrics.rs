@@ -438,39 +438,32 @@ impl Metrics {
 /// without `/proc` only the build info is written.
 fn write_process_metrics(page: &mut String) {
     use std::fmt::Write;
-    let mut metric = |name: &str, kind: &str, help: &str, value: Option<f64>| {
+    let stat = ProcessStat::read();
+    let stat = stat.as_ref();
+    let open_fds = std::fs::read_dir("/proc/self/fd").ok().map(|d| d.count() as f64);
+    let process = [
+        (
+            "process_cpu_seconds_total",
+            "counter",
+            "Total user and system CPU time spent in seconds.",
+            stat.map(|s| s.cpu_seconds),
+        ),
+        ("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", stat.map(|s| s.resident_bytes)),
+        ("process_virtual_memory_bytes", "gauge", "Virtual memory size in bytes.", stat.map(|s| s.virtual_bytes)),
+        (
+            "process_start_time_seconds",
+            "gauge",
+            "Start time of the process since unix epoch in seconds.",
+            stat.and_then(|s| s.start_time_seconds),
+        ),
+        ("process_open_fds", "gauge", "Number of open file descriptors.", open_fds),
+        ("process_max_fds", "gauge", "Maximum number of open file descriptors.", max_fds()),
+    ];
+    for (name, kind, help, value) in process {
         if let Some(v) = value {
             let _ = write!(page, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n");
         }
-    };
-    let stat = ProcessStat::read();
-    metric(
-        "process_cpu_seconds_total",
-        "counter",
-        "Total user and system CPU time spent in seconds.",
-        stat.as_ref().map(|s| s.cpu_seconds),
-    );
-    metric(
-        "process_resident_memory_bytes",
-        "gauge",
-        "Resident memory size in bytes.",
-        stat.as_ref().map(|s| s.resident_bytes),
-    );
-    metric(
-        "process_virtual_memory_bytes",
-        "gauge",
-        "Virtual memory size in bytes.",
-        stat.as_ref().map(|s| s.virtual_bytes),
-    );
-    metric(
-        "process_start_time_seconds",
-        "gauge",
-        "Start time of the process since unix epoch in seconds.",
-        stat.as_ref().and_then(|s| s.start_time_seconds),
-    );
-    let open_fds = std::fs::read_dir("/proc/self/fd").ok().map(|d| d.count() as f64);
-    metric("process_open_fds", "gauge", "Number of open file descriptors.", open_fds);
-    metric("process_max_fds", "gauge", "Maximum number of open file descriptors.", max_fds());
+    }
     let _ = write!(
         page,
         "# HELP dedupd_build_info The running dedupd's version (value 1).\n# TYPE dedupd_build_info gauge\n\

@@ -358,3 +358,44 @@ fn verify_exits_nonzero_on_a_corrupted_state_dir() {
     assert_eq!(v.status.code(), Some(1), "{report}");
     assert!(report.contains("CORRUPT"), "{report}");
 }
+
+#[test]
+fn progress_is_drawn_on_a_terminal_and_never_in_a_file() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let input = dir.path().join("in.ndjson");
+    let mut f = std::fs::File::create(&input).expect("create");
+    for i in 0..20_000 {
+        writeln!(f, "{}", event(&format!("evt-{i}"), "1")).expect("write");
+    }
+    drop(f);
+    let bin = env!("CARGO_BIN_EXE_dedupd");
+
+    // Standard error to a file: the summary line and nothing else.
+    let out = dedupd()
+        .args(["dedupe", "--input"])
+        .arg(&input)
+        .arg("--output")
+        .arg(dir.path().join("a.ndjson"))
+        .output()
+        .expect("dedupe");
+    assert!(out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stderr.lines().count(), 1, "only the summary on a non-terminal:\n{stderr}");
+    assert_eq!(last_line(&out.stderr)["accepted"], 20_000);
+
+    // On a pseudo-terminal (util-linux `script`): a progress bar with counts.
+    let cmd = format!(
+        "DEDUPD_LOG=warn {bin} dedupe --input {} --output {}",
+        input.display(),
+        dir.path().join("b.ndjson").display()
+    );
+    let pty = Command::new("script")
+        .args(["-qec", &cmd, "/dev/null"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("util-linux `script` runs the command on a pseudo-terminal");
+    let shown = String::from_utf8_lossy(&pty.stdout);
+    assert!(pty.status.success(), "{shown}");
+    assert!(shown.contains("20000 records: 20000 accepted"), "no progress on the terminal:\n{shown}");
+    assert!(shown.contains("\"accepted\":20000"), "the summary still ends the run:\n{shown}");
+}

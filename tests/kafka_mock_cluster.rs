@@ -55,6 +55,25 @@ fn buckets_total(m: &dedupd::metrics::Metrics) -> u64 {
     Bucket::ALL.iter().map(|b| m.events(*b)).sum()
 }
 
+/// Stops an exactly-once worker that consumed all of `s`, checks its report's
+/// conflict and reject counts, then the topics (see [`check_outcome`]).
+async fn stop_and_check_exactly_once(
+    (stop, worker): (
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<Result<dedupd::kafka::RunReport, KafkaError>>,
+    ),
+    brokers: &str,
+    topics: &Topics,
+    group: &str,
+    s: &Scenario,
+) {
+    let _ = stop.send(());
+    let report = worker.await.expect("join").expect("run");
+    assert_eq!(report.conflict, s.conflicts);
+    assert_eq!(report.rejected, s.invalid);
+    check_outcome(brokers, topics, group, s, DeliveryMode::ExactlyOnce);
+}
+
 fn check_outcome(brokers: &str, topics: &Topics, group: &str, s: &Scenario, delivery: DeliveryMode) {
     let output = read_topic(brokers, &topics.output);
     assert_exactly_once(&output, s);
@@ -119,11 +138,7 @@ async fn exactly_once_survives_produce_errors_and_aborted_transactions() {
 
     let total = s.records.len() as u64;
     assert!(wait_until(Duration::from_secs(90), || buckets_total(&metrics) >= total).await, "worker did not catch up");
-    let _ = stop.send(());
-    let report = worker.await.expect("join").expect("run");
-    assert_eq!(report.conflict, s.conflicts);
-    assert_eq!(report.rejected, s.invalid);
-    check_outcome(&brokers, &topics, "eos-faults", &s, DeliveryMode::ExactlyOnce);
+    stop_and_check_exactly_once((stop, worker), &brokers, &topics, "eos-faults", &s).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -427,11 +442,7 @@ async fn a_transaction_commit_delayed_past_its_timeout_is_resumed_and_the_worker
     let faults = metrics.transaction_resumes() + metrics.transactions(false) + metrics.publish_retries("timeout");
     assert!(faults > 0, "the injected delay caused no resumed or aborted transaction");
     assert!(metrics.is_healthy(), "the worker recovered");
-    let _ = stop.send(());
-    let report = worker.await.expect("join").expect("run");
-    assert_eq!(report.conflict, s.conflicts);
-    assert_eq!(report.rejected, s.invalid);
-    check_outcome(&brokers, &topics, "slow-commit", &s, DeliveryMode::ExactlyOnce);
+    stop_and_check_exactly_once((stop, worker), &brokers, &topics, "slow-commit", &s).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -495,17 +506,23 @@ async fn a_lost_assignment_abandons_its_batches_and_output_stays_exactly_once() 
 async fn at_least_once_publish_waits_for_every_record_handed_over_before_it_reports_a_failure() {
     use dedupd::kafka::publisher::{PublishError, Publisher};
     use dedupd::kafka::records::{Destination, OutRecord};
-    use rdkafka::producer::Producer;
+    use rdkafka::consumer::{BaseConsumer, Consumer};
     let topics = topics("handed-over");
     let mock = cluster(&topics, PARTITIONS);
     let brokers = mock.bootstrap_servers();
+    // A long linger: a publish that reported the failure without waiting
+    // would leave the first record in the producer's queue for seconds.
     let producer: rdkafka::producer::FutureProducer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", &brokers)
         .set("enable.idempotence", "true")
-        .set("linger.ms", "200")
+        .set("linger.ms", "3000")
         .set("message.max.bytes", "10000")
         .create()
         .expect("producer");
+    // Created (and connected) up front, so reading the end of the output
+    // right after the failure takes milliseconds, not a linger.
+    let probe: BaseConsumer = rdkafka::ClientConfig::new().set("bootstrap.servers", &brokers).create().expect("probe");
+    assert_eq!(probe.fetch_watermarks(&topics.output, 0, Duration::from_secs(10)).expect("watermarks").1, 0);
     let record = |len: usize| OutRecord {
         destination: Destination::Output,
         partition: 0,
@@ -520,8 +537,8 @@ async fn at_least_once_publish_waits_for_every_record_handed_over_before_it_repo
     // is acknowledged or failed, never while it may still land.
     let err = publisher.publish(0, vec![record(10), record(50_000)], 1).await.expect_err("too large");
     assert!(matches!(err, PublishError::Permanent { .. }), "{err}");
-    assert_eq!(producer.in_flight_count(), 0, "a record was still in flight when the failure was reported");
-    assert_eq!(high_watermarks(&brokers, &topics.output, PARTITIONS)[0], 1, "the first record landed");
+    let (_, end) = probe.fetch_watermarks(&topics.output, 0, Duration::from_secs(10)).expect("watermarks");
+    assert_eq!(end, 1, "the failure was reported while the first record had not landed yet");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

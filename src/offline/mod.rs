@@ -143,6 +143,27 @@ impl OutputSink {
 
 /// Runs `dedupd dedupe`. Returns the bucket counts of this run.
 pub fn run_dedupe(opts: &DedupeOptions, settings: &EngineSettings, clock: &dyn Clock) -> Result<Summary, OfflineError> {
+    run_dedupe_with_progress(opts, settings, clock, &mut |_| {})
+}
+
+/// How far a run has got, reported after every batch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// Input lines read so far.
+    pub records: u64,
+    /// Input bytes read so far, newlines included.
+    pub bytes: u64,
+    pub summary: Summary,
+}
+
+/// [`run_dedupe`], calling `progress` after every batch (the binary draws a
+/// progress bar with it when standard error is a terminal).
+pub fn run_dedupe_with_progress(
+    opts: &DedupeOptions,
+    settings: &EngineSettings,
+    clock: &dyn Clock,
+    progress: &mut dyn FnMut(&Progress),
+) -> Result<Summary, OfflineError> {
     let validator = settings.validator();
     let batch_records = opts.batch_records.max(1);
 
@@ -182,6 +203,7 @@ pub fn run_dedupe(opts: &DedupeOptions, settings: &EngineSettings, clock: &dyn C
     let limit = validator.limits().max_record_bytes;
     let mut summary = Summary::default();
     let mut derived_ids = 0u64;
+    let mut bytes_read = 0u64;
     let mut next_line: i64 = 0;
     let mut batch: Vec<Line> = Vec::with_capacity(batch_records);
     let mut line_text = String::with_capacity(512);
@@ -198,6 +220,7 @@ pub fn run_dedupe(opts: &DedupeOptions, settings: &EngineSettings, clock: &dyn C
             if !more {
                 break;
             }
+            bytes_read += l.len + 1;
             batch.push(l);
             next_line += 1;
         }
@@ -289,6 +312,7 @@ pub fn run_dedupe(opts: &DedupeOptions, settings: &EngineSettings, clock: &dyn C
         // Only now, with the batch's output visible, does state change.
         state.apply_published(OFFLINE_PARTITION, &published, now_ms)?;
         state.maintain(now_ms)?;
+        progress(&Progress { records: next_line as u64, bytes: bytes_read, summary });
     }
     output.finish().map_err(|source| OfflineError::Io {
         what: "cannot write output",
