@@ -186,7 +186,9 @@ def load_contract(ctx: Context) -> dict[str, MetricSpec]:
         expect(len(parts) >= 2, f"deploy/metrics.txt:{n}: expected `<name> <type> [labels]`")
         name, kind = parts[0], parts[1]
         expect(kind in {"counter", "gauge", "histogram"}, f"deploy/metrics.txt:{n}: unknown type {kind}")
-        expect(name.startswith("dedupd_"), f"deploy/metrics.txt:{n}: {name} lacks the dedupd_ prefix")
+        # dedupd's own metrics, and the standard process_* collector's.
+        expect(name.startswith(("dedupd_", "process_")),
+               f"deploy/metrics.txt:{n}: {name} lacks the dedupd_ (or standard process_) prefix")
         expect(kind != "counter" or name.endswith("_total"), f"deploy/metrics.txt:{n}: counter {name} needs _total")
         labels: dict[str, set[str] | None] = {}
         for spec in parts[2:]:
