@@ -168,10 +168,22 @@ fn spawn_worker(
     membership: Membership,
     state_dir: &std::path::Path,
 ) -> Worker {
+    spawn_worker_with_args(brokers, group, topics, instance, membership, state_dir, &[])
+}
+
+/// [`spawn_worker`] with more `dedupd run` flags.
+fn spawn_worker_with_args(
+    brokers: &str,
+    group: &str,
+    topics: &Topics,
+    instance: &str,
+    membership: Membership,
+    state_dir: &std::path::Path,
+    extra: &[&str],
+) -> Worker {
     let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
     let metrics = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-    let log = std::env::temp_dir().join(format!("dedupd-child-{}-{group}-{instance}.log", std::process::id()));
-    let log = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("child log");
+    let log = std::fs::OpenOptions::new().create(true).append(true).open(log_path(group, instance)).expect("child log");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_dedupd"));
     cmd.arg("run");
     if membership == Membership::Static {
@@ -190,6 +202,7 @@ fn spawn_worker(
         // short timeout keeps each such rebalance to a few seconds.
         .args(["--kafka-property", "consumer.session.timeout.ms=6000"])
         .args(["--kafka-property", "consumer.max.poll.interval.ms=20000"])
+        .args(extra)
         .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "dedupd=info".into()))
         .stdout(log.try_clone().expect("child log"))
         .stderr(log)
@@ -203,6 +216,11 @@ fn signal(child: &Child, sig: i32) {
     // SAFETY: kill(2) on our own child's pid; no memory is touched.
     let rc = unsafe { libc::kill(pid, sig) };
     assert_eq!(rc, 0, "kill({pid}, {sig})");
+}
+
+/// The log file of a worker spawned with this group and instance name.
+fn log_path(group: &str, instance: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("dedupd-child-{}-{group}-{instance}.log", std::process::id()))
 }
 
 fn stderr_of(_child: &mut Child) -> String {
@@ -505,4 +523,73 @@ async fn state_for_a_never_owned_partition_is_rebuilt_from_the_output_within_the
         assert_eq!(outcome.from_offset, old_end[i], "partition {p} must start at the first output within the horizon");
         assert_eq!(outcome.records, (new_end[i] - old_end[i]) as u64, "partition {p} must read everything since");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_that_deleted_unapplied_output_stops_the_worker_or_is_counted_when_told_to_continue() {
+    let _one_at_a_time = ONE_AT_A_TIME.lock().await;
+    let tansu = Tansu::start();
+    let topics = topics("gap");
+    tansu.create_topics(&topics, PARTITIONS);
+    let brokers = tansu.brokers.clone();
+    let s = scenario(4000, 0, 0, 0);
+    let (first, second) = s.records.split_at(s.records.len() / 2);
+    let producer = traffic_producer(&brokers);
+    let state_a = tempfile::tempdir().expect("state dir a");
+    let state_b = tempfile::tempdir().expect("state dir b");
+
+    // Instance a applies the first half's output; instance b, whose state
+    // lives elsewhere (another node), then publishes the second half's.
+    produce_traffic(&producer, &topics.input, PARTITIONS, first).await.expect("produce");
+    run_until_input_done(&brokers, "gap", &topics, state_a.path()).await;
+    let applied_by_a = high_watermarks(&brokers, &topics.output, PARTITIONS);
+    produce_traffic(&producer, &topics.input, PARTITIONS, second).await.expect("produce");
+    run_until_input_done(&brokers, "gap", &topics, state_b.path()).await;
+    let end = high_watermarks(&brokers, &topics.output, PARTITIONS);
+    assert!(
+        end.iter().zip(&applied_by_a).all(|(e, a)| e - a >= 2),
+        "b published on every partition: {applied_by_a:?} {end:?}"
+    );
+
+    // Retention deletes all but each partition's last record, including
+    // output a's state never applied.
+    let log_start: Vec<i64> = end.iter().map(|e| e - 1).collect();
+    tansu.apply_retention(&topics.output, &log_start);
+    let gap: i64 = log_start.iter().zip(&applied_by_a).map(|(l, a)| l - a).sum();
+
+    // Back on a's state: the default stops, naming the gap, before publishing.
+    // Static membership, as the StatefulSet restarts a pod: the second life
+    // below takes the first one's place in the group at once.
+    let mut w = spawn_worker(&brokers, "gap", &topics, "a", Membership::Static, state_a.path());
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = w.child.try_wait().expect("try_wait") {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the worker kept running across a retention gap");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let log = std::fs::read_to_string(log_path("gap", "a")).expect("worker log");
+    assert!(!status.success(), "a retention gap must stop the worker: {log}");
+    assert!(
+        log.contains("retention deleted output records") && log.contains("--on-output-gap continue"),
+        "the message must name the gap and the way on: {log}"
+    );
+    assert_eq!(high_watermarks(&brokers, &topics.output, PARTITIONS), end, "nothing was published");
+
+    // With `--on-output-gap continue` it goes on and counts exactly the gap.
+    let mut w = spawn_worker_with_args(
+        &brokers,
+        "gap",
+        &topics,
+        "a",
+        Membership::Static,
+        state_a.path(),
+        &["--on-output-gap", "continue"],
+    );
+    wait_owning(&mut w, PARTITIONS, Duration::from_secs(120)).await;
+    let counted = metric(w.metrics, "dedupd_repair_gap_records_total").expect("gap metric");
+    assert_eq!(counted, gap as f64, "the gap counted is the output a never applied and retention deleted");
+    w.stop().await;
+    assert_state_dir_verifies(state_a.path());
 }

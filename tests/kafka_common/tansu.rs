@@ -103,6 +103,39 @@ impl Tansu {
         );
     }
 
+    /// Retention, as the broker's log cleaner would apply it: deletes every
+    /// record of `topic` partition `p` below `log_start[p]` and moves the
+    /// partition's log start there. Tansu 0.6's sqlite engine does not
+    /// implement DeleteRecords (`todo!()`), so this edits its database the
+    /// way retention would leave it: ListOffsets(earliest) answers the
+    /// smallest stored offset, which is then `log_start[p]`.
+    pub fn apply_retention(&self, topic: &str, log_start: &[i64]) {
+        let db = self.sqlite.as_ref().expect("retention is applied through the sqlite engine's database");
+        let script = "import sqlite3, sys\n\
+                      c = sqlite3.connect(sys.argv[1], timeout=30)\n\
+                      for p, keep in enumerate(int(x) for x in sys.argv[3].split(',')):\n\
+                      \x20   (tp,) = c.execute('select tp.id from topition tp join topic t on tp.topic = t.id \
+                      where t.name = ? and tp.partition = ?', (sys.argv[2], p)).fetchone()\n\
+                      \x20   c.execute('delete from header where topition = ? and offset_id < ?', (tp, keep))\n\
+                      \x20   c.execute('delete from record where topition = ? and offset_id < ?', (tp, keep))\n\
+                      \x20   c.execute('update watermark set low = ? where topition = ?', (keep, tp))\n\
+                      c.commit()\n";
+        let starts = log_start.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
+        let out = Command::new("python3")
+            .args(["-c", script])
+            .arg(db)
+            .arg(topic)
+            .arg(&starts)
+            .output()
+            .expect("python3 (for sqlite3)");
+        assert!(
+            out.status.success(),
+            "applying retention to {topic} in {}: {}",
+            db.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// Creates a topic, retrying until the broker answers.
     pub fn create_topic(&self, name: &str, partitions: i32) {
         let deadline = Instant::now() + Duration::from_secs(30);
