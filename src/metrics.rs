@@ -109,6 +109,16 @@ pub const PUBLISH_RETRY_REASONS: [&str; 5] =
     ["timeout", "broker", "transaction_aborted", "not_group_member", "queue_full"];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CauseLabels {
+    cause: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct TierLabels {
     tier: WindowTier,
 }
@@ -163,6 +173,9 @@ pub struct Metrics {
     stalled_partitions: Gauge,
     consumer_lag_seconds: Family<PartitionLabels, Gauge<f64, AtomicU64>>,
     unowned_lag: Gauge,
+    hot_cache_evictions: Family<CauseLabels, Counter>,
+    repair_remaining: Family<PartitionLabels, Gauge>,
+    rebalances: Family<KindLabels, Counter>,
     healthy: AtomicBool,
     ready: AtomicBool,
 }
@@ -204,6 +217,9 @@ impl Metrics {
         let stalled_partitions = Gauge::default();
         let consumer_lag_seconds = Family::<PartitionLabels, Gauge<f64, AtomicU64>>::default();
         let unowned_lag = Gauge::default();
+        let hot_cache_evictions = Family::<CauseLabels, Counter>::default();
+        let repair_remaining = Family::<PartitionLabels, Gauge>::default();
+        let rebalances = Family::<KindLabels, Counter>::default();
 
         registry.register("events", "Input records by bucket", events.clone());
         registry.register("conflicts", "Conflicts (same id, different payload) by tenant", conflicts.clone());
@@ -284,6 +300,28 @@ impl Metrics {
             unowned_lag.clone(),
         );
 
+        registry.register(
+            "hot_cache_evictions",
+            "Keys the hot caches dropped, by cause: expired (past the TTL) or capacity (still within it)",
+            hot_cache_evictions.clone(),
+        );
+        for cause in ["expired", "capacity"] {
+            let _ = hot_cache_evictions.get_or_create(&CauseLabels { cause });
+        }
+        registry.register(
+            "repair_records_remaining",
+            "Output records a running repair has still to read, by partition (0 when none runs)",
+            repair_remaining.clone(),
+        );
+        registry.register(
+            "rebalances",
+            "Partition moves to or from this instance: assign, revoke, lost (revoked after the session expired)",
+            rebalances.clone(),
+        );
+        for kind in ["assign", "revoke", "lost"] {
+            let _ = rebalances.get_or_create(&KindLabels { kind });
+        }
+
         // Pre-register every closed label value so series exist from the start.
         for reason in PUBLISH_RETRY_REASONS {
             let _ = publish_retries.get_or_create(&ReasonLabels { reason: reason.to_owned() });
@@ -331,6 +369,9 @@ impl Metrics {
             stalled_partitions,
             consumer_lag_seconds,
             unowned_lag,
+            hot_cache_evictions,
+            repair_remaining,
+            rebalances,
             healthy: AtomicBool::new(true),
             ready: AtomicBool::new(false),
         }
@@ -629,6 +670,45 @@ impl StageTimed {
     }
 }
 
+/// A running repair of `partition` has `remaining` output records left to
+/// read (0 once it ends or is abandoned).
+#[derive(Clone, Copy, Debug)]
+pub struct RepairProgressed {
+    pub partition: i32,
+    pub remaining: i64,
+}
+
+impl RepairProgressed {
+    pub fn emit(&self, m: &Metrics) {
+        m.repair_remaining.get_or_create(&PartitionLabels { partition: self.partition }).set(self.remaining.max(0));
+    }
+}
+
+/// The consumer group moved partitions to or from this instance.
+#[derive(Clone, Copy, Debug)]
+pub enum Rebalanced {
+    Assigned,
+    Revoked,
+    /// Revoked with the assignment already lost (session timeout, fencing).
+    Lost,
+}
+
+impl Rebalanced {
+    pub fn emit(&self, m: &Metrics) {
+        let kind = match self {
+            Rebalanced::Assigned => "assign",
+            Rebalanced::Revoked => "revoke",
+            Rebalanced::Lost => "lost",
+        };
+        m.rebalances.get_or_create(&KindLabels { kind }).inc();
+    }
+
+    /// Count of `kind` (`assign`, `revoke`, `lost`) so far.
+    pub fn count(m: &Metrics, kind: &'static str) -> u64 {
+        m.rebalances.get_or_create(&KindLabels { kind }).get()
+    }
+}
+
 /// Repair read `records` output records of `partition` into local state.
 #[derive(Clone, Copy, Debug)]
 pub struct RepairCompleted {
@@ -641,6 +721,7 @@ pub struct RepairCompleted {
 impl RepairCompleted {
     pub fn emit(&self, m: &Metrics) {
         m.repair_records.inc_by(self.records);
+        m.repair_remaining.get_or_create(&PartitionLabels { partition: self.partition }).set(0);
         StageTimed { stage: Stage::repair, duration: self.duration }.emit(m);
         tracing::info!(
             partition = self.partition,
@@ -812,6 +893,8 @@ pub struct StateObserved {
     pub keystore_window: Option<Duration>,
     /// The size cap holds the key store's window below its floor.
     pub window_below_floor: bool,
+    /// Hot-cache evictions since the process started (cumulative).
+    pub hot_evictions: crate::classify::HotEvictions,
 }
 
 impl StateObserved {
@@ -819,6 +902,11 @@ impl StateObserved {
         m.hot_cache_entries.set(i64::try_from(self.hot_cache_entries).unwrap_or(i64::MAX));
         m.keystore_bytes.set(i64::try_from(self.keystore_bytes).unwrap_or(i64::MAX));
         m.dedupe_window_below_floor.set(i64::from(self.window_below_floor));
+        // Cumulative counts in, counter increments out.
+        for (cause, total) in [("expired", self.hot_evictions.expired), ("capacity", self.hot_evictions.at_capacity)] {
+            let c = m.hot_cache_evictions.get_or_create(&CauseLabels { cause });
+            c.inc_by(total.saturating_sub(c.get()));
+        }
         for (tier, w) in [(WindowTier::hot_cache, self.hot_window), (WindowTier::keystore, self.keystore_window)] {
             m.dedupe_window.get_or_create(&TierLabels { tier }).set(w.map_or(0.0, |d| d.as_secs_f64()));
         }
@@ -990,6 +1078,17 @@ mod tests {
             assert!(page.contains(&format!("# TYPE {name} ")), "{name} missing from\n{page}");
         }
         assert!(!page.contains("# EOF"));
+    }
+
+    #[test]
+    fn repair_progress_shows_records_remaining_until_the_repair_ends() {
+        let m = Metrics::new();
+        RepairProgressed { partition: 2, remaining: 500 }.emit(&m);
+        assert!(m.encode().contains("dedupd_repair_records_remaining{partition=\"2\"} 500"));
+        RepairCompleted { partition: 2, from_offset: 0, records: 500, duration: Duration::from_secs(1) }.emit(&m);
+        assert!(m.encode().contains("dedupd_repair_records_remaining{partition=\"2\"} 0"));
+        Rebalanced::Lost.emit(&m);
+        assert!(m.encode().contains("dedupd_rebalances_total{kind=\"lost\"} 1"));
     }
 
     #[test]

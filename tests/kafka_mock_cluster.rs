@@ -499,6 +499,9 @@ async fn a_lost_assignment_abandons_its_batches_and_output_stays_exactly_once() 
     let _ = stop.send(());
     let report = worker.await.expect("join").expect("run");
     assert!(report.assignments_lost >= 1, "the fault did not happen: no lost assignment");
+    use dedupd::metrics::Rebalanced;
+    assert!(Rebalanced::count(&metrics, "lost") >= 1, "dedupd_rebalances_total{{kind=\"lost\"}} did not count it");
+    assert!(Rebalanced::count(&metrics, "assign") >= 1);
     check_outcome(&brokers, &topics, "lost", &s, DeliveryMode::AtLeastOnce);
 }
 

@@ -56,6 +56,27 @@ pub struct HotCache {
     head_seq: u64,
     /// Sequence number the next insert gets.
     next_seq: u64,
+    /// Keys dropped so far, by why.
+    evictions: HotEvictions,
+}
+
+/// Keys a hot cache dropped, by cause. A key dropped at capacity was still
+/// within its TTL: the cache's window is then shorter than the TTL, and its
+/// retries are found only in the key store.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HotEvictions {
+    /// Past the TTL.
+    pub expired: u64,
+    /// Pushed out by a new key while the cache was full.
+    pub at_capacity: u64,
+}
+
+impl std::ops::Add for HotEvictions {
+    type Output = HotEvictions;
+
+    fn add(self, other: HotEvictions) -> HotEvictions {
+        HotEvictions { expired: self.expired + other.expired, at_capacity: self.at_capacity + other.at_capacity }
+    }
 }
 
 impl std::fmt::Debug for HotCache {
@@ -84,7 +105,13 @@ impl HotCache {
             first_chunk_seq: 0,
             head_seq: 0,
             next_seq: 0,
+            evictions: HotEvictions::default(),
         }
+    }
+
+    /// Keys dropped since the cache was made.
+    pub fn evictions(&self) -> HotEvictions {
+        self.evictions
     }
 
     pub fn partition(&self) -> i32 {
@@ -162,6 +189,7 @@ impl HotCache {
         }
         if self.len() >= self.capacity {
             self.evict_oldest();
+            self.evictions.at_capacity += 1;
         }
         let seq = self.next_seq;
         let rel = (seq - self.first_chunk_seq) as usize;
@@ -201,6 +229,7 @@ impl HotCache {
             self.evict_oldest();
             evicted += 1;
         }
+        self.evictions.expired += evicted as u64;
         evicted
     }
 
@@ -296,6 +325,20 @@ mod tests {
             assert!(c.get(&key(n, 1, n as i64).id_hash, 10).is_some(), "key {n}");
         }
         assert_eq!(c.oldest_first_seen_ms(), Some(2));
+    }
+
+    #[test]
+    fn evictions_are_counted_by_cause() {
+        // Capacity 3, TTL 1000: five keys at t=0 push two out at capacity;
+        // at t=1000 the three left expire.
+        let mut c = HotCache::new(3, 1000, 3);
+        for n in 0..5 {
+            assert!(c.insert(&key(n, 1, 0), 0));
+        }
+        assert_eq!(c.evictions(), HotEvictions { expired: 0, at_capacity: 2 });
+        assert_eq!(c.evict_expired(1000), 3);
+        assert_eq!(c.evictions(), HotEvictions { expired: 3, at_capacity: 2 });
+        assert_eq!(c.len(), 0);
     }
 
     #[test]

@@ -14,6 +14,6 @@ pub use classifier::{
     PartitionClassifier, Tier, Verdict,
 };
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use hot_cache::HotCache;
+pub use hot_cache::{HotCache, HotEvictions};
 pub use outcome::{classify_records, InputRecord, Outcome};
 pub use seen::SeenKey;

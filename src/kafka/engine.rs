@@ -24,6 +24,7 @@ pub struct EngineStats {
     pub oldest_hot_first_seen_ms: Option<i64>,
     pub oldest_keystore_first_seen_ms: Option<i64>,
     pub window_below_floor: bool,
+    pub hot_evictions: crate::classify::HotEvictions,
 }
 
 /// A failure of local state. The worker treats it as fatal for the process:
@@ -162,6 +163,7 @@ impl Engine for StateEngine {
             oldest_hot_first_seen_ms: st.hot_oldest_first_seen_ms,
             oldest_keystore_first_seen_ms: st.keystore_oldest_first_seen_ms,
             window_below_floor: st.keystore_window_below_floor,
+            hot_evictions: st.hot_evictions,
         }
     }
 

@@ -35,7 +35,7 @@ use crate::kafka::engine::{Engine, StoredEvent};
 use crate::kafka::error::KafkaError;
 use crate::kafka::records::parse_output;
 use crate::kafka::settings::OnOutputGap;
-use crate::metrics::{Metrics, RepairGapFound};
+use crate::metrics::{Metrics, RepairGapFound, RepairProgressed};
 
 /// Records applied per engine call: bounds memory and engine lock hold time.
 const APPLY_CHUNK: usize = 4096;
@@ -153,11 +153,16 @@ impl Repairer {
         let mut records = 0u64;
         let mut last_progress = Instant::now();
         let mut last_report = Instant::now();
+        let progressed = |records: u64| {
+            RepairProgressed { partition, remaining: high - (from + records as i64) }.emit(&self.metrics);
+        };
+        progressed(0);
         loop {
             // A repair over the whole horizon can read for a long time: say
             // where it is at a steady interval, not only when it is done.
             if last_report.elapsed() >= REPAIR_PROGRESS_INTERVAL {
                 last_report = Instant::now();
+                progressed(records);
                 let next = from + records as i64;
                 tracing::info!(
                     partition,
@@ -170,6 +175,7 @@ impl Repairer {
             }
             if abandon() {
                 self.apply(partition, &mut chunk)?;
+                RepairProgressed { partition, remaining: 0 }.emit(&self.metrics);
                 return Ok(None);
             }
             match consumer.poll(Duration::from_millis(200)) {

@@ -39,8 +39,8 @@ use crate::kafka::publisher::{self, Publisher, TxnTimeouts};
 use crate::kafka::repair::{lock_engine, Repairer};
 use crate::kafka::settings::{DeliveryMode, RunSettings};
 use crate::metrics::{
-    AssignmentChanged, Bucket, HeadAgeObserved, LagObserved, Metrics, MetricsServer, PartitionsStalled, StateObserved,
-    UnownedLagObserved,
+    AssignmentChanged, Bucket, HeadAgeObserved, LagObserved, Metrics, MetricsServer, PartitionsStalled, Rebalanced,
+    StateObserved, UnownedLagObserved,
 };
 
 pub type InputConsumer = StreamConsumer<WorkerContext>;
@@ -417,6 +417,8 @@ impl ConsumerContext for WorkerContext {
     fn pre_rebalance(&self, base: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(tpl) = rebalance {
             let lost = base.assignment_lost();
+            let kind = if lost { Rebalanced::Lost } else { Rebalanced::Revoked };
+            kind.emit(&self.shared.metrics);
             if lost {
                 self.shared.assignments_lost.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!("assignment lost (session timeout or fenced): abandoning in-flight batches");
@@ -430,6 +432,7 @@ impl ConsumerContext for WorkerContext {
 
     fn post_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(tpl) = rebalance {
+            Rebalanced::Assigned.emit(&self.shared.metrics);
             self.assign(partitions_of(tpl, &self.shared.settings.topics.input));
         }
     }
@@ -444,6 +447,7 @@ fn engine_stats(engine: &Mutex<Box<dyn Engine>>, now_ms: i64) -> StateObserved {
         hot_window: age(s.oldest_hot_first_seen_ms),
         keystore_window: age(s.oldest_keystore_first_seen_ms),
         window_below_floor: s.window_below_floor,
+        hot_evictions: s.hot_evictions,
     }
 }
 

@@ -63,6 +63,8 @@ pub struct StateStats {
     pub keystore_bytes: u64,
     /// The size cap has pushed the key store's window below its floor.
     pub keystore_window_below_floor: bool,
+    /// Hot-cache evictions since the process started, every partition's.
+    pub hot_evictions: crate::classify::HotEvictions,
 }
 
 /// The durable tiers of a state directory.
@@ -88,6 +90,9 @@ pub struct LocalState {
     /// In-memory mode only: last output offset applied, per partition.
     memory_checkpoints: BTreeMap<i32, i64>,
     last_age_out_ms: i64,
+    /// Evictions of hot caches already dropped (revoked partitions), so the
+    /// process-wide count never goes back.
+    revoked_evictions: crate::classify::HotEvictions,
 }
 
 impl std::fmt::Debug for LocalState {
@@ -136,6 +141,7 @@ impl LocalState {
             durable: None,
             memory_checkpoints: BTreeMap::new(),
             last_age_out_ms: i64::MIN,
+            revoked_evictions: crate::classify::HotEvictions::default(),
         }
     }
 
@@ -201,7 +207,9 @@ impl LocalState {
     /// Releases `partition`: its hot cache is dropped, and its keys too unless
     /// `keep_revoked_partitions` is set (they often come back).
     pub fn revoke(&mut self, partition: i32) -> Result<(), StateError> {
-        self.partitions.remove(&partition);
+        if let Some(c) = self.partitions.remove(&partition) {
+            self.revoked_evictions = self.revoked_evictions + c.hot_cache().evictions();
+        }
         if let Some(d) = &self.durable {
             if !self.settings.keep_revoked_partitions {
                 d.keys.drop_partition(partition)?;
@@ -330,9 +338,10 @@ impl LocalState {
     }
 
     pub fn stats(&self, now_ms: i64) -> StateStats {
-        let mut s = StateStats::default();
+        let mut s = StateStats { hot_evictions: self.revoked_evictions, ..StateStats::default() };
         for c in self.partitions.values() {
             let hot = c.hot_cache();
+            s.hot_evictions = s.hot_evictions + hot.evictions();
             s.hot_cache_entries += hot.len();
             s.hot_cache_bytes += hot.heap_bytes();
             if let Some(t) = hot.oldest_first_seen_ms() {
@@ -380,5 +389,23 @@ mod tests {
         state.assign(4, NOW).expect("assign again");
         assert_eq!(state.checkpoint(4), None, "repair must start from scratch for the key store");
         assert_eq!(state.furthest_checkpoint(4), Some(12), "but the usage store's progress stays visible");
+    }
+
+    #[test]
+    fn hot_cache_evictions_survive_a_revoke_in_the_process_count() {
+        // Capacity 2: applying 5 keys to partition 1 pushes 3 out.
+        let settings = EngineSettings { hot_capacity: 2, ..EngineSettings::default() };
+        let mut state = LocalState::in_memory(settings, true);
+        state.assign(1, NOW).expect("assign");
+        let batch: Vec<StoredEvent> = (0..5).map(|i| sample_event_at(i, 1, i as i64, NOW)).collect();
+        state.apply_published(1, &batch, NOW).expect("apply");
+        assert_eq!(state.stats(NOW).hot_evictions.at_capacity, 3);
+        // Dropping the partition's cache must not make the count go back.
+        state.revoke(1).expect("revoke");
+        assert_eq!(state.stats(NOW).hot_evictions.at_capacity, 3);
+        state.assign(2, NOW).expect("assign");
+        let batch: Vec<StoredEvent> = (10..13).map(|i| sample_event_at(i, 2, i as i64, NOW)).collect();
+        state.apply_published(2, &batch, NOW).expect("apply");
+        assert_eq!(state.stats(NOW).hot_evictions.at_capacity, 4);
     }
 }
