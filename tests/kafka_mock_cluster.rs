@@ -549,7 +549,7 @@ async fn the_lag_gauge_reaches_zero_once_the_input_is_consumed_in_exactly_once_m
     let topics = topics("eos-lag");
     let mock = cluster(&topics, PARTITIONS);
     let brokers = mock.bootstrap_servers();
-    let s = scenario(1500, 0, 0, 0);
+    let s = scenario(1500, 20, 5, 5);
     produce_traffic(&traffic_producer(&brokers), &topics.input, PARTITIONS, &s.records).await.expect("produce");
     let mut settings = settings(&brokers, "eos-lag", &topics, DeliveryMode::ExactlyOnce);
     settings.instance_id = Some("w1".into());
@@ -563,4 +563,17 @@ async fn the_lag_gauge_reaches_zero_once_the_input_is_consumed_in_exactly_once_m
     assert!(zero, "lag gauge still {:?} after all input was processed", lags());
     let _ = stop.send(());
     worker.await.expect("join").expect("run");
+    // Side topics exactly, as exactly-once promises. The mock writes no
+    // transaction markers, so an aborted transaction's side records would
+    // stay visible; with no abort in this fault-free run, each conflict and
+    // reject must be there exactly once.
+    let aborted = metrics.transactions(false);
+    let conflicts = read_topic(&brokers, &topics.conflicts).len() as u64;
+    let rejected = rejected_count(&read_topic(&brokers, &topics.rejected)) as u64;
+    if aborted == 0 {
+        assert_eq!((conflicts, rejected), (s.conflicts, s.invalid), "side topics in exactly-once mode");
+    } else {
+        assert!(conflicts >= s.conflicts && rejected >= s.invalid, "{aborted} aborts, side topics short");
+    }
+    assert_exactly_once(&read_topic(&brokers, &topics.output), &s);
 }
