@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
@@ -250,21 +251,28 @@ impl RunArgs {
             }
             s.batch.max_records = usize::try_from(n)?;
         }
-        if let Some(w) = self.batch_max_wait.as_ref().or(file.batch_max_wait.as_ref()) {
-            s.batch.max_wait = dedupd::config::parse_duration(w)
-                .map_err(|why| anyhow::anyhow!("invalid `batch_max_wait` (flag --batch-max-wait): {why}"))?;
+        // A duration from its flag (or variable), else the file's key; the
+        // error names both.
+        let duration = |key: &str, flag: &Option<String>, file: &Option<String>| -> anyhow::Result<Option<Duration>> {
+            flag.as_ref()
+                .or(file.as_ref())
+                .map(|w| {
+                    dedupd::config::parse_duration(w)
+                        .map_err(|why| anyhow::anyhow!("invalid `{key}` (flag --{}): {why}", key.replace('_', "-")))
+                })
+                .transpose()
+        };
+        if let Some(d) = duration("batch_max_wait", &self.batch_max_wait, &file.batch_max_wait)? {
+            s.batch.max_wait = d;
         }
-        if let Some(w) = self.operation_timeout.as_ref().or(file.operation_timeout.as_ref()) {
-            s.operation_timeout = dedupd::config::parse_duration(w)
-                .map_err(|why| anyhow::anyhow!("invalid `operation_timeout` (flag --operation-timeout): {why}"))?;
+        if let Some(d) = duration("operation_timeout", &self.operation_timeout, &file.operation_timeout)? {
+            s.operation_timeout = d;
         }
-        if let Some(w) = self.revoke_timeout.as_ref().or(file.revoke_timeout.as_ref()) {
-            s.revoke_timeout = dedupd::config::parse_duration(w)
-                .map_err(|why| anyhow::anyhow!("invalid `revoke_timeout` (flag --revoke-timeout): {why}"))?;
+        if let Some(d) = duration("revoke_timeout", &self.revoke_timeout, &file.revoke_timeout)? {
+            s.revoke_timeout = d;
         }
-        if let Some(w) = self.stall_timeout.as_ref().or(file.stall_timeout.as_ref()) {
-            s.stall_timeout = dedupd::config::parse_duration(w)
-                .map_err(|why| anyhow::anyhow!("invalid `stall_timeout` (flag --stall-timeout): {why}"))?;
+        if let Some(d) = duration("stall_timeout", &self.stall_timeout, &file.stall_timeout)? {
+            s.stall_timeout = d;
         }
         if let Some(g) = self.on_output_gap.as_ref().or(file.on_output_gap.as_ref()) {
             s.on_output_gap = OnOutputGap::parse(g).ok_or_else(|| {

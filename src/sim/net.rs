@@ -214,31 +214,25 @@ impl Network {
             if let Some(flight) = self.in_flight.get_mut(&id) {
                 flight.scheduled = flight.scheduled.saturating_sub(1);
             }
-            match event {
-                Event::Arrive { request } => self.arrive(at_ms, id, request),
-                Event::Respond { response } => {
-                    if let Some(flight) = self.in_flight.get_mut(&id).filter(|f| !f.done) {
-                        flight.done = true;
-                        out.push(Delivery {
-                            at_ms,
-                            client: flight.client,
-                            request_id: id,
-                            outcome: Outcome::Answered(response),
-                            applied: flight.applied,
-                        });
-                    }
+            let outcome = match event {
+                Event::Arrive { request } => {
+                    self.arrive(at_ms, id, request);
+                    None
                 }
-                Event::Timeout => {
-                    if let Some(flight) = self.in_flight.get_mut(&id).filter(|f| !f.done) {
-                        flight.done = true;
-                        out.push(Delivery {
-                            at_ms,
-                            client: flight.client,
-                            request_id: id,
-                            outcome: Outcome::TimedOut,
-                            applied: flight.applied,
-                        });
-                    }
+                Event::Respond { response } => Some(Outcome::Answered(response)),
+                Event::Timeout => Some(Outcome::TimedOut),
+            };
+            // The first of the answer and the timeout is what the client sees.
+            if let Some(outcome) = outcome {
+                if let Some(flight) = self.in_flight.get_mut(&id).filter(|f| !f.done) {
+                    flight.done = true;
+                    out.push(Delivery {
+                        at_ms,
+                        client: flight.client,
+                        request_id: id,
+                        outcome,
+                        applied: flight.applied,
+                    });
                 }
             }
             // Forget a request once nothing about it can happen any more.
