@@ -19,6 +19,10 @@
 //!   index, manifest, recovery (sync, no async runtime).
 //! - [`keystore`]: the long-horizon key store on RocksDB (sync).
 //! - [`offline`]: `dedupd dedupe`, the engine over NDJSON files (sync).
+//! - [`pipeline`]: the sans-I/O core of the worker: every decision of a
+//!   partition's life (repair, batch order, revoke and lost assignments,
+//!   transaction endings) with time as an input; driven by [`kafka`] in
+//!   production and by [`sim`] in tests (pure, no I/O).
 //! - [`kafka`]: the worker (`dedupd run`, `dedupd demo`): consumer group,
 //!   publishing, repair (async).
 //! - [`metrics`]: the Prometheus registry and the HTTP endpoint.
@@ -32,6 +36,7 @@ pub mod kafka;
 pub mod keystore;
 pub mod metrics;
 pub mod offline;
+pub mod pipeline;
 pub mod sim;
 pub mod state;
 pub mod storage;

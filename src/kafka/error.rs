@@ -68,6 +68,24 @@ pub enum KafkaError {
 }
 
 impl KafkaError {
+    /// The worker's error for a decision of the core on `partition` of the
+    /// output topic `topic`.
+    pub(crate) fn from_life(e: crate::pipeline::LifeError, topic: &str, partition: i32) -> KafkaError {
+        use crate::pipeline::LifeError as L;
+        let topic = topic.to_owned();
+        match e {
+            L::StateAheadOfOutput { checkpoint, end } => {
+                KafkaError::StateAheadOfOutput { topic, partition, checkpoint, end }
+            }
+            L::OutputGap { checkpoint, first_missing, log_start, missing } => {
+                KafkaError::OutputGap { topic, partition, checkpoint, first_missing, log_start, missing }
+            }
+            other => {
+                KafkaError::Task { detail: format!("repair of output partition {partition} of `{topic}`: {other}") }
+            }
+        }
+    }
+
     pub(crate) fn client(operation: &'static str) -> impl FnOnce(rdkafka::error::KafkaError) -> KafkaError {
         move |source| KafkaError::Client { operation, source }
     }

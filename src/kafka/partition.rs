@@ -19,18 +19,16 @@ use crate::classify::Tier;
 use crate::event::{IdHash, Position, UsageEvent};
 use crate::kafka::engine::{InputRecord, Outcome, StoredEvent};
 use crate::kafka::error::KafkaError;
-use crate::kafka::publisher::PublishError;
+use crate::kafka::publisher::{PublishError, Published};
 use crate::kafka::records::{accepted_record, conflict_record, rejected_record, OutRecord};
-use crate::kafka::repair::lock_engine;
-use crate::kafka::settings::DeliveryMode;
+use crate::kafka::repair::{lock_engine, monotonic_ms, RepairClients, RepairOutcome};
 use crate::kafka::worker::{InputQueue, Shared};
 use crate::metrics::{BatchClassified, PublishRetried, RepairCompleted, Stage, StageTimed};
+use crate::pipeline::{BatchFailure, Event, PartitionLife, Step};
 
 /// How often an idle partition task polls its queue again (see the idle
 /// branch of [`pipeline`]).
 const IDLE_REPOLL: Duration = Duration::from_millis(250);
-/// How often an unconfirmed input offset commit is sent again while idle.
-const COMMIT_RETRY: Duration = Duration::from_secs(1);
 
 /// What the worker knows of one partition's progress, shared between its
 /// task (which writes it) and the statistics callback (which turns it into
@@ -89,6 +87,16 @@ struct Prepared {
     summary: BatchClassified,
 }
 
+/// The batch a partition has in flight, between the core's steps.
+#[derive(Default)]
+struct InFlight {
+    messages: Arc<Vec<OwnedMessage>>,
+    prepared: Option<Prepared>,
+    published: Option<Published>,
+    /// Event time of the classification (the injectable clock).
+    now_ms: i64,
+}
+
 /// Runs the pipeline of `partition` until `stop` flips or the queue ends.
 /// `_done` is dropped when the task ends, however it ends: the rebalance
 /// callback waits on it before giving the partition up.
@@ -109,137 +117,284 @@ pub(crate) async fn run_partition(
     }
 }
 
+/// The rdkafka driver of [`PartitionLife`]: performs each step the core asks
+/// for and reports what happened. Every decision of order (repair first,
+/// publish before apply, what a revoke or a lost assignment abandons) is
+/// the core's.
 async fn pipeline(
     shared: &Arc<Shared>,
     partition: i32,
     queue: &InputQueue,
     stop: &mut watch::Receiver<bool>,
     strays: &mut mpsc::UnboundedReceiver<OwnedMessage>,
-    progress: &PartitionProgress,
+    progress: &Arc<PartitionProgress>,
 ) -> Result<(), KafkaError> {
-    let now = shared.clock.now_ms();
-    let engine = shared.engine.clone();
-    tokio::task::spawn_blocking(move || lock_engine(&engine).assign(partition, now)).await.map_err(join_error)??;
-    // A revoke during repair abandons it (nothing was consumed yet).
-    let revoked = stop.clone();
-    if !repair(shared, partition, move || *revoked.borrow()).await? {
-        return Ok(());
-    }
-    progress.progressed(wall_ms());
-    progress.repairing.store(false, Ordering::Relaxed);
-    shared.partition_repaired();
-
-    let limits = shared.settings.batch;
-    let at_least_once = shared.settings.delivery == DeliveryMode::AtLeastOnce;
-    // At-least-once: the next input offset published and applied but not yet
-    // committed (the last commit failed, e.g. mid-rebalance). Retried when
-    // the partition is idle and before the task ends, so an idle partition
-    // does not leave its offset behind forever.
-    let mut uncommitted: Option<i64> = None;
-    let mut last_commit_sent = Instant::now();
+    let settings = shared.repairer.life_settings(partition, shared.settings.delivery);
+    let (mut life, mut step) = PartitionLife::assigned(settings, monotonic_ms());
+    let mut batch = InFlight::default();
+    let mut clients: Option<RepairClients> = None;
+    let mut repair = RepairOutcome { from_offset: -1, records: 0, duration: Duration::ZERO };
+    let mut repair_started = Instant::now();
+    let mut assignment_repaired = false;
+    let mut revoke_told = false;
     loop {
-        let mut batch: Vec<OwnedMessage> = Vec::new();
-        // Messages librdkafka delivered to the main queue before this
-        // partition's queue was split come first: they precede it.
-        while let Ok(m) = strays.try_recv() {
-            batch.push(m);
-        }
-        if batch.is_empty() {
-            tokio::select! {
-                // Biased, stop first: a revoke must not wait for input.
-                biased;
-                _ = stop.changed() => break,
-                m = queue.recv() => match m {
-                    Ok(m) => batch.push(m.detach()),
-                    Err(e) => {
-                        tracing::warn!(partition, error = %e, "input consumer error");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-                // rust-rdkafka wakes a split partition queue only on its
-                // empty→non-empty edge; a missed edge would park this
-                // partition for good while the others keep flowing
-                // (rust-rdkafka #665, #840). A fresh `recv` polls the queue
-                // before it waits, so waking up regularly heals it.
-                _ = tokio::time::sleep(IDLE_REPOLL) => {
-                    // Nothing arrived: progress, unless the statistics show
-                    // input waiting that the queue does not deliver.
-                    if !matches!(shared.input_lag(partition, progress), Some(lag) if lag > 0) {
-                        progress.progressed(wall_ms());
-                    }
-                    // Idle with a commit not yet confirmed by the broker:
-                    // send it again now and then (commits are idempotent).
-                    if let Some(next) = uncommitted {
-                        if shared.committed_offset(partition) >= Some(next) {
-                            uncommitted = None;
-                        } else if last_commit_sent.elapsed() >= COMMIT_RETRY {
-                            last_commit_sent = Instant::now();
-                            commit_input(shared, partition, next);
-                        }
-                    }
-                    continue;
-                }
+        if !revoke_told && *stop.borrow() {
+            revoke_told = true;
+            if let Some(release) = life.revoke(progress.lost.load(Ordering::SeqCst)) {
+                step = release;
             }
         }
-        let deadline = tokio::time::Instant::now() + limits.max_wait;
-        let mut stopping = false;
-        while batch.len() < limits.max_records {
-            tokio::select! {
-                biased;
-                // Stopping while collecting: abandon the unpublished batch.
-                // Nothing of it was published or committed, so the next
-                // owner consumes it from the committed offset.
-                _ = stop.changed() => {
-                    stopping = true;
+        let event = match step {
+            Step::Release { commit_first } => {
+                if life.lost() && !batch.messages.is_empty() {
+                    tracing::warn!(
+                        partition,
+                        "assignment lost: abandoned the in-flight batch; the next owner consumes it"
+                    );
+                    shared.batches_abandoned.fetch_add(1, Ordering::Relaxed);
+                }
+                if let Some(next) = commit_first {
+                    last_commit(shared, partition, next).await;
+                }
+                return Ok(());
+            }
+            Step::Stop(e) => return Err(KafkaError::from_life(e, &shared.settings.topics.output, partition)),
+            Step::Wait { until_ms } => {
+                let wait = Duration::from_millis(u64::try_from(until_ms - monotonic_ms()).unwrap_or(0));
+                tokio::select! {
+                    biased;
+                    // Back to the top: the core decides whether the revoke
+                    // interrupts this wait; if not, the wait goes on.
+                    _ = stop.changed(), if !revoke_told => continue,
+                    _ = tokio::time::sleep(wait) => Event::Waited,
+                }
+            }
+            Step::Load { .. }
+            | Step::ProbeOutputEnd
+            | Step::ProbeStableEnd
+            | Step::FindHorizonStart { .. }
+            | Step::ReadOutput { .. } => {
+                let revoked = stop.clone();
+                // Only the core's interruptible repairs may be abandoned
+                // midway (an assignment's; a retry's when lost).
+                let assignment = life.interruptible(false);
+                let p = progress.clone();
+                let abandon = move || *revoked.borrow() && (assignment || p.lost.load(Ordering::SeqCst));
+                let s = shared.clone();
+                let this = step.clone();
+                let (back, outcome, result) = tokio::task::spawn_blocking(move || {
+                    let mut c = clients;
+                    let mut outcome = repair;
+                    let r = s.repairer.perform(&mut c, partition, &this, &abandon, &mut outcome);
+                    (c, outcome, r)
+                })
+                .await
+                .map_err(join_error)?;
+                clients = back;
+                repair = outcome;
+                match result? {
+                    Some(event) => event,
+                    // Abandoned: back to the top, where the revoke is told.
+                    None => continue,
+                }
+            }
+            Step::Collect => match collect(shared, partition, queue, stop, strays, progress, &mut batch).await {
+                Some(event) => event,
+                None => continue,
+            },
+            Step::Classify => {
+                let started = Instant::now();
+                batch.now_ms = shared.clock.now_ms();
+                let (s, b, now_ms) = (shared.clone(), batch.messages.clone(), batch.now_ms);
+                let prepared = tokio::task::spawn_blocking(move || prepare(&s, partition, &b, now_ms))
+                    .await
+                    .map_err(join_error)??;
+                StageTimed { stage: Stage::classify, duration: started.elapsed() }.emit(&shared.metrics);
+                batch.prepared = Some(prepared);
+                Event::Classified
+            }
+            Step::Publish { next_input, offsets_in_transaction } => {
+                let records = batch.prepared.as_ref().map(|p| p.records.clone()).unwrap_or_default();
+                let started = Instant::now();
+                let offsets = offsets_in_transaction.then_some(next_input);
+                let published = shared.publisher.publish(partition, records, offsets).await;
+                StageTimed { stage: Stage::publish, duration: started.elapsed() }.emit(&shared.metrics);
+                match published {
+                    Ok(p) => {
+                        batch.published = Some(p);
+                        Event::Published
+                    }
+                    Err(PublishError::Fatal { source }) => {
+                        return Err(KafkaError::Fenced { transactional_id: shared.transactional_id.clone(), source });
+                    }
+                    Err(e @ (PublishError::Permanent { .. } | PublishError::Unresolved { .. })) => {
+                        return Err(KafkaError::Publish { partition, source: e });
+                    }
+                    Err(PublishError::Retriable { reason, detail }) => {
+                        PublishRetried { reason }.emit(&shared.metrics);
+                        tracing::warn!(partition, %detail, reason, "publish failed; repairing, then retrying the batch");
+                        Event::PublishFailed(BatchFailure { reason, detail })
+                    }
+                }
+            }
+            Step::Apply => {
+                apply(shared, partition, &mut batch).await?;
+                Event::Applied
+            }
+            Step::CommitInput { next_input } => {
+                let started = Instant::now();
+                commit_input(shared, partition, next_input);
+                StageTimed { stage: Stage::commit, duration: started.elapsed() }.emit(&shared.metrics);
+                Event::CommitSent
+            }
+        };
+        let was_repairing = life.repairing();
+        let batches = life.batches();
+        step = life.on(event, monotonic_ms());
+        if was_repairing && !life.repairing() {
+            clients = None;
+            if !life.ended() {
+                repair.duration = repair_started.elapsed();
+                RepairCompleted {
+                    partition,
+                    from_offset: repair.from_offset,
+                    records: repair.records,
+                    duration: repair.duration,
+                }
+                .emit(&shared.metrics);
+                repair = RepairOutcome { from_offset: -1, records: 0, duration: Duration::ZERO };
+                if !assignment_repaired {
+                    assignment_repaired = true;
+                    progress.progressed(wall_ms());
+                    progress.repairing.store(false, Ordering::Relaxed);
+                    shared.partition_repaired();
+                }
+            }
+        } else if !was_repairing && life.repairing() {
+            repair_started = Instant::now();
+        }
+        if life.batches() > batches {
+            finish_batch(shared, progress, std::mem::take(&mut batch));
+        }
+    }
+}
+
+/// Collects the next batch into `batch`: `Collected`, `Idle` when nothing
+/// arrived for a while, `None` when a revoke arrived (the core decides).
+async fn collect(
+    shared: &Arc<Shared>,
+    partition: i32,
+    queue: &InputQueue,
+    stop: &mut watch::Receiver<bool>,
+    strays: &mut mpsc::UnboundedReceiver<OwnedMessage>,
+    progress: &PartitionProgress,
+    batch: &mut InFlight,
+) -> Option<Event> {
+    let limits = shared.settings.batch;
+    let mut messages: Vec<OwnedMessage> = Vec::new();
+    // Messages librdkafka delivered to the main queue before this
+    // partition's queue was split come first: they precede it.
+    while let Ok(m) = strays.try_recv() {
+        messages.push(m);
+    }
+    while messages.is_empty() {
+        tokio::select! {
+            // Biased, stop first: a revoke must not wait for input.
+            biased;
+            _ = stop.changed() => return None,
+            m = queue.recv() => match m {
+                Ok(m) => messages.push(m.detach()),
+                Err(e) => {
+                    tracing::warn!(partition, error = %e, "input consumer error");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            // rust-rdkafka wakes a split partition queue only on its
+            // empty→non-empty edge; a missed edge would park this partition
+            // for good while the others keep flowing (rust-rdkafka #665,
+            // #840). A fresh `recv` polls the queue before it waits, so
+            // waking up regularly heals it.
+            _ = tokio::time::sleep(IDLE_REPOLL) => {
+                // Nothing arrived: progress, unless the statistics show
+                // input waiting that the queue does not deliver.
+                if !matches!(shared.input_lag(partition, progress), Some(lag) if lag > 0) {
+                    progress.progressed(wall_ms());
+                }
+                return Some(Event::Idle { committed: shared.committed_offset(partition) });
+            }
+        }
+    }
+    let deadline = tokio::time::Instant::now() + limits.max_wait;
+    while messages.len() < limits.max_records {
+        tokio::select! {
+            biased;
+            // Stopping while collecting: the core abandons the unpublished
+            // batch. Nothing of it was published or committed, so the next
+            // owner consumes it from the committed offset.
+            _ = stop.changed() => return None,
+            m = queue.recv() => match m {
+                Ok(m) => messages.push(m.detach()),
+                Err(e) => {
+                    tracing::warn!(partition, error = %e, "input consumer error");
                     break;
                 }
-                m = queue.recv() => match m {
-                    Ok(m) => batch.push(m.detach()),
-                    Err(e) => {
-                        tracing::warn!(partition, error = %e, "input consumer error");
-                        break;
-                    }
-                },
-                _ = tokio::time::sleep_until(deadline) => break,
-            }
+            },
+            _ = tokio::time::sleep_until(deadline) => break,
         }
-        if stopping {
-            break;
-        }
-        let last_record_ms = batch.last().and_then(|m| m.timestamp().to_millis());
-        let Some(next) = process_batch(shared, partition, batch, progress).await? else {
-            tracing::warn!(partition, "assignment lost: abandoned the in-flight batch; the next owner consumes it");
-            shared.batches_abandoned.fetch_add(1, Ordering::Relaxed);
-            break;
+    }
+    let next_input = messages.iter().map(|m| m.offset()).max()? + 1;
+    *batch = InFlight { messages: Arc::new(messages), ..InFlight::default() };
+    Some(Event::Collected { next_input })
+}
+
+/// Applies the published batch's accepted events at the offsets the
+/// broker gave them.
+async fn apply(shared: &Arc<Shared>, partition: i32, batch: &mut InFlight) -> Result<(), KafkaError> {
+    let (Some(prepared), Some(published)) = (batch.prepared.as_mut(), batch.published.as_ref()) else {
+        return Err(KafkaError::Task { detail: "apply asked for a batch that is not published".into() });
+    };
+    let started = Instant::now();
+    let mut stored = Vec::with_capacity(prepared.accepted.len());
+    for (index, s) in &prepared.accepted {
+        let Some(&(p, offset)) = published.get(*index) else {
+            return Err(KafkaError::Task { detail: "publisher returned fewer positions than records".into() });
         };
-        progress.next_offset.store(next, Ordering::Relaxed);
-        if let Some(ms) = last_record_ms {
-            progress.last_record_ms.store(ms, Ordering::Relaxed);
-        }
-        progress.progressed(wall_ms());
-        if at_least_once {
-            let started = Instant::now();
-            uncommitted = Some(next);
-            last_commit_sent = Instant::now();
-            commit_input(shared, partition, next);
-            StageTimed { stage: Stage::commit, duration: started.elapsed() }.emit(&shared.metrics);
-        }
-        if *stop.borrow() {
-            break;
-        }
+        let mut s = s.clone();
+        s.key.output = Position::new(p, offset);
+        stored.push(s);
     }
-    if let Some(next) = uncommitted.filter(|_| !progress.lost.load(Ordering::SeqCst)) {
-        // Last chance before the partition is released: send the commit and
-        // give the broker a moment to confirm it. Unconfirmed, the next owner
-        // replays the tail and recognises it as replays.
-        commit_input(shared, partition, next);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
-        while shared.committed_offset(partition) < Some(next) && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
+    let engine = shared.engine.clone();
+    let now_ms = batch.now_ms;
+    tokio::task::spawn_blocking(move || lock_engine(&engine).apply_published(partition, &stored, now_ms))
+        .await
+        .map_err(join_error)??;
+    StageTimed { stage: Stage::apply, duration: started.elapsed() }.emit(&shared.metrics);
     Ok(())
+}
+
+/// A batch is published and applied: count it and record the progress.
+fn finish_batch(shared: &Shared, progress: &PartitionProgress, batch: InFlight) {
+    if let Some(next) = batch.messages.iter().map(|m| m.offset()).max() {
+        progress.next_offset.store(next + 1, Ordering::Relaxed);
+    }
+    if let Some(ms) = batch.messages.last().and_then(|m| m.timestamp().to_millis()) {
+        progress.last_record_ms.store(ms, Ordering::Relaxed);
+    }
+    progress.progressed(wall_ms());
+    if let Some(p) = batch.prepared {
+        p.summary.emit(&shared.metrics);
+    }
+}
+
+/// Last chance before the partition is released (at-least-once): send the
+/// commit and give the broker a moment to confirm it. Unconfirmed, the next
+/// owner replays the tail and recognises it as replays.
+async fn last_commit(shared: &Arc<Shared>, partition: i32, next: i64) {
+    commit_input(shared, partition, next);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    while shared.committed_offset(partition) < Some(next) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Wall-clock milliseconds, for progress only (never for event time, which
@@ -252,122 +407,6 @@ fn wall_ms() -> i64 {
 
 fn join_error(e: tokio::task::JoinError) -> KafkaError {
     KafkaError::Task { detail: e.to_string() }
-}
-
-/// Repairs `partition`, retrying broker errors a few times with backoff: a
-/// slow or restarting broker must not kill the worker on its first timeout.
-/// Local-state errors and foreign output records fail at once. `false` when
-/// `abandon` said so first.
-async fn repair(
-    shared: &Arc<Shared>,
-    partition: i32,
-    abandon: impl Fn() -> bool + Send + Sync + Clone + 'static,
-) -> Result<bool, KafkaError> {
-    const ATTEMPTS: u32 = 5;
-    let mut backoff = Duration::from_millis(500);
-    let mut attempt = 1;
-    let outcome = loop {
-        let s = shared.clone();
-        let abandon = abandon.clone();
-        match tokio::task::spawn_blocking(move || s.repairer.repair_blocking(partition, &abandon))
-            .await
-            .map_err(join_error)?
-        {
-            Ok(Some(outcome)) => break outcome,
-            Ok(None) => return Ok(false),
-            Err(e @ KafkaError::Client { .. }) if attempt < ATTEMPTS => {
-                tracing::warn!(partition, attempt, error = %e, "repair failed; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff *= 2;
-                attempt += 1;
-            }
-            Err(e) => return Err(e),
-        }
-    };
-    RepairCompleted {
-        partition,
-        from_offset: outcome.from_offset,
-        records: outcome.records,
-        duration: outcome.duration,
-    }
-    .emit(&shared.metrics);
-    Ok(true)
-}
-
-/// Classifies, publishes, applies and (at-least-once) commits one batch.
-/// Finishes it even when a revoke arrives meanwhile: the rebalance callback
-/// waits for this, so two owners never publish the same record. A *lost*
-/// assignment is different: another member may own the partition already,
-/// so the batch is abandoned (`None`) at the next point where nothing of it
-/// is in flight — before its first publish, or before a retry.
-/// Returns the next input offset to consume (to commit, at-least-once).
-async fn process_batch(
-    shared: &Arc<Shared>,
-    partition: i32,
-    batch: Vec<OwnedMessage>,
-    progress: &PartitionProgress,
-) -> Result<Option<i64>, KafkaError> {
-    let Some(last_offset) = batch.iter().map(|m| m.offset()).max() else {
-        return Err(KafkaError::Task { detail: "empty batch".into() });
-    };
-    let batch = Arc::new(batch);
-    let mut backoff = Duration::from_millis(100);
-    loop {
-        if progress.lost.load(Ordering::SeqCst) {
-            return Ok(None);
-        }
-        let now_ms = shared.clock.now_ms();
-        let started = Instant::now();
-        let (s, b) = (shared.clone(), batch.clone());
-        let prepared =
-            tokio::task::spawn_blocking(move || prepare(&s, partition, &b, now_ms)).await.map_err(join_error)??;
-        StageTimed { stage: Stage::classify, duration: started.elapsed() }.emit(&shared.metrics);
-
-        let started = Instant::now();
-        let published = shared.publisher.publish(partition, prepared.records, last_offset + 1).await;
-        StageTimed { stage: Stage::publish, duration: started.elapsed() }.emit(&shared.metrics);
-        let published = match published {
-            Ok(p) => p,
-            Err(PublishError::Fatal { source }) => {
-                return Err(KafkaError::Fenced { transactional_id: shared.transactional_id.clone(), source });
-            }
-            Err(e @ (PublishError::Permanent { .. } | PublishError::Unresolved { .. })) => {
-                return Err(KafkaError::Publish { partition, source: e });
-            }
-            Err(PublishError::Retriable { reason, detail }) => {
-                PublishRetried { reason }.emit(&shared.metrics);
-                tracing::warn!(partition, %detail, reason, backoff_ms = backoff.as_millis() as u64, "publish failed; repairing, then retrying the batch");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(5));
-                if progress.lost.load(Ordering::SeqCst) {
-                    return Ok(None);
-                }
-                // Whatever of the batch did reach the output is read back, so
-                // the retry sees those records as replays, not new events.
-                // Not abandonable: the batch in flight must finish.
-                repair(shared, partition, || false).await?;
-                continue;
-            }
-        };
-
-        let started = Instant::now();
-        let mut stored = Vec::with_capacity(prepared.accepted.len());
-        for (index, mut s) in prepared.accepted {
-            let Some(&(p, offset)) = published.get(index) else {
-                return Err(KafkaError::Task { detail: "publisher returned fewer positions than records".into() });
-            };
-            s.key.output = Position::new(p, offset);
-            stored.push(s);
-        }
-        let engine = shared.engine.clone();
-        tokio::task::spawn_blocking(move || lock_engine(&engine).apply_published(partition, &stored, now_ms))
-            .await
-            .map_err(join_error)??;
-        StageTimed { stage: Stage::apply, duration: started.elapsed() }.emit(&shared.metrics);
-
-        prepared.summary.emit(&shared.metrics);
-        return Ok(Some(last_offset + 1));
-    }
 }
 
 /// Sends an asynchronous commit of the next input offset of `partition`

@@ -26,8 +26,10 @@ use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::kafka::records::{Destination, OutRecord};
+use crate::kafka::repair::monotonic_ms;
 use crate::kafka::settings::Topics;
 use crate::metrics::{Metrics, TransactionEnded, TransactionResumed};
+use crate::pipeline::{EndAttempt, EndDecision, Ending, Mutations, TransactionEnding};
 
 /// Why a publish did not happen.
 #[derive(Debug, thiserror::Error)]
@@ -93,8 +95,10 @@ pub type Published = Vec<(i32, i64)>;
 pub struct TxnRequest {
     input_partition: i32,
     records: Vec<OutRecord>,
-    /// The next input offset of `input_partition` to consume after this batch.
-    next_input_offset: i64,
+    /// The next input offset of `input_partition` to consume after this
+    /// batch, committed in the transaction (always, but for a test-only
+    /// mutation of the core).
+    next_input_offset: Option<i64>,
     reply: oneshot::Sender<Result<Published, PublishError>>,
 }
 
@@ -125,7 +129,7 @@ impl Publisher {
         &self,
         input_partition: i32,
         records: Vec<OutRecord>,
-        next_input_offset: i64,
+        next_input_offset: Option<i64>,
     ) -> Result<Published, PublishError> {
         match self {
             Publisher::Transactional { tx } => {
@@ -321,8 +325,10 @@ async fn run_transaction(
         }
         let mut tpl = TopicPartitionList::new();
         for req in group {
-            tpl.add_partition_offset(&topics.input, req.input_partition, Offset::Offset(req.next_input_offset))
-                .map_err(classify_error)?;
+            if let Some(next) = req.next_input_offset {
+                tpl.add_partition_offset(&topics.input, req.input_partition, Offset::Offset(next))
+                    .map_err(classify_error)?;
+            }
         }
         let cgm = group_metadata().ok_or_else(|| PublishError::retriable("not_group_member", "not a group member"))?;
         let p = producer.clone();
@@ -344,22 +350,6 @@ async fn run_transaction(
     outcome
 }
 
-/// The two calls that end a transaction.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Ending {
-    Commit,
-    Abort,
-}
-
-impl Ending {
-    fn name(self) -> &'static str {
-        match self {
-            Ending::Commit => "commit",
-            Ending::Abort => "abort",
-        }
-    }
-}
-
 /// Commits or aborts the open transaction, repeating the same call while it
 /// times out. librdkafka's transaction calls are resumable: a timed-out
 /// commit may still complete, and the only correct next step is the same
@@ -375,9 +365,9 @@ async fn end_transaction(
     metrics: &Metrics,
 ) -> Result<(), PublishError> {
     let started = tokio::time::Instant::now();
-    let mut attempt = 0u32;
+    let deadline_ms = i64::try_from(timeouts.resolve_deadline.as_millis()).unwrap_or(i64::MAX);
+    let mut resolving = TransactionEnding::new(ending, monotonic_ms(), deadline_ms, Mutations::NONE);
     loop {
-        attempt += 1;
         let p = producer.clone();
         let op = timeouts.operation;
         let result = blocking(move || match ending {
@@ -385,34 +375,46 @@ async fn end_transaction(
             Ending::Abort => p.abort_transaction(op),
         })
         .await;
-        let e = match result {
-            Ok(()) => return Ok(()),
-            Err(e) => e,
+        let (attempt, error) = match result {
+            Ok(()) => (EndAttempt::Resolved, None),
+            Err(e) => (end_attempt(ending, &e), Some(e)),
         };
-        // rust-rdkafka flushes before committing: a flush that times out is
-        // resumed like the commit itself (the records are still on their way).
-        let resumable = match &e {
-            RdError::Transaction(t) => t.is_retriable() && !t.is_fatal() && !t.txn_requires_abort(),
-            RdError::Flush(_) => ending == Ending::Commit,
-            _ => false,
-        };
-        if !resumable {
-            return match classify_error(e) {
-                // A commit that must be aborted: the caller aborts.
-                e @ PublishError::Retriable { .. } if ending == Ending::Commit => Err(e),
-                // An abort that fails other than by timing out leaves the
-                // producer in a state no call can leave: stop.
-                PublishError::Retriable { detail, .. } => {
-                    Err(PublishError::Unresolved { operation: ending.name(), waited: started.elapsed(), last: detail })
-                }
-                other => Err(other),
-            };
+        let decision = resolving.attempted(attempt, monotonic_ms());
+        let Some(e) = error else { return Ok(()) };
+        match decision {
+            EndDecision::Done => return Ok(()),
+            EndDecision::Repeat => {
+                tracing::debug!(error = %e, waited = ?started.elapsed(), "transaction call timed out");
+                TransactionResumed { operation: ending.name(), attempt: resolving.attempts() }.emit(metrics);
+            }
+            // A commit that must be aborted: the caller aborts.
+            EndDecision::AbortInstead => return Err(classify_error(e)),
+            EndDecision::Unresolved { .. } => {
+                return Err(PublishError::Unresolved {
+                    operation: ending.name(),
+                    waited: started.elapsed(),
+                    last: e.to_string(),
+                })
+            }
+            EndDecision::Fail => return Err(classify_error(e)),
         }
-        let waited = started.elapsed();
-        if waited >= timeouts.resolve_deadline {
-            return Err(PublishError::Unresolved { operation: ending.name(), waited, last: e.to_string() });
-        }
-        tracing::debug!(error = %e, ?waited, "transaction call timed out");
-        TransactionResumed { operation: ending.name(), attempt }.emit(metrics);
+    }
+}
+
+/// Sorts a failed commit or abort for [`TransactionEnding`].
+fn end_attempt(ending: Ending, e: &RdError) -> EndAttempt {
+    // rust-rdkafka flushes before committing: a flush that times out is
+    // resumed like the commit itself (the records are still on their way).
+    let resumable = match e {
+        RdError::Transaction(t) => t.is_retriable() && !t.is_fatal() && !t.txn_requires_abort(),
+        RdError::Flush(_) => ending == Ending::Commit,
+        _ => false,
+    };
+    if resumable {
+        return EndAttempt::TimedOut;
+    }
+    match classify_error(e.clone()) {
+        PublishError::Retriable { .. } => EndAttempt::MustAbort,
+        _ => EndAttempt::Failed,
     }
 }

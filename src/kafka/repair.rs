@@ -19,6 +19,10 @@
 //! runs before any repair, so the wait is only long when a peer died
 //! mid-transaction: at most that peer's transaction timeout. Past
 //! [`Repairer::settle_timeout`] repair fails instead of guessing.
+//!
+//! Those decisions (when to wait, where to start, when repair is done) are
+//! [`crate::pipeline::PartitionLife`]'s; this module performs its repair
+//! steps with librdkafka and local state ([`Repairer::perform`]).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -36,6 +40,7 @@ use crate::kafka::error::KafkaError;
 use crate::kafka::records::parse_output;
 use crate::kafka::settings::OnOutputGap;
 use crate::metrics::{Metrics, RepairGapFound, RepairProgressed};
+use crate::pipeline::{Event, LifeSettings, PartitionLife, Step};
 
 /// Records applied per engine call: bounds memory and engine lock hold time.
 const APPLY_CHUNK: usize = 4096;
@@ -85,89 +90,217 @@ pub(crate) fn lock_engine(engine: &Mutex<Box<dyn Engine>>) -> std::sync::MutexGu
 /// How often a running repair logs its progress.
 const REPAIR_PROGRESS_INTERVAL: Duration = Duration::from_secs(10);
 
+/// The clients of one partition's repair, kept across its steps (the last
+/// stable offset is read again every few hundred ms while waiting).
+pub struct RepairClients {
+    consumer: BaseConsumer,
+    probe: BaseConsumer,
+}
+
+impl std::fmt::Debug for RepairClients {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RepairClients")
+    }
+}
+
+/// Milliseconds on a monotonic clock: the core's time for deadlines and
+/// back-offs (never event time, which comes from the injectable clock).
+pub(crate) fn monotonic_ms() -> i64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    i64::try_from(START.get_or_init(Instant::now).elapsed().as_millis()).unwrap_or(i64::MAX)
+}
+
 impl Repairer {
-    /// Repairs `partition`. Blocking (network and fsync): run it on a
-    /// blocking thread. `abandon` is asked while repair waits or reads: when
-    /// it says yes (the partition was revoked), repair stops and returns
-    /// `None`; what it applied so far stays (applying is idempotent).
+    /// The core's settings for `partition`'s repair steps.
+    pub fn life_settings(&self, partition: i32, delivery: crate::pipeline::DeliveryMode) -> LifeSettings {
+        let mut s = LifeSettings::new(partition, delivery);
+        s.on_output_gap = self.on_output_gap;
+        s.settle_timeout_ms = i64::try_from(self.settle_timeout.as_millis()).unwrap_or(i64::MAX);
+        s
+    }
+
+    /// Repairs `partition` from local state's checkpoint, blocking (network
+    /// and fsync): the core's repair steps performed one after the other on
+    /// this thread. `abandon` is asked while repair waits or reads: when it
+    /// says yes, repair stops and returns `None`; what it applied so far
+    /// stays (applying is idempotent). The partition must be assigned.
     pub fn repair_blocking(
         &self,
         partition: i32,
         abandon: &dyn Fn() -> bool,
     ) -> Result<Option<RepairOutcome>, KafkaError> {
         let started = Instant::now();
-        let (checkpoint, furthest) = {
-            let engine = lock_engine(&self.engine);
-            (engine.checkpoint(partition), engine.furthest_checkpoint(partition))
-        };
-        let consumer: BaseConsumer =
-            self.config.create().map_err(KafkaError::client("creating the repair consumer"))?;
-        let probe: BaseConsumer =
-            self.uncommitted_config.create().map_err(KafkaError::client("creating the repair watermark probe"))?;
-        let (_, hwm) = probe
-            .fetch_watermarks(&self.output_topic, partition, self.stall_timeout)
-            .map_err(KafkaError::client("reading the output high watermark for repair"))?;
-        drop(probe);
-        // The furthest tier decides this check: a tier with no checkpoint
-        // (a dropped or moved key store) beside one that has one must not
-        // hide a recreated output topic, or the other tier would skip the
-        // new topic's offsets as already applied.
-        if let Some(c) = furthest.filter(|&c| c >= hwm) {
-            return Err(KafkaError::StateAheadOfOutput {
-                topic: self.output_topic.clone(),
-                partition,
-                checkpoint: c,
-                end: hwm,
-            });
+        let settings = self.life_settings(partition, crate::pipeline::DeliveryMode::ExactlyOnce);
+        let (mut life, mut step) = PartitionLife::assigned(settings, monotonic_ms());
+        let mut clients = None;
+        let mut outcome = RepairOutcome { from_offset: -1, records: 0, duration: Duration::ZERO };
+        loop {
+            if abandon() {
+                if let Some(release) = life.revoke(false) {
+                    step = release;
+                }
+            }
+            if let Step::Wait { until_ms } = step {
+                let wait = until_ms.saturating_sub(monotonic_ms());
+                std::thread::sleep(Duration::from_millis(u64::try_from(wait).unwrap_or(0)));
+            }
+            if let Step::Load { .. } = step {
+                // Assigned by the caller.
+                step = Step::Load { assign: false };
+            }
+            let event = match step {
+                Step::Collect => {
+                    outcome.duration = started.elapsed();
+                    return Ok(Some(outcome));
+                }
+                Step::Release { .. } => return Ok(None),
+                Step::Stop(e) => return Err(KafkaError::from_life(e, &self.output_topic, partition)),
+                Step::Wait { .. } => Some(Event::Waited),
+                step => self.perform(&mut clients, partition, &step, abandon, &mut outcome)?,
+            };
+            let Some(event) = event else { return Ok(None) };
+            step = life.on(event, monotonic_ms());
         }
-        // With `read_committed` the broker answers (log start, LSO).
-        let mut stable = || {
-            consumer
-                .fetch_watermarks(&self.output_topic, partition, self.stall_timeout)
-                .map_err(KafkaError::client("reading the output last stable offset for repair"))
-        };
-        let Some((low, high)) =
-            wait_for_stable_end(partition, hwm, &mut stable, abandon, self.settle_timeout, Duration::from_millis(200))?
-        else {
-            return Ok(None);
-        };
-        let from = match checkpoint {
-            Some(c) => {
-                let (from, gap) = start_after_checkpoint(&self.output_topic, partition, c, low, self.on_output_gap)?;
+    }
+
+    /// Performs one repair step of the core. `Ok(None)`: `abandon` said so
+    /// while reading. Broker errors come back as [`Event::RepairFailed`], for
+    /// the core to retry; local-state errors and foreign output records fail.
+    /// `outcome` gathers where reading started and how much it read.
+    pub fn perform(
+        &self,
+        clients: &mut Option<RepairClients>,
+        partition: i32,
+        step: &Step,
+        abandon: &dyn Fn() -> bool,
+        outcome: &mut RepairOutcome,
+    ) -> Result<Option<Event>, KafkaError> {
+        let result = self.perform_inner(clients, partition, step, abandon, outcome);
+        match result {
+            Err(e @ KafkaError::Client { .. }) => {
+                // A fresh client for the next attempt.
+                *clients = None;
+                tracing::warn!(partition, error = %e, "repair step failed; retrying");
+                Ok(Some(Event::RepairFailed { detail: e.to_string() }))
+            }
+            other => other,
+        }
+    }
+
+    fn perform_inner(
+        &self,
+        clients: &mut Option<RepairClients>,
+        partition: i32,
+        step: &Step,
+        abandon: &dyn Fn() -> bool,
+        outcome: &mut RepairOutcome,
+    ) -> Result<Option<Event>, KafkaError> {
+        let event = match *step {
+            Step::Load { assign } => {
+                let mut engine = lock_engine(&self.engine);
+                if assign {
+                    engine.assign(partition, self.clock.now_ms())?;
+                }
+                Event::Loaded {
+                    checkpoint: engine.checkpoint(partition),
+                    furthest: engine.furthest_checkpoint(partition),
+                }
+            }
+            Step::ProbeOutputEnd => {
+                let c = self.clients(clients)?;
+                let (_, high_watermark) =
+                    c.probe
+                        .fetch_watermarks(&self.output_topic, partition, self.stall_timeout)
+                        .map_err(KafkaError::client("reading the output high watermark for repair"))?;
+                Event::OutputEnd { high_watermark }
+            }
+            Step::ProbeStableEnd => {
+                // With `read_committed` the broker answers (log start, LSO).
+                let c = self.clients(clients)?;
+                let (log_start, last_stable) = c
+                    .consumer
+                    .fetch_watermarks(&self.output_topic, partition, self.stall_timeout)
+                    .map_err(KafkaError::client("reading the output last stable offset for repair"))?;
+                Event::StableEnd { log_start, last_stable }
+            }
+            Step::FindHorizonStart { log_start, end } => {
+                let c = self.clients(clients)?;
+                Event::HorizonStart { offset: self.first_offset_within_horizon(&c.consumer, partition, log_start, end) }
+            }
+            Step::ReadOutput { from, end, gap } => {
                 if gap > 0 {
                     RepairGapFound { partition, records: gap }.emit(&self.metrics);
                 }
-                from
+                if outcome.from_offset < 0 {
+                    outcome.from_offset = from;
+                }
+                if from >= end {
+                    return Ok(Some(Event::OutputRead { next: end }));
+                }
+                let c = self.clients(clients)?;
+                match self.read_output(&c.consumer, partition, from, end, abandon)? {
+                    Some(records) => {
+                        outcome.records += records;
+                        Event::OutputRead { next: end }
+                    }
+                    None => return Ok(None),
+                }
             }
-            None => self.first_offset_within_horizon(&consumer, partition, low, high),
+            ref other => {
+                return Err(KafkaError::Task { detail: format!("{other:?} is not a repair step") });
+            }
         };
-        if from >= high {
-            return Ok(Some(RepairOutcome { from_offset: from, records: 0, duration: started.elapsed() }));
+        Ok(Some(event))
+    }
+
+    fn clients<'c>(&self, clients: &'c mut Option<RepairClients>) -> Result<&'c RepairClients, KafkaError> {
+        if clients.is_none() {
+            *clients = Some(RepairClients {
+                consumer: self.config.create().map_err(KafkaError::client("creating the repair consumer"))?,
+                probe: self
+                    .uncommitted_config
+                    .create()
+                    .map_err(KafkaError::client("creating the repair watermark probe"))?,
+            });
         }
+        Ok(clients.as_ref().expect("just created"))
+    }
+
+    /// Reads output `from..end` of `partition` (read_committed) and applies
+    /// every record. `None` when `abandon` said so first.
+    fn read_output(
+        &self,
+        consumer: &BaseConsumer,
+        partition: i32,
+        from: i64,
+        end: i64,
+        abandon: &dyn Fn() -> bool,
+    ) -> Result<Option<u64>, KafkaError> {
+        let started = Instant::now();
         let mut tpl = TopicPartitionList::new();
         tpl.add_partition_offset(&self.output_topic, partition, Offset::Offset(from))
             .map_err(KafkaError::client("assigning the output partition for repair"))?;
         consumer.assign(&tpl).map_err(KafkaError::client("assigning the output partition for repair"))?;
 
-        let mut chunk: Vec<StoredEvent> = Vec::with_capacity(APPLY_CHUNK.min((high - from) as usize));
+        let mut chunk: Vec<StoredEvent> = Vec::with_capacity(APPLY_CHUNK.min((end - from) as usize));
         let mut records = 0u64;
         let mut last_progress = Instant::now();
         let mut last_report = Instant::now();
-        let progressed = |records: u64| {
-            RepairProgressed { partition, remaining: high - (from + records as i64) }.emit(&self.metrics);
+        let progressed = |next: i64| {
+            RepairProgressed { partition, remaining: end - next }.emit(&self.metrics);
         };
-        progressed(0);
+        progressed(from);
+        let mut next = from;
         loop {
             // A repair over the whole horizon can read for a long time: say
             // where it is at a steady interval, not only when it is done.
             if last_report.elapsed() >= REPAIR_PROGRESS_INTERVAL {
                 last_report = Instant::now();
-                progressed(records);
-                let next = from + records as i64;
+                progressed(next);
                 tracing::info!(
                     partition,
                     records,
-                    remaining = high - next,
+                    remaining = end - next,
                     seconds = started.elapsed().as_secs(),
                     rate = records as f64 / started.elapsed().as_secs_f64().max(0.001),
                     "repair in progress"
@@ -181,6 +314,7 @@ impl Repairer {
             match consumer.poll(Duration::from_millis(200)) {
                 Some(Ok(m)) => {
                     last_progress = Instant::now();
+                    next = m.offset() + 1;
                     let position = Position::new(partition, m.offset());
                     let stored =
                         parse_output(&self.validator, position, m.headers(), m.payload()).map_err(|detail| {
@@ -196,7 +330,7 @@ impl Repairer {
                     if chunk.len() >= APPLY_CHUNK {
                         self.apply(partition, &mut chunk)?;
                     }
-                    if m.offset() + 1 >= high {
+                    if next >= end {
                         break;
                     }
                 }
@@ -211,15 +345,14 @@ impl Repairer {
             if last_progress.elapsed() > self.stall_timeout {
                 return Err(KafkaError::Task {
                     detail: format!(
-                        "repair of output partition {partition} made no progress for {:?} (next offset {}, end {high})",
+                        "repair of output partition {partition} made no progress for {:?} (next offset {next}, end {end})",
                         self.stall_timeout,
-                        from + records as i64
                     ),
                 });
             }
         }
         self.apply(partition, &mut chunk)?;
-        Ok(Some(RepairOutcome { from_offset: from, records, duration: started.elapsed() }))
+        Ok(Some(records))
     }
 
     /// Where a partition this instance has no state for starts: the first
@@ -270,157 +403,5 @@ impl Repairer {
         lock_engine(&self.engine).apply_published(partition, chunk, now)?;
         chunk.clear();
         Ok(())
-    }
-}
-
-/// Where repair of a partition with checkpoint `c` starts, given the
-/// output's log start `low`: right after the checkpoint, unless retention
-/// deleted output this instance never applied. Retries of those events can
-/// no longer be recognised, so that gap stops the worker (naming it) unless
-/// the operator chose to continue; then repair starts at the log start and
-/// the gap size is returned to be counted.
-fn start_after_checkpoint(
-    topic: &str,
-    partition: i32,
-    c: i64,
-    low: i64,
-    on_gap: OnOutputGap,
-) -> Result<(i64, u64), KafkaError> {
-    let first_missing = c.saturating_add(1);
-    if first_missing >= low {
-        return Ok((first_missing, 0));
-    }
-    let missing = low - first_missing;
-    match on_gap {
-        OnOutputGap::Stop => Err(KafkaError::OutputGap {
-            topic: topic.to_owned(),
-            partition,
-            checkpoint: c,
-            first_missing,
-            log_start: low,
-            missing,
-        }),
-        OnOutputGap::Continue => Ok((low, u64::try_from(missing).unwrap_or(0))),
-    }
-}
-
-/// Polls `stable` (log start, last stable offset) until the LSO reaches
-/// `hwm`, the high watermark seen when repair began: then no transaction
-/// that wrote below `hwm` is still open, and reading committed data up to the
-/// returned LSO misses nothing that can still commit. Fails after `timeout`
-/// rather than end repair early; `None` when `abandon` says so first.
-fn wait_for_stable_end(
-    partition: i32,
-    hwm: i64,
-    stable: &mut dyn FnMut() -> Result<(i64, i64), KafkaError>,
-    abandon: &dyn Fn() -> bool,
-    timeout: Duration,
-    poll_every: Duration,
-) -> Result<Option<(i64, i64)>, KafkaError> {
-    let started = Instant::now();
-    let mut warned = false;
-    loop {
-        let (low, lso) = stable()?;
-        if lso >= hwm {
-            return Ok(Some((low, lso)));
-        }
-        if abandon() {
-            return Ok(None);
-        }
-        let waited = started.elapsed();
-        if waited >= timeout {
-            return Err(KafkaError::Task {
-                detail: format!(
-                    "repair of output partition {partition}: a transaction on the output stayed open for {waited:?} \
-                     (last stable offset {lso}, high watermark {hwm}); refusing to consume input before it ends, \
-                     because its events may still commit"
-                ),
-            });
-        }
-        if !warned && waited >= Duration::from_secs(1) {
-            warned = true;
-            tracing::warn!(
-                partition,
-                lso,
-                hwm,
-                "repair waiting for an open transaction on the output partition to commit or abort (a previous owner died mid-batch)"
-            );
-        }
-        std::thread::sleep(poll_every);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn replay(answers: Vec<(i64, i64)>) -> impl FnMut() -> Result<(i64, i64), KafkaError> {
-        let mut it = answers.into_iter();
-        move || Ok(it.next().expect("asked more often than scripted"))
-    }
-
-    #[test]
-    fn a_retention_gap_below_the_log_start_stops_the_worker_naming_it() {
-        let err = start_after_checkpoint("out", 2, 99, 150, OnOutputGap::Stop).expect_err("a gap must stop");
-        let text = err.to_string();
-        assert!(matches!(err, KafkaError::OutputGap { missing: 50, first_missing: 100, log_start: 150, .. }));
-        assert!(text.contains("100..150") && text.contains("--on-output-gap continue"), "{text}");
-    }
-
-    #[test]
-    fn a_retention_gap_is_skipped_and_counted_only_when_asked_to_continue() {
-        assert_eq!(start_after_checkpoint("out", 0, 99, 150, OnOutputGap::Continue).expect("continues"), (150, 50));
-        assert_eq!(start_after_checkpoint("out", 0, 149, 150, OnOutputGap::Stop).expect("no gap"), (150, 0));
-        assert_eq!(start_after_checkpoint("out", 0, 7, 0, OnOutputGap::Stop).expect("no gap"), (8, 0));
-    }
-
-    #[test]
-    fn repair_end_waits_until_open_transactions_below_the_high_watermark_end() {
-        // A dead owner's transaction holds the LSO at 40 until it aborts and
-        // the LSO jumps past the HWM seen at start (50).
-        let mut stable = replay(vec![(0, 40), (0, 40), (0, 40), (0, 52)]);
-        let end = wait_for_stable_end(0, 50, &mut stable, &|| false, Duration::from_secs(5), Duration::ZERO);
-        assert_eq!(end.expect("ends"), Some((0, 52)));
-    }
-
-    #[test]
-    fn repair_end_is_immediate_without_open_transactions() {
-        let mut stable = replay(vec![(3, 50)]);
-        let end = wait_for_stable_end(0, 50, &mut stable, &|| false, Duration::ZERO, Duration::ZERO);
-        assert_eq!(end.expect("ends"), Some((3, 50)));
-    }
-
-    #[test]
-    fn repair_fails_rather_than_stop_short_of_a_transaction_that_never_ends() {
-        let mut stable = || Ok((0, 10));
-        let err =
-            wait_for_stable_end(7, 11, &mut stable, &|| false, Duration::from_millis(30), Duration::from_millis(5))
-                .expect_err("must not end repair below the high watermark");
-        let text = err.to_string();
-        assert!(text.contains("partition 7") && text.contains("last stable offset 10"), "{text}");
-    }
-
-    #[test]
-    fn a_revoke_abandons_the_wait_for_an_open_transaction() {
-        let stable = || Ok((0, 10));
-        let revoked = std::sync::atomic::AtomicBool::new(false);
-        let mut asked = 0;
-        let mut stable_then_revoke = || {
-            asked += 1;
-            if asked == 3 {
-                revoked.store(true, std::sync::atomic::Ordering::SeqCst);
-            }
-            stable()
-        };
-        let end = wait_for_stable_end(
-            0,
-            11,
-            &mut stable_then_revoke,
-            &|| revoked.load(std::sync::atomic::Ordering::SeqCst),
-            Duration::from_secs(60),
-            Duration::ZERO,
-        );
-        assert_eq!(end.expect("abandoned, not failed"), None);
-        assert_eq!(asked, 3, "stops at the first look after the revoke");
     }
 }

@@ -4,65 +4,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-/// How publishing and input offsets are tied together (DESIGN §6).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum DeliveryMode {
-    /// Kafka transactions: output records and input offsets commit together;
-    /// a zombie instance is fenced. Needs a broker with transactions.
-    #[default]
-    ExactlyOnce,
-    /// Idempotent producer: publish, await every ack, apply, then commit the
-    /// input offsets. A crash between publish and commit replays input that
-    /// repair recognises, so the output stays exactly once.
-    AtLeastOnce,
-}
-
-impl DeliveryMode {
-    /// The flag spelling (`--delivery`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DeliveryMode::ExactlyOnce => "exactly-once",
-            DeliveryMode::AtLeastOnce => "at-least-once",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<DeliveryMode> {
-        match s {
-            "exactly-once" => Some(DeliveryMode::ExactlyOnce),
-            "at-least-once" => Some(DeliveryMode::AtLeastOnce),
-            _ => None,
-        }
-    }
-}
-
-impl std::fmt::Display for DeliveryMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// What repair does when retention deleted output that local state never
-/// applied (`--on-output-gap`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum OnOutputGap {
-    /// Stop the worker and name the gap: retries of the deleted events can
-    /// no longer be recognised, so going on may bill them twice.
-    #[default]
-    Stop,
-    /// Go on from the log start, counting the gap
-    /// (`dedupd_repair_gap_records_total`) so an alert fires.
-    Continue,
-}
-
-impl OnOutputGap {
-    pub fn parse(s: &str) -> Option<OnOutputGap> {
-        match s {
-            "stop" => Some(OnOutputGap::Stop),
-            "continue" => Some(OnOutputGap::Continue),
-            _ => None,
-        }
-    }
-}
+pub use crate::pipeline::{DeliveryMode, OnOutputGap};
 
 /// The four topics of one deployment.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -1,0 +1,93 @@
+//! Deliberate bugs the simulator must catch (issue #11, "the simulator
+//! catches real bugs").
+//!
+//! Each [`Mutation`] reverses one ordering decision that exact billing rests
+//! on. The switches exist only in test builds: in any other build
+//! [`Mutations::has`] is a constant `false`, so `dedupd run` cannot be
+//! mutated by configuration or by accident.
+
+/// One deliberate bug. The documented set; `src/sim/world` asserts each is
+/// caught by the default simulation run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Mutation {
+    /// Exactly-once: the input offsets are committed by a plain consumer
+    /// commit beside the transaction instead of inside it, so they can
+    /// survive a transaction that aborts (events lost).
+    OffsetsOutsideTransaction,
+    /// At-least-once: the input offsets are committed before the publish is
+    /// acknowledged (events lost when the publish then fails).
+    CommitBeforeAcknowledged,
+    /// Local state remembers a batch before it is published: a failed
+    /// publish leaves keys for events that never reached the output, and
+    /// their retries are dropped as duplicates (events lost).
+    ApplyBeforePublish,
+    /// A newly assigned partition consumes input without reading its output
+    /// back first (retries of events published by the previous owner are
+    /// billed twice).
+    SkipRepairOnAssign,
+    /// Repair ends at the last stable offset it sees first instead of
+    /// waiting until transactions open at its start have ended (a previous
+    /// owner's transaction that commits later is billed twice).
+    RepairEndsAtHighWatermark,
+    /// A lost assignment finishes its in-flight batch as a revoke does,
+    /// though the partition may already belong to another member (billed
+    /// twice).
+    RevokeFinishesLostBatch,
+    /// A transaction commit that times out is treated as failed and the
+    /// batch retried, instead of repeating the commit: a commit that did
+    /// reach the broker is then billed twice.
+    CommitTimeoutNotResumed,
+}
+
+impl Mutation {
+    /// Every mutation, in a fixed order.
+    pub const ALL: [Mutation; 7] = [
+        Mutation::OffsetsOutsideTransaction,
+        Mutation::CommitBeforeAcknowledged,
+        Mutation::ApplyBeforePublish,
+        Mutation::SkipRepairOnAssign,
+        Mutation::RepairEndsAtHighWatermark,
+        Mutation::RevokeFinishesLostBatch,
+        Mutation::CommitTimeoutNotResumed,
+    ];
+
+    fn bit(self) -> u16 {
+        1 << (self as u16)
+    }
+}
+
+/// A set of [`Mutation`]s switched on; empty by default and always empty
+/// outside test builds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Mutations {
+    #[cfg(test)]
+    bits: u16,
+}
+
+impl Mutations {
+    /// No mutation: the worker as shipped.
+    pub const NONE: Mutations = Mutations {
+        #[cfg(test)]
+        bits: 0,
+    };
+
+    /// Just `m`.
+    #[cfg(test)]
+    pub fn only(m: Mutation) -> Mutations {
+        Mutations { bits: m.bit() }
+    }
+
+    /// Whether `m` is switched on. Always `false` outside test builds.
+    #[inline]
+    pub fn has(self, m: Mutation) -> bool {
+        #[cfg(test)]
+        {
+            self.bits & m.bit() != 0
+        }
+        #[cfg(not(test))]
+        {
+            let _ = m.bit();
+            false
+        }
+    }
+}
