@@ -538,7 +538,10 @@ async fn at_least_once_publish_waits_for_every_record_handed_over_before_it_repo
     // The first record is handed to the producer (and lingers); the second
     // is refused at once. The failure must come back only once the first
     // is acknowledged or failed, never while it may still land.
-    let err = publisher.publish(0, vec![record(10), record(50_000)], Some(1)).await.expect_err("too large");
+    let err = publisher
+        .publish(0, vec![record(10), record(50_000)], Some(1), Default::default())
+        .await
+        .expect_err("too large");
     assert!(matches!(err, PublishError::Permanent { .. }), "{err}");
     let (_, end) = probe.fetch_watermarks(&topics.output, 0, Duration::from_secs(10)).expect("watermarks");
     assert_eq!(end, 1, "the failure was reported while the first record had not landed yet");

@@ -9,12 +9,14 @@
 //! - [`clients`]: librdkafka configurations and start-up broker checks.
 //! - [`engine`]: the seam to local state ([`StateEngine`] over `LocalState`).
 //! - [`records`]: the output, conflicts and rejected record formats.
+//! - [`batch`]: one input batch classified into those records (no rdkafka).
 //! - [`publisher`]: transactional group commit, or idempotent publish.
 //! - [`repair`]: reading an output partition back into local state.
 //! - [`partition`]: one input partition's pipeline.
 //! - [`worker`]: [`run`], rebalance callbacks, shutdown.
 //! - [`demo`]: `dedupd demo` on librdkafka's mock cluster.
 
+pub mod batch;
 pub mod clients;
 pub mod demo;
 pub mod engine;

@@ -9,21 +9,18 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hashbrown::HashMap;
 use rdkafka::consumer::{CommitMode, Consumer};
 use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::{mpsc, watch};
 
-use crate::classify::Tier;
-use crate::event::{IdHash, Position, UsageEvent};
-use crate::kafka::engine::{InputRecord, Outcome, StoredEvent};
+use crate::event::Position;
+use crate::kafka::batch::{classify_batch, BatchInput, Prepared};
 use crate::kafka::error::KafkaError;
 use crate::kafka::publisher::{PublishError, Published};
-use crate::kafka::records::{accepted_record, conflict_record, rejected_record, OutRecord};
 use crate::kafka::repair::{lock_engine, monotonic_ms, RepairClients, RepairOutcome};
 use crate::kafka::worker::{InputQueue, Shared};
-use crate::metrics::{BatchClassified, PublishRetried, RepairCompleted, Stage, StageTimed};
+use crate::metrics::{PublishRetried, RepairCompleted, Stage, StageTimed};
 use crate::pipeline::{BatchFailure, Event, PartitionLife, Step};
 
 /// How often an idle partition task polls its queue again (see the idle
@@ -39,7 +36,7 @@ pub(crate) struct PartitionProgress {
     /// The assignment was lost (session timeout): the task abandons its
     /// in-flight batch instead of finishing it, because another member may
     /// already own the partition.
-    pub lost: AtomicBool,
+    pub lost: Arc<AtomicBool>,
     /// True while repair runs: repair has its own no-progress deadline, and
     /// a long repair is not a stall.
     pub repairing: AtomicBool,
@@ -55,7 +52,7 @@ pub(crate) struct PartitionProgress {
 impl PartitionProgress {
     pub(crate) fn new(now_ms: i64) -> PartitionProgress {
         PartitionProgress {
-            lost: AtomicBool::new(false),
+            lost: Arc::new(AtomicBool::new(false)),
             repairing: AtomicBool::new(true),
             last_progress_ms: AtomicI64::new(now_ms),
             next_offset: AtomicI64::new(-1),
@@ -76,15 +73,6 @@ impl PartitionProgress {
         }
         now_ms.saturating_sub(self.last_progress_ms.load(Ordering::Relaxed)) > stall_ms
     }
-}
-
-/// A classified batch, ready to publish.
-struct Prepared {
-    records: Vec<OutRecord>,
-    /// For each accepted event: its index in `records` and the key and event
-    /// to apply once the output offset is known.
-    accepted: Vec<(usize, StoredEvent)>,
-    summary: BatchClassified,
 }
 
 /// The batch a partition has in flight, between the core's steps.
@@ -217,7 +205,7 @@ async fn pipeline(
                 let records = batch.prepared.as_ref().map(|p| p.records.clone()).unwrap_or_default();
                 let started = Instant::now();
                 let offsets = offsets_in_transaction.then_some(next_input);
-                let published = shared.publisher.publish(partition, records, offsets).await;
+                let published = shared.publisher.publish(partition, records, offsets, progress.lost.clone()).await;
                 StageTimed { stage: Stage::publish, duration: started.elapsed() }.emit(&shared.metrics);
                 match published {
                     Ok(p) => {
@@ -430,80 +418,12 @@ fn commit_input(shared: &Arc<Shared>, partition: i32, next: i64) {
 /// Decode → validate → classify → build the records to publish. Blocking
 /// (the engine may read RocksDB).
 fn prepare(shared: &Shared, partition: i32, batch: &[OwnedMessage], now_ms: i64) -> Result<Prepared, KafkaError> {
-    let inputs: Vec<InputRecord<'_>> = batch
-        .iter()
-        .map(|m| InputRecord { source: Position::new(partition, m.offset()), payload: m.payload() })
-        .collect();
+    let inputs: Vec<BatchInput<'_>> =
+        batch.iter().map(|m| BatchInput { offset: m.offset(), key: m.key(), payload: m.payload() }).collect();
     let engine = lock_engine(&shared.engine);
-    let outcomes = engine.classify(partition, &inputs, now_ms)?;
-    let mut summary = BatchClassified { partition, ..Default::default() };
-    let mut records = Vec::with_capacity(batch.len());
-    let mut accepted = Vec::new();
-    let mut in_batch: HashMap<IdHash, UsageEvent> = HashMap::new();
-    let mut reasons: HashMap<crate::event::RejectReason, u64> = HashMap::new();
-    let mut tenants: HashMap<String, u64> = HashMap::new();
-    // Input headers are ignored by design: the payload alone is the event,
-    // so unknown or hostile headers cannot change a record's bucket.
-    for ((m, input), outcome) in batch.iter().zip(&inputs).zip(outcomes) {
-        if m.key().is_none() {
-            summary.unkeyed += 1;
-        }
-        match outcome {
-            Outcome::Accepted { event, id_hash, payload_hash } => {
-                summary.accepted += 1;
-                records.push(accepted_record(&event, id_hash, payload_hash, input.source, now_ms));
-                let key = crate::classify::SeenKey {
-                    id_hash,
-                    payload_hash,
-                    first_seen_ms: now_ms,
-                    source: input.source,
-                    // Filled in with the offset the broker assigns.
-                    output: Position::new(partition, -1),
-                };
-                in_batch.insert(id_hash, event.clone());
-                accepted.push((records.len() - 1, StoredEvent { key, event }));
-            }
-            Outcome::Duplicate { .. } => summary.duplicate += 1,
-            Outcome::Replayed { .. } => summary.replayed += 1,
-            Outcome::Conflict { event, id_hash, payload_hash, tier, first } => {
-                summary.conflict += 1;
-                *tenants.entry(event.tenant_id.clone()).or_default() += 1;
-                let original = if tier == Tier::Batch {
-                    in_batch.get(&id_hash).cloned()
-                } else {
-                    engine.original(partition, &id_hash)
-                };
-                records.push(conflict_record(
-                    &event,
-                    id_hash,
-                    payload_hash,
-                    tier,
-                    &first,
-                    original.as_ref(),
-                    input.source,
-                    now_ms,
-                    shared.layout.conflicts_partitions,
-                ));
-            }
-            Outcome::Rejected(rejection) => {
-                summary.rejected += 1;
-                *reasons.entry(rejection.reason).or_default() += 1;
-                records.push(rejected_record(
-                    &rejection,
-                    m.key(),
-                    m.payload(),
-                    input.source,
-                    now_ms,
-                    shared.settings.max_rejected_raw_bytes,
-                    shared.layout.rejected_partitions,
-                ));
-            }
-        }
-    }
-    summary.rejected_by_reason = reasons.into_iter().collect();
-    summary.conflicts_by_tenant = tenants.into_iter().collect();
+    let prepared = classify_batch(engine.as_ref(), partition, &inputs, now_ms, &shared.side_layout())?;
     shared.batches.fetch_add(1, Ordering::Relaxed);
-    Ok(Prepared { records, accepted, summary })
+    Ok(prepared)
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@
 //! output topic: the pipeline repairs (reads them back) before retrying, so
 //! they are recognised as replays instead of published twice.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -99,6 +100,9 @@ pub struct TxnRequest {
     /// batch, committed in the transaction (always, but for a test-only
     /// mutation of the core).
     next_input_offset: Option<i64>,
+    /// Set when the partition's assignment is lost: its offsets must not
+    /// commit (another member may own it).
+    assignment_lost: Arc<AtomicBool>,
     reply: oneshot::Sender<Result<Published, PublishError>>,
 }
 
@@ -130,11 +134,12 @@ impl Publisher {
         input_partition: i32,
         records: Vec<OutRecord>,
         next_input_offset: Option<i64>,
+        assignment_lost: Arc<AtomicBool>,
     ) -> Result<Published, PublishError> {
         match self {
             Publisher::Transactional { tx } => {
                 let (reply, rx) = oneshot::channel();
-                let req = TxnRequest { input_partition, records, next_input_offset, reply };
+                let req = TxnRequest { input_partition, records, next_input_offset, assignment_lost, reply };
                 let stopped = || PublishError::retriable("broker", "publisher task stopped");
                 tx.send(req).await.map_err(|_| stopped())?;
                 rx.await.map_err(|_| stopped())?
@@ -329,6 +334,9 @@ async fn run_transaction(
                 tpl.add_partition_offset(&topics.input, req.input_partition, Offset::Offset(next))
                     .map_err(classify_error)?;
             }
+        }
+        if group.iter().any(|r| r.assignment_lost.load(Ordering::SeqCst)) {
+            return Err(PublishError::retriable("not_group_member", "a partition of the transaction was lost"));
         }
         let cgm = group_metadata().ok_or_else(|| PublishError::retriable("not_group_member", "not a group member"))?;
         let p = producer.clone();

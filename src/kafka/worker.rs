@@ -108,6 +108,14 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    pub(crate) fn side_layout(&self) -> crate::kafka::batch::SideLayout {
+        crate::kafka::batch::SideLayout {
+            conflicts_partitions: self.layout.conflicts_partitions,
+            rejected_partitions: self.layout.rejected_partitions,
+            max_rejected_raw_bytes: self.settings.max_rejected_raw_bytes,
+        }
+    }
+
     pub(crate) fn consumer(&self) -> Option<Arc<InputConsumer>> {
         self.consumer.get().and_then(Weak::upgrade)
     }
@@ -504,12 +512,37 @@ async fn start_publisher(
                     KafkaError::Client { operation: "initialising transactions", source: e }
                 }
             })?;
-            let cgm: publisher::GroupMetadataSource =
-                Arc::new(move || consumer_slot.get().and_then(Weak::upgrade).and_then(|c| c.group_metadata()));
+            // Only a live member's metadata: after a lost session librdkafka
+            // reports no member id and generation -1, and Kafka lets a
+            // transactional offset commit without a generation through
+            // unfenced (found by the simulator, seed 164). Refusing it turns
+            // a zombie's commit into an abort.
+            let cgm: publisher::GroupMetadataSource = Arc::new(move || {
+                let consumer = consumer_slot.get().and_then(Weak::upgrade)?;
+                has_member_id(&consumer).then(|| consumer.group_metadata()).flatten()
+            });
             let timeouts = TxnTimeouts { operation: timeout, resolve_deadline: settings.repair_settle_timeout() };
             let (publisher, task) = publisher::start_transactional(producer.clone(), topics, cgm, timeouts, metrics);
             Ok((publisher, Some(task), producer))
         }
+    }
+}
+
+/// Whether the consumer is a group member now (librdkafka clears the member
+/// id when its session is lost).
+fn has_member_id(consumer: &InputConsumer) -> bool {
+    let ptr = consumer.client().native_ptr();
+    // SAFETY: `ptr` is the live client owned by `consumer`, borrowed for
+    // this call; `rd_kafka_memberid` returns a string librdkafka allocated
+    // (or null), which is read once and released with `rd_kafka_mem_free`.
+    unsafe {
+        let id = rdkafka::bindings::rd_kafka_memberid(ptr);
+        if id.is_null() {
+            return false;
+        }
+        let live = !std::ffi::CStr::from_ptr(id).to_bytes().is_empty();
+        rdkafka::bindings::rd_kafka_mem_free(ptr, id.cast());
+        live
     }
 }
 

@@ -91,7 +91,7 @@ impl TransactionEnding {
         match (attempt, self.ending) {
             (EndAttempt::Resolved, _) => EndDecision::Done,
             (EndAttempt::TimedOut, Ending::Commit) if self.mutations.has(Mutation::CommitTimeoutNotResumed) => {
-                EndDecision::AbortInstead
+                EndDecision::Done
             }
             (EndAttempt::TimedOut, _) if waited_ms >= self.resolve_deadline_ms => EndDecision::Unresolved { waited_ms },
             (EndAttempt::TimedOut, _) => EndDecision::Repeat,
@@ -128,9 +128,9 @@ mod tests {
     }
 
     #[test]
-    fn the_mutation_gives_up_a_timed_out_commit() {
+    fn the_mutation_takes_a_timed_out_commit_as_done() {
         let mut e =
             TransactionEnding::new(Ending::Commit, 0, 60_000, Mutations::only(Mutation::CommitTimeoutNotResumed));
-        assert_eq!(e.attempted(EndAttempt::TimedOut, 1), EndDecision::AbortInstead);
+        assert_eq!(e.attempted(EndAttempt::TimedOut, 1), EndDecision::Done);
     }
 }

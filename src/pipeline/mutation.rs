@@ -33,9 +33,10 @@ pub enum Mutation {
     /// though the partition may already belong to another member (billed
     /// twice).
     RevokeFinishesLostBatch,
-    /// A transaction commit that times out is treated as failed and the
-    /// batch retried, instead of repeating the commit: a commit that did
-    /// reach the broker is then billed twice.
+    /// A transaction commit that times out is taken as done instead of
+    /// being repeated until it resolves: when the commit never reached the
+    /// broker, the transaction aborts while local state remembers its
+    /// events, and their retries are dropped as duplicates (events lost).
     CommitTimeoutNotResumed,
 }
 

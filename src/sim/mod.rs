@@ -53,6 +53,8 @@ pub mod broker;
 pub mod error;
 pub mod net;
 pub mod rng;
+#[cfg(test)]
+pub mod world;
 
 #[cfg(test)]
 mod proptests;

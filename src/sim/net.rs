@@ -128,6 +128,12 @@ pub struct Network {
     next_seq: u64,
     next_request: RequestId,
     in_flight: BTreeMap<RequestId, InFlight>,
+    /// Per client, the latest arrival and response times drawn so far: a
+    /// Kafka connection delivers in order (the broker handles one
+    /// connection's requests in the order sent), so latency never reorders
+    /// one client's requests or responses.
+    last_arrival: BTreeMap<ClientId, i64>,
+    last_response: BTreeMap<ClientId, i64>,
 }
 
 impl Network {
@@ -141,6 +147,8 @@ impl Network {
             next_seq: 0,
             next_request: 0,
             in_flight: BTreeMap::new(),
+            last_arrival: BTreeMap::new(),
+            last_response: BTreeMap::new(),
         }
     }
 
@@ -185,7 +193,9 @@ impl Network {
         self.in_flight.insert(id, InFlight { client, applied: false, done: false, scheduled: 0 });
         self.schedule(now_ms.saturating_add(self.config.request_timeout_ms), id, Event::Timeout);
         if !self.rng.chance_per_million(self.config.drop_request_per_million) {
-            let arrive = now_ms.saturating_add(self.latency());
+            let drawn = now_ms.saturating_add(self.latency());
+            let arrive = drawn.max(self.last_arrival.get(&client).copied().unwrap_or(i64::MIN));
+            self.last_arrival.insert(client, arrive);
             self.schedule(arrive, id, Event::Arrive { request });
         }
         id
@@ -261,7 +271,10 @@ impl Network {
         if self.rng.chance_per_million(self.config.drop_response_per_million) {
             return;
         }
-        let back = at_ms.saturating_add(self.latency());
+        let drawn = at_ms.saturating_add(self.latency());
+        let client = self.in_flight.get(&id).map_or(0, |f| f.client);
+        let back = drawn.max(self.last_response.get(&client).copied().unwrap_or(i64::MIN));
+        self.last_response.insert(client, back);
         self.schedule(back, id, Event::Respond { response });
     }
 }

@@ -1,0 +1,120 @@
+//! One input batch classified into the records to publish: decode →
+//! validate → classify → accepted, conflict and rejected records.
+//!
+//! Free of rdkafka and of any I/O but local state's reads, so the worker and
+//! the simulator classify a batch with the same code.
+
+use hashbrown::HashMap;
+
+use crate::classify::{SeenKey, Tier};
+use crate::event::{IdHash, Position, RejectReason, UsageEvent};
+use crate::kafka::engine::{Engine, EngineError, InputRecord, Outcome, StoredEvent};
+use crate::kafka::records::{accepted_record, conflict_record, rejected_record, OutRecord};
+use crate::metrics::BatchClassified;
+
+/// One input record of a batch.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchInput<'a> {
+    pub offset: i64,
+    pub key: Option<&'a [u8]>,
+    pub payload: Option<&'a [u8]>,
+}
+
+/// Where side-topic records go and how much of a rejected record they keep.
+#[derive(Clone, Copy, Debug)]
+pub struct SideLayout {
+    pub conflicts_partitions: usize,
+    pub rejected_partitions: usize,
+    pub max_rejected_raw_bytes: usize,
+}
+
+/// A classified batch, ready to publish.
+#[derive(Debug)]
+pub struct Prepared {
+    pub records: Vec<OutRecord>,
+    /// For each accepted event: its index in `records` and the key and event
+    /// to apply once the output offset is known.
+    pub accepted: Vec<(usize, StoredEvent)>,
+    pub summary: BatchClassified,
+}
+
+/// Classifies `inputs` of `partition` read-only against `engine` and builds
+/// the records to publish. Input headers are ignored by design: the payload
+/// alone is the event, so unknown or hostile headers cannot change a
+/// record's bucket.
+pub fn classify_batch(
+    engine: &dyn Engine,
+    partition: i32,
+    inputs: &[BatchInput<'_>],
+    now_ms: i64,
+    layout: &SideLayout,
+) -> Result<Prepared, EngineError> {
+    let records_in: Vec<InputRecord<'_>> =
+        inputs.iter().map(|m| InputRecord { source: Position::new(partition, m.offset), payload: m.payload }).collect();
+    let outcomes = engine.classify(partition, &records_in, now_ms)?;
+    let mut summary = BatchClassified { partition, ..Default::default() };
+    let mut records = Vec::with_capacity(inputs.len());
+    let mut accepted = Vec::new();
+    let mut in_batch: HashMap<IdHash, UsageEvent> = HashMap::new();
+    let mut reasons: HashMap<RejectReason, u64> = HashMap::new();
+    let mut tenants: HashMap<String, u64> = HashMap::new();
+    for ((m, input), outcome) in inputs.iter().zip(&records_in).zip(outcomes) {
+        if m.key.is_none() {
+            summary.unkeyed += 1;
+        }
+        match outcome {
+            Outcome::Accepted { event, id_hash, payload_hash } => {
+                summary.accepted += 1;
+                records.push(accepted_record(&event, id_hash, payload_hash, input.source, now_ms));
+                let key = SeenKey {
+                    id_hash,
+                    payload_hash,
+                    first_seen_ms: now_ms,
+                    source: input.source,
+                    // Filled in with the offset the broker assigns.
+                    output: Position::new(partition, -1),
+                };
+                in_batch.insert(id_hash, event.clone());
+                accepted.push((records.len() - 1, StoredEvent { key, event }));
+            }
+            Outcome::Duplicate { .. } => summary.duplicate += 1,
+            Outcome::Replayed { .. } => summary.replayed += 1,
+            Outcome::Conflict { event, id_hash, payload_hash, tier, first } => {
+                summary.conflict += 1;
+                *tenants.entry(event.tenant_id.clone()).or_default() += 1;
+                let original = if tier == Tier::Batch {
+                    in_batch.get(&id_hash).cloned()
+                } else {
+                    engine.original(partition, &id_hash)
+                };
+                records.push(conflict_record(
+                    &event,
+                    id_hash,
+                    payload_hash,
+                    tier,
+                    &first,
+                    original.as_ref(),
+                    input.source,
+                    now_ms,
+                    layout.conflicts_partitions,
+                ));
+            }
+            Outcome::Rejected(rejection) => {
+                summary.rejected += 1;
+                *reasons.entry(rejection.reason).or_default() += 1;
+                records.push(rejected_record(
+                    &rejection,
+                    m.key,
+                    m.payload,
+                    input.source,
+                    now_ms,
+                    layout.max_rejected_raw_bytes,
+                    layout.rejected_partitions,
+                ));
+            }
+        }
+    }
+    summary.rejected_by_reason = reasons.into_iter().collect();
+    summary.conflicts_by_tenant = tenants.into_iter().collect();
+    Ok(Prepared { records, accepted, summary })
+}

@@ -1,0 +1,432 @@
+//! The simulator: dedupd workers driven through [`crate::pipeline`] against
+//! the model broker, under a seeded schedule of faults, in simulated time.
+//!
+//! One schedule: input producers write usage events with retries,
+//! conflicts and malformed records; two workers share the input in one
+//! consumer group; the network drops requests and responses, the broker
+//! goes down, the coordinator moves, workers crash (losing unsynced local
+//! state) and restart, or pause past their session (zombies), transaction
+//! markers land late. After the faults stop the workers must finish all
+//! input within a bounded simulated time, and the checks of
+//! [`check`] hold. Everything is a function of the seed: a failing seed
+//! replays exactly and prints its trace.
+//!
+//! What runs for real: the partition life ([`crate::pipeline::PartitionLife`])
+//! and transaction endings, batch classification and record formats
+//! ([`crate::kafka::batch`], [`crate::kafka::records`]), the classifier and
+//! local state (in memory, over the modelled journal of [`engine`]).
+//! What is modelled: the broker ([`crate::sim::broker`]), the network, and
+//! the client side of librdkafka (group membership, fetch positions, the
+//! transactional and idempotent producers), written here from Kafka's
+//! protocol, not librdkafka's code: its own bugs are out of reach.
+
+pub mod check;
+pub mod engine;
+mod worker;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::pipeline::{DeliveryMode, Mutations};
+use crate::sim::broker::log::{Record, TopicPartition};
+use crate::sim::broker::{Broker, BrokerConfig, ProduceBatch};
+use crate::sim::net::{Delivery, NetConfig, Network, Outage, OutageKind};
+use crate::sim::rng::SimRng;
+
+pub use check::Violation;
+use worker::{Timer, Worker};
+
+/// Event time of simulated millisecond 0 (the classifier's clock).
+pub const EPOCH_MS: i64 = 1_790_000_000_000;
+pub const INPUT: &str = "in";
+pub const OUTPUT: &str = "out";
+pub const CONFLICTS: &str = "conflicts";
+pub const REJECTED: &str = "rejected";
+pub const GROUP: &str = "dedupd";
+const PARTITIONS: i32 = 2;
+const WORKERS: usize = 2;
+/// Faults happen before this simulated time, never after.
+const FAULTS_END_MS: i64 = 40_000;
+/// Once faults stop, all input must be processed within this long.
+const LIVENESS_MS: i64 = 150_000;
+
+/// What one schedule runs.
+#[derive(Clone, Copy, Debug)]
+pub struct ScheduleConfig {
+    pub seed: u64,
+    pub delivery: DeliveryMode,
+    pub mutations: Mutations,
+}
+
+/// One input record of the schedule.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Planned {
+    /// A usage event: `id`, and which payload variant (a retry repeats the
+    /// variant, a conflict changes it).
+    Event { id: u32, variant: u32 },
+    /// Not JSON: rejected.
+    Malformed { n: u32 },
+}
+
+impl Planned {
+    pub fn key(&self) -> Vec<u8> {
+        match self {
+            Planned::Event { id, .. } => format!("t/e{id}").into_bytes(),
+            Planned::Malformed { n } => format!("bad{n}").into_bytes(),
+        }
+    }
+
+    pub fn payload(&self) -> Vec<u8> {
+        match self {
+            Planned::Event { id, variant } => format!(
+                r#"{{"event_id":"e{id}","tenant_id":"t","customer_id":"c{}","meter":"m","quantity":"{}","timestamp":{}}}"#,
+                id % 3,
+                variant + 1,
+                EPOCH_MS - 60_000
+            )
+            .into_bytes(),
+            Planned::Malformed { n } => format!("not json {n}").into_bytes(),
+        }
+    }
+
+    fn partition(&self) -> i32 {
+        match self {
+            Planned::Event { id, .. } => (*id as i32) % PARTITIONS,
+            Planned::Malformed { n } => (*n as i32) % PARTITIONS,
+        }
+    }
+}
+
+/// The faults of one schedule, drawn from its seed.
+#[derive(Clone, Debug)]
+pub struct Faults {
+    pub net: NetConfig,
+    pub outages: Vec<Outage>,
+    /// (worker, at, down for)
+    pub crashes: Vec<(usize, i64, i64)>,
+    /// (worker, at, paused for): no heartbeats, no progress; a pause past
+    /// the session timeout makes the worker a zombie when it resumes.
+    pub pauses: Vec<(usize, i64, i64)>,
+    pub marker_delay_ms: i64,
+    /// Local state syncs every this many applies.
+    pub sync_every: u32,
+    pub batch_records: usize,
+}
+
+impl Faults {
+    fn draw(rng: &mut SimRng, delivery: DeliveryMode) -> Faults {
+        let lossy = rng.below(3) > 0;
+        let net = NetConfig {
+            min_latency_ms: 1,
+            max_latency_ms: 1 + rng.range_i64(0, 20),
+            request_timeout_ms: 2_000,
+            drop_request_per_million: if lossy { rng.below(30_000) as u32 } else { 0 },
+            drop_response_per_million: if lossy { rng.below(30_000) as u32 } else { 0 },
+        };
+        let mut outages = Vec::new();
+        for _ in 0..rng.below(3) {
+            let from_ms = rng.range_i64(0, FAULTS_END_MS - 5_000);
+            // At-least-once cannot fence a member that outlives its session
+            // while still publishing (no transactions): keep its outages
+            // shorter than the session timeout. Exactly-once gets the long ones.
+            let longest = if delivery == DeliveryMode::ExactlyOnce { 9_000 } else { 3_000 };
+            let kind = if rng.below(3) == 0 { OutageKind::CoordinatorMoving } else { OutageKind::BrokerDown };
+            outages.push(Outage { from_ms, until_ms: from_ms + rng.range_i64(200, longest), kind });
+        }
+        let mut crashes = Vec::new();
+        for _ in 0..rng.below(4) {
+            crashes.push((
+                rng.below(WORKERS as u64) as usize,
+                rng.range_i64(500, FAULTS_END_MS),
+                rng.range_i64(100, 3_000),
+            ));
+        }
+        let mut pauses = Vec::new();
+        if delivery == DeliveryMode::ExactlyOnce && rng.below(2) == 0 {
+            pauses.push((
+                rng.below(WORKERS as u64) as usize,
+                rng.range_i64(1_000, FAULTS_END_MS - 12_000),
+                rng.range_i64(4_000, 12_000),
+            ));
+        }
+        Faults {
+            net,
+            outages,
+            crashes,
+            pauses,
+            marker_delay_ms: match rng.below(3) {
+                0 => 0,
+                1 => rng.range_i64(1, 50),
+                _ => rng.range_i64(500, 3_000),
+            },
+            sync_every: if rng.below(2) == 0 { 1 } else { 1 + rng.below(4) as u32 },
+            batch_records: 1 + rng.below(6) as usize,
+        }
+    }
+}
+
+/// What a schedule did, for the test's summary.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    pub input_records: usize,
+    pub output_records: usize,
+    pub crashes: usize,
+    pub lost_assignments: usize,
+    pub aborted_transactions: usize,
+    pub finished_ms: i64,
+}
+
+/// A schedule that failed: the seed, what broke, and the trace.
+#[derive(Debug)]
+pub struct Failure {
+    pub config: ScheduleConfig,
+    pub violations: Vec<Violation>,
+    pub trace: Vec<String>,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "schedule failed: seed {} ({}), reproduce with SIM_SEED={} SIM_SCHEDULES=1",
+            self.config.seed, self.config.delivery, self.config.seed
+        )?;
+        for v in &self.violations {
+            writeln!(f, "  violation: {v}")?;
+        }
+        // The whole trace with SIM_FULL_TRACE=1, else its end.
+        let shown = if std::env::var_os("SIM_FULL_TRACE").is_some() { self.trace.len() } else { 200 };
+        writeln!(f, "trace ({} lines, last {}):", self.trace.len(), shown.min(self.trace.len()))?;
+        for line in self.trace.iter().rev().take(shown).rev() {
+            writeln!(f, "  {line}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The simulated world of one schedule.
+pub struct World {
+    pub config: ScheduleConfig,
+    pub faults: Faults,
+    pub(crate) now_ms: i64,
+    pub(crate) net: Network,
+    pub(crate) timers: BTreeMap<(i64, u64), Timer>,
+    timer_seq: u64,
+    pub(crate) workers: Vec<Worker>,
+    /// Input records in the order they are produced, with their times.
+    pub plan: Vec<(i64, Planned)>,
+    /// Where each produced input record landed: (partition, offset) → plan.
+    pub produced: BTreeMap<(i32, i64), Planned>,
+    pub(crate) trace: Vec<String>,
+    pub(crate) violations: Vec<Violation>,
+    pub(crate) report: Report,
+    next_request_owner: BTreeMap<u64, (usize, u32)>,
+}
+
+impl World {
+    pub fn new(config: ScheduleConfig) -> World {
+        let mut rng = SimRng::new(config.seed);
+        let faults = Faults::draw(&mut rng, config.delivery);
+        let broker_config = BrokerConfig { marker_delay_ms: faults.marker_delay_ms, ..BrokerConfig::default() };
+        let mut broker = Broker::new(broker_config);
+        for (topic, n) in [(INPUT, PARTITIONS), (OUTPUT, PARTITIONS), (CONFLICTS, 1), (REJECTED, 1)] {
+            broker.create_topic(topic, n).expect("topic");
+        }
+        let mut net = Network::new(broker, faults.net.clone(), rng.next_u64());
+        for o in &faults.outages {
+            net.add_outage(*o);
+        }
+        let plan = plan_input(&mut rng);
+        let mut world = World {
+            config,
+            faults,
+            now_ms: 0,
+            net,
+            timers: BTreeMap::new(),
+            timer_seq: 0,
+            workers: Vec::new(),
+            plan,
+            produced: BTreeMap::new(),
+            trace: Vec::new(),
+            violations: Vec::new(),
+            report: Report::default(),
+            next_request_owner: BTreeMap::new(),
+        };
+        for i in 0..WORKERS {
+            world.workers.push(Worker::new(i, &world.faults));
+            world.at(0, Timer::Start { worker: i });
+        }
+        for (i, (at, _)) in world.plan.iter().enumerate() {
+            world.timers.insert((*at, u64::MAX - i as u64), Timer::Produce { index: i });
+        }
+        for &(worker, at, down) in &world.faults.crashes.clone() {
+            world.at(at, Timer::Crash { worker, down_ms: down });
+        }
+        for &(worker, at, len) in &world.faults.pauses.clone() {
+            world.at(at, Timer::Pause { worker, until_ms: at + len });
+        }
+        world.at(FAULTS_END_MS, Timer::CheckDone);
+        world
+    }
+
+    pub(crate) fn at(&mut self, at_ms: i64, timer: Timer) {
+        self.timer_seq += 1;
+        self.timers.insert((at_ms.max(self.now_ms), self.timer_seq), timer);
+    }
+
+    pub(crate) fn log(&mut self, line: String) {
+        self.trace.push(format!("{:>7} {line}", self.now_ms));
+    }
+
+    /// Runs the schedule to its end and checks it.
+    pub fn run(mut self) -> Result<Report, Failure> {
+        let deadline = FAULTS_END_MS + LIVENESS_MS;
+        let mut done = false;
+        while !done {
+            let next_timer = self.timers.keys().next().map(|(t, _)| *t);
+            let next_net = self.net.next_event_ms();
+            let Some(next) = [next_timer, next_net].into_iter().flatten().min() else { break };
+            if next > deadline {
+                break;
+            }
+            self.now_ms = next.max(self.now_ms);
+            for d in self.net.poll(self.now_ms) {
+                self.deliver(d);
+            }
+            while let Some(entry) = self.timers.first_entry() {
+                if entry.key().0 > self.now_ms {
+                    break;
+                }
+                let timer = entry.remove();
+                if let Timer::CheckDone = timer {
+                    if self.all_input_processed() {
+                        done = true;
+                        break;
+                    }
+                    self.at(self.now_ms + 1_000, Timer::CheckDone);
+                    continue;
+                }
+                self.fire(timer);
+            }
+            if !self.violations.is_empty() {
+                break;
+            }
+        }
+        if !done && self.violations.is_empty() {
+            let detail = self.progress_summary();
+            self.violations.push(Violation::Stalled { deadline_ms: deadline, detail });
+        }
+        self.report.finished_ms = self.now_ms;
+        if self.violations.is_empty() {
+            self.violations = check::final_checks(&self);
+        }
+        if self.violations.is_empty() {
+            let mut report = self.report.clone();
+            report.input_records = self.produced.len();
+            report.output_records = check::output_records(&self.net, OUTPUT).len();
+            Ok(report)
+        } else {
+            Err(Failure { config: self.config, violations: self.violations, trace: self.trace })
+        }
+    }
+
+    fn produce_input(&mut self, index: usize) {
+        let planned = self.plan[index].1.clone();
+        let p = planned.partition();
+        let record = Record {
+            key: Some(planned.key()),
+            value: Some(planned.payload()),
+            headers: Vec::new(),
+            timestamp_ms: EPOCH_MS + self.now_ms,
+        };
+        let batch = ProduceBatch {
+            producer_id: -1,
+            producer_epoch: -1,
+            base_sequence: -1,
+            transactional: false,
+            records: vec![record],
+        };
+        let now = self.now_ms;
+        let appended =
+            self.net.broker_mut().produce(now, &TopicPartition::new(INPUT, p), batch).expect("input produce");
+        self.produced.insert((p, appended.base_offset), planned);
+    }
+
+    fn all_input_processed(&mut self) -> bool {
+        if self.produced.len() < self.plan.len() {
+            return false;
+        }
+        let now = self.now_ms;
+        let parts: Vec<TopicPartition> = (0..PARTITIONS).map(|p| TopicPartition::new(INPUT, p)).collect();
+        let committed = self.net.broker_mut().offset_fetch(now, GROUP, &parts, true);
+        committed.iter().all(|(tp, c)| {
+            let end = self.net.broker().partition(tp).map_or(0, |l| l.high_watermark());
+            matches!(c, Ok(Some(o)) if *o >= end)
+        })
+    }
+
+    fn progress_summary(&mut self) -> String {
+        let now = self.now_ms;
+        let parts: Vec<TopicPartition> = (0..PARTITIONS).map(|p| TopicPartition::new(INPUT, p)).collect();
+        let committed = self.net.broker_mut().offset_fetch(now, GROUP, &parts, false);
+        let ends: Vec<i64> =
+            parts.iter().map(|tp| self.net.broker().partition(tp).map_or(0, |l| l.high_watermark())).collect();
+        let workers: Vec<String> = self.workers.iter().map(|w| w.describe()).collect();
+        format!("committed {committed:?}, input ends {ends:?}; workers: {}", workers.join(" | "))
+    }
+
+    /// Registers the owner of a request sent for `worker`'s current life.
+    pub(crate) fn own(&mut self, request: u64, worker: usize) {
+        let incarnation = self.workers[worker].incarnation;
+        self.next_request_owner.insert(request, (worker, incarnation));
+    }
+
+    fn deliver(&mut self, d: Delivery) {
+        let Some((worker, incarnation)) = self.next_request_owner.remove(&d.request_id) else { return };
+        if self.workers[worker].incarnation != incarnation {
+            return; // the process that sent it is gone
+        }
+        if self.workers[worker].paused_until > self.now_ms {
+            self.workers[worker].deferred.push(d);
+            return;
+        }
+        worker::on_delivery(self, worker, d);
+    }
+
+    fn fire(&mut self, timer: Timer) {
+        match timer {
+            Timer::Produce { index } => self.produce_input(index),
+            Timer::CheckDone => {}
+            other => worker::on_timer(self, other),
+        }
+    }
+}
+
+/// The input of one schedule: events with retries and conflicts, and some
+/// malformed records, spread over the fault window.
+fn plan_input(rng: &mut SimRng) -> Vec<(i64, Planned)> {
+    let mut plan = Vec::new();
+    let ids = 8 + rng.below(16) as u32;
+    for id in 0..ids {
+        let first = rng.range_i64(0, FAULTS_END_MS);
+        plan.push((first, Planned::Event { id, variant: 0 }));
+        for _ in 0..rng.below(3) {
+            plan.push((rng.range_i64(first, FAULTS_END_MS + 5_000), Planned::Event { id, variant: 0 }));
+        }
+        if rng.below(4) == 0 {
+            plan.push((rng.range_i64(first, FAULTS_END_MS + 5_000), Planned::Event { id, variant: 1 }));
+        }
+    }
+    for n in 0..rng.below(3) as u32 {
+        plan.push((rng.range_i64(0, FAULTS_END_MS), Planned::Malformed { n }));
+    }
+    plan.sort_by_key(|(t, _)| *t);
+    plan
+}
+
+/// The partitions of the input topic, for checkers.
+pub fn input_partitions() -> BTreeSet<i32> {
+    (0..PARTITIONS).collect()
+}
