@@ -27,7 +27,9 @@
 //!   publishing, repair (async).
 //! - [`metrics`]: the Prometheus registry and the HTTP endpoint.
 //! - [`sim`]: a model Kafka broker and faulty network for deterministic
-//!   simulation (pure, sans-I/O, seeded; knows nothing of dedupd's records).
+//!   simulation (pure, sans-I/O, seeded; knows nothing of dedupd's records);
+//!   in test builds, `sim::world`, the simulator that drives [`pipeline`]
+//!   against it under thousands of seeded fault schedules.
 
 pub mod classify;
 pub mod config;

@@ -49,6 +49,14 @@
 //! epoch bump per transaction). Blocking requests (JoinGroup, long-poll
 //! Fetch) answer at once: a pending JoinGroup is polled again.
 
+//!
+//! # The simulator
+//!
+//! `world` (test builds only) runs dedupd workers through the sans-I/O core
+//! ([`crate::pipeline`]) against this broker under seeded fault schedules
+//! and checks billing's guarantees after each; see its module doc and
+//! "Testing" in `docs/ARCHITECTURE.md`.
+
 pub mod broker;
 pub mod error;
 pub mod net;
