@@ -27,7 +27,7 @@ mod worker;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use crate::pipeline::{DeliveryMode, Mutations};
 use crate::sim::broker::log::{Record, TopicPartition};
@@ -424,9 +424,4 @@ fn plan_input(rng: &mut SimRng) -> Vec<(i64, Planned)> {
     }
     plan.sort_by_key(|(t, _)| *t);
     plan
-}
-
-/// The partitions of the input topic, for checkers.
-pub fn input_partitions() -> BTreeSet<i32> {
-    (0..PARTITIONS).collect()
 }

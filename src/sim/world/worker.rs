@@ -145,7 +145,6 @@ struct Run {
 struct Producer {
     generation: u64,
     pid: Option<ProducerIdAndEpoch>,
-    initing: bool,
     seqs: BTreeMap<TopicPartition, i32>,
     queue: VecDeque<Job>,
     run: Option<Run>,
@@ -917,7 +916,6 @@ fn init_producer(w: &mut World, worker: usize) {
     let wk = &mut w.workers[worker];
     wk.producer.generation += 1;
     wk.producer.pid = None;
-    wk.producer.initing = true;
     wk.producer.seqs.clear();
     let generation = wk.producer.generation;
     let transactional_id = eos.then(|| wk.transactional_id());
@@ -929,14 +927,9 @@ fn init_producer(w: &mut World, worker: usize) {
     );
 }
 
-fn producer_later(w: &mut World, worker: usize, timer_init: bool) {
+fn init_producer_later(w: &mut World, worker: usize) {
     let incarnation = w.workers[worker].incarnation;
-    let t = if timer_init {
-        Timer::InitProducer { worker, incarnation }
-    } else {
-        Timer::ProducerStep { worker, incarnation }
-    };
-    w.at(w.now_ms + RETRY_MS, t);
+    w.at(w.now_ms + RETRY_MS, Timer::InitProducer { worker, incarnation });
 }
 
 /// Starts the next job when the producer is ready and idle.
@@ -1088,12 +1081,10 @@ fn on_producer_response(w: &mut World, worker: usize, what: ProducerRequest, res
     if let ProducerRequest::Init = what {
         match response {
             Some(Response::InitProducerId(Ok(pid))) => {
-                let p = &mut w.workers[worker].producer;
-                p.pid = Some(pid);
-                p.initing = false;
+                w.workers[worker].producer.pid = Some(pid);
                 producer_next(w, worker);
             }
-            _ => producer_later(w, worker, true),
+            _ => init_producer_later(w, worker),
         }
         return;
     }
