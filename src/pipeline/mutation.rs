@@ -38,11 +38,16 @@ pub enum Mutation {
     /// broker, the transaction aborts while local state remembers its
     /// events, and their retries are dropped as duplicates (events lost).
     CommitTimeoutNotResumed,
+    /// A new WAL file is created without fsyncing its directory: a power
+    /// loss can take the file's entry, and with it every frame fsynced into
+    /// the file, although each append was acknowledged as durable (events
+    /// lost from local state, or a store that cannot open).
+    WalCreatedWithoutDirFsync,
 }
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 7] = [
+    pub const ALL: [Mutation; 8] = [
         Mutation::OffsetsOutsideTransaction,
         Mutation::CommitBeforeAcknowledged,
         Mutation::ApplyBeforePublish,
@@ -50,6 +55,7 @@ impl Mutation {
         Mutation::RepairEndsAtHighWatermark,
         Mutation::RevokeFinishesLostBatch,
         Mutation::CommitTimeoutNotResumed,
+        Mutation::WalCreatedWithoutDirFsync,
     ];
 
     fn bit(self) -> u16 {

@@ -1,15 +1,14 @@
 //! Small filesystem helpers with the durability rules written once.
 
-use std::fs::{File, OpenOptions};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use super::error::IoContext;
+use super::fs::FileSystem;
 use super::StorageError;
 
 /// fsyncs a directory so a create, rename or unlink in it survives power loss.
-pub(crate) fn fsync_dir(dir: &Path) -> Result<(), StorageError> {
-    File::open(dir).and_then(|d| d.sync_all()).at(dir)
+pub(crate) fn fsync_dir(fs: &dyn FileSystem, dir: &Path) -> Result<(), StorageError> {
+    fs.sync_dir(dir).at(dir)
 }
 
 /// Writes `bytes` to `path` atomically and durably: `<path>.tmp`, write,
@@ -17,23 +16,21 @@ pub(crate) fn fsync_dir(dir: &Path) -> Result<(), StorageError> {
 /// old file (or none) or the complete new one, plus possibly a `.tmp` that
 /// recovery deletes.
 pub(crate) fn write_atomic(
+    fs: &dyn FileSystem,
     path: &Path,
     bytes: &[u8],
     after_temp: Option<&'static str>,
     crash_at: Option<&str>,
 ) -> Result<(), StorageError> {
     let tmp = path.with_extension(tmp_extension(path));
-    {
-        let mut f = OpenOptions::new().write(true).create(true).truncate(true).open(&tmp).at(&tmp)?;
-        f.write_all(bytes).at(&tmp)?;
-        f.sync_all().at(&tmp)?;
-    }
+    fs.write_file(&tmp, bytes).at(&tmp)?;
+    fs.sync_file(&tmp).at(&tmp)?;
     if let Some(name) = after_temp {
         super::failpoint::check(name, crash_at)?;
     }
-    std::fs::rename(&tmp, path).at(path)?;
+    fs.rename(&tmp, path).at(path)?;
     let dir = path.parent().unwrap_or(Path::new("."));
-    fsync_dir(dir)
+    fsync_dir(fs, dir)
 }
 
 fn tmp_extension(path: &Path) -> String {
@@ -44,20 +41,20 @@ fn tmp_extension(path: &Path) -> String {
 }
 
 /// Creates `dir` and its parents, fsyncing the parent so the new entry is durable.
-pub(crate) fn create_dir_durable(dir: &Path) -> Result<(), StorageError> {
-    if dir.is_dir() {
+pub(crate) fn create_dir_durable(fs: &dyn FileSystem, dir: &Path) -> Result<(), StorageError> {
+    if fs.is_dir(dir) {
         return Ok(());
     }
-    std::fs::create_dir_all(dir).at(dir)?;
+    fs.create_dir_all(dir).at(dir)?;
     if let Some(parent) = dir.parent() {
-        fsync_dir(parent)?;
+        fsync_dir(fs, parent)?;
     }
     Ok(())
 }
 
 /// Removes a file if present; a missing file is fine (a crash may have removed it already).
-pub(crate) fn remove_if_exists(path: &Path) -> Result<(), StorageError> {
-    match std::fs::remove_file(path) {
+pub(crate) fn remove_if_exists(fs: &dyn FileSystem, path: &Path) -> Result<(), StorageError> {
+    match fs.remove_file(path) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(StorageError::io(path, e)),
@@ -67,15 +64,15 @@ pub(crate) fn remove_if_exists(path: &Path) -> Result<(), StorageError> {
 /// The files in `dir` whose name `number_of` maps to a number, as
 /// `(number, path)` in ascending order. A missing directory has none.
 pub(crate) fn list_numbered(
+    fs: &dyn FileSystem,
     dir: &Path,
     number_of: impl Fn(&str) -> Option<u64>,
 ) -> Result<Vec<(u64, PathBuf)>, StorageError> {
     let mut out = Vec::new();
-    if !dir.is_dir() {
+    if !fs.is_dir(dir) {
         return Ok(out);
     }
-    for entry in std::fs::read_dir(dir).at(dir)? {
-        let path = entry.at(dir)?.path();
+    for path in fs.list_dir(dir).at(dir)? {
         let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
         if let Some(n) = number_of(name) {
             out.push((n, path));

@@ -23,7 +23,7 @@ pub struct StateDirLock {
 impl StateDirLock {
     /// Takes the lock or fails at once (never waits) naming the directory.
     pub fn acquire(state_dir: &Path) -> Result<StateDirLock, StorageError> {
-        super::fsutil::create_dir_durable(state_dir)?;
+        super::fsutil::create_dir_durable(&super::fs::RealFs, state_dir)?;
         let path = state_dir.join("LOCK");
         let mut file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).at(&path)?;
         if !file.try_lock_exclusive().at(&path)? {

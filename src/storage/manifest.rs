@@ -24,6 +24,7 @@ use std::path::{Path, PathBuf};
 
 use super::codec::{DecodeError, Reader};
 use super::error::IoContext;
+use super::fs::FileSystem;
 use super::segment::SegmentMeta;
 use super::{fsutil, StorageError};
 
@@ -129,17 +130,18 @@ impl Manifest {
     }
 
     /// Writes this generation durably (temp, fsync, rename, fsync dir).
-    pub(crate) fn write(&self, dir: &Path, crash_at: Option<&str>) -> Result<(), StorageError> {
+    pub(crate) fn write(&self, fs: &dyn FileSystem, dir: &Path, crash_at: Option<&str>) -> Result<(), StorageError> {
         let path = manifest_path(dir, self.generation);
-        fsutil::write_atomic(&path, &self.encode(), Some("manifest_after_temp"), crash_at)?;
+        fsutil::write_atomic(fs, &path, &self.encode(), Some("manifest_after_temp"), crash_at)?;
         super::failpoint::check("manifest_after_rename", crash_at)
     }
 }
 
 /// The manifest files in `dir`, newest generation first (temp files excluded).
-pub(crate) fn list(dir: &Path) -> Result<Vec<(u64, PathBuf)>, StorageError> {
-    let mut out =
-        super::fsutil::list_numbered(dir, |name| name.strip_prefix("MANIFEST-").and_then(|s| s.parse::<u64>().ok()))?;
+pub(crate) fn list(fs: &dyn FileSystem, dir: &Path) -> Result<Vec<(u64, PathBuf)>, StorageError> {
+    let mut out = super::fsutil::list_numbered(fs, dir, |name| {
+        name.strip_prefix("MANIFEST-").and_then(|s| s.parse::<u64>().ok())
+    })?;
     out.reverse();
     Ok(out)
 }
@@ -157,13 +159,13 @@ pub(crate) struct Loaded {
 
 /// Loads the newest readable generation. `Ok(None)` when there is no
 /// manifest file at all; an error when files exist but none reads.
-pub(crate) fn load(dir: &Path) -> Result<Option<Loaded>, StorageError> {
-    let files = list(dir)?;
+pub(crate) fn load(fs: &dyn FileSystem, dir: &Path) -> Result<Option<Loaded>, StorageError> {
+    let files = list(fs, dir)?;
     let Some(&(highest_generation, _)) = files.first() else { return Ok(None) };
     let mut skipped = Vec::new();
     let mut good: Vec<Manifest> = Vec::new();
     for (g, path) in &files {
-        let bytes = std::fs::read(path).at(path)?;
+        let bytes = fs.read(path).at(path)?;
         match Manifest::decode(path, &bytes) {
             Ok(m) if m.generation == *g => good.push(m),
             Ok(m) => skipped.push((path.clone(), format!("names generation {} inside", m.generation))),

@@ -56,6 +56,7 @@
 mod codec;
 mod error;
 pub mod failpoint;
+pub mod fs;
 mod fsutil;
 mod lock;
 mod manifest;
@@ -71,11 +72,12 @@ mod wal;
 use std::time::Duration;
 
 pub use error::StorageError;
+pub use fs::{AppendFile, FileSystem, RealFs};
 pub use lock::StateDirLock;
 pub use manifest::Manifest;
 pub use segment::SegmentMeta;
 pub use store::{MaintainReport, RecoveryReport, TornTail, UsageStore};
-pub use verify::{verify, FileKind, FileReport, FileStatus, VerifyReport};
+pub use verify::{verify, verify_on, FileKind, FileReport, FileStatus, VerifyReport};
 
 use crate::classify::SeenKey;
 use crate::event::UsageEvent;
@@ -150,6 +152,8 @@ pub struct StoreOptions {
     /// Test seam: the failpoint name at which the store fails and poisons
     /// itself (see [`failpoint`]). `None` in production.
     pub crash_at: Option<String>,
+    /// Deliberate bugs for the simulator to catch; always none outside test builds.
+    pub mutations: crate::pipeline::Mutations,
 }
 
 impl Default for StoreOptions {
@@ -165,6 +169,7 @@ impl Default for StoreOptions {
             compaction_min_segments: 4,
             compaction_max_rows: 4 << 20,
             crash_at: None,
+            mutations: crate::pipeline::Mutations::NONE,
         }
     }
 }

@@ -41,6 +41,7 @@ use super::codec::{
     correction_ref, kind_from_code, put_opt_str, put_str, put_varint, unzigzag, zigzag, DecodeError, Reader,
 };
 use super::error::IoContext;
+use super::fs::FileSystem;
 use super::{StorageError, StoredEvent};
 use crate::classify::SeenKey;
 use crate::event::{EventKind, IdHash, PayloadHash, Position, UsageEvent};
@@ -208,8 +209,8 @@ pub(crate) struct SegmentFile {
 
 impl SegmentFile {
     /// Reads `path` and checks header, trailer and footer checksum.
-    pub(crate) fn open(path: &Path) -> Result<SegmentFile, StorageError> {
-        let bytes = std::fs::read(path).at(path)?;
+    pub(crate) fn open(fs: &dyn FileSystem, path: &Path) -> Result<SegmentFile, StorageError> {
+        let bytes = fs.read(path).at(path)?;
         let corrupt = |offset: usize, detail: String| StorageError::corrupt(path, offset as u64, detail);
         if bytes.len() < HEADER_LEN + TRAILER_LEN {
             return Err(corrupt(0, format!("{} bytes, too short for a segment", bytes.len())));

@@ -20,6 +20,7 @@
 use std::path::{Path, PathBuf};
 
 use super::error::IoContext;
+use super::fs::FileSystem;
 use super::StorageError;
 use crate::classify::SeenKey;
 use crate::event::{IdHash, PayloadHash, Position};
@@ -87,8 +88,13 @@ fn le_u32(b: &[u8]) -> u32 {
 /// Reads and checks the sidecar at `path`, which must belong to `segment_id`,
 /// and calls `visit` on each entry in row order. Nothing is visited unless the
 /// whole file's checksum holds.
-pub(crate) fn read_each(path: &Path, segment_id: u64, mut visit: impl FnMut(SidecarEntry)) -> Result<(), StorageError> {
-    let bytes = std::fs::read(path).at(path)?;
+pub(crate) fn read_each(
+    fs: &dyn FileSystem,
+    path: &Path,
+    segment_id: u64,
+    mut visit: impl FnMut(SidecarEntry),
+) -> Result<(), StorageError> {
+    let bytes = fs.read(path).at(path)?;
     let corrupt = |offset: usize, detail: String| StorageError::corrupt(path, offset as u64, detail);
     if bytes.len() < HEADER_LEN + TRAILER_LEN {
         return Err(corrupt(0, format!("{} bytes, too short for a sidecar", bytes.len())));
@@ -139,8 +145,8 @@ pub(crate) fn read_each(path: &Path, segment_id: u64, mut visit: impl FnMut(Side
 }
 
 /// [`read_each`] collected into a vector, in row order.
-pub(crate) fn read(path: &Path, segment_id: u64) -> Result<Vec<SidecarEntry>, StorageError> {
+pub(crate) fn read(fs: &dyn FileSystem, path: &Path, segment_id: u64) -> Result<Vec<SidecarEntry>, StorageError> {
     let mut out = Vec::new();
-    read_each(path, segment_id, |e| out.push(e))?;
+    read_each(fs, path, segment_id, |e| out.push(e))?;
     Ok(out)
 }

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::error::IoContext;
+use super::fs::{FileSystem, RealFs};
 use super::manifest::{self, Manifest};
 use super::memtable::Memtable;
 use super::segment::{self, SegmentFile, SegmentMeta};
@@ -13,6 +14,7 @@ use super::wal::{self, reader, writer::WalWriter};
 use super::{failpoint, fsutil, RecoveryPath, StorageError, StorageObserver, StoreOptions, StoredEvent};
 use crate::classify::SeenKey;
 use crate::event::IdHash;
+use crate::pipeline::Mutation;
 
 /// Keeps the newest `limit` of keys sorted oldest first.
 fn keep_newest(keys: &mut Vec<SeenKey>, limit: usize) {
@@ -70,6 +72,7 @@ pub struct MaintainReport {
 
 /// The durable usage store. Single writer: `&mut self` on every mutation.
 pub struct UsageStore {
+    fs: Arc<dyn FileSystem>,
     wal_dir: PathBuf,
     seg_dir: PathBuf,
     man_dir: PathBuf,
@@ -101,18 +104,17 @@ impl std::fmt::Debug for UsageStore {
     }
 }
 
-fn ensure_dirs(dir: &Path) -> Result<(PathBuf, PathBuf, PathBuf), StorageError> {
+fn ensure_dirs(fs: &dyn FileSystem, dir: &Path) -> Result<(PathBuf, PathBuf, PathBuf), StorageError> {
     let (w, s, m) = (dir.join("wal"), dir.join("segments"), dir.join("manifest"));
-    fsutil::create_dir_durable(dir)?;
+    fsutil::create_dir_durable(fs, dir)?;
     for d in [&w, &s, &m] {
-        fsutil::create_dir_durable(d)?;
+        fsutil::create_dir_durable(fs, d)?;
     }
     Ok((w, s, m))
 }
 
-fn has_segment_files(seg_dir: &Path) -> Result<bool, StorageError> {
-    for entry in std::fs::read_dir(seg_dir).at(seg_dir)? {
-        let p = entry.at(seg_dir)?.path();
+fn has_segment_files(fs: &dyn FileSystem, seg_dir: &Path) -> Result<bool, StorageError> {
+    for p in fs.list_dir(seg_dir).at(seg_dir)? {
         if matches!(p.extension().and_then(|e| e.to_str()), Some("seg" | "idx")) {
             return Ok(true);
         }
@@ -129,12 +131,24 @@ impl UsageStore {
         opts: StoreOptions,
         observer: Arc<dyn StorageObserver>,
     ) -> Result<(UsageStore, RecoveryReport), StorageError> {
-        let (wal_dir, seg_dir, man_dir) = ensure_dirs(dir)?;
-        let crash_at = opts.crash_at.clone();
-        let mut report = RecoveryReport::default();
-        let wal_files = wal::list(&wal_dir)?;
+        UsageStore::open_on(Arc::new(RealFs), dir, opts, observer)
+    }
 
-        let (manifest, previous, highest_generation) = match manifest::load(&man_dir)? {
+    /// [`open`](Self::open) on any [`FileSystem`]: the simulator's faulty
+    /// disk in tests, [`RealFs`] otherwise.
+    pub fn open_on(
+        fs: Arc<dyn FileSystem>,
+        dir: &Path,
+        opts: StoreOptions,
+        observer: Arc<dyn StorageObserver>,
+    ) -> Result<(UsageStore, RecoveryReport), StorageError> {
+        let (wal_dir, seg_dir, man_dir) = ensure_dirs(fs.as_ref(), dir)?;
+        let crash_at = opts.crash_at.clone();
+        let skip_dir_fsync = opts.mutations.has(Mutation::WalCreatedWithoutDirFsync);
+        let mut report = RecoveryReport::default();
+        let wal_files = wal::list(fs.as_ref(), &wal_dir)?;
+
+        let (manifest, previous, highest_generation) = match manifest::load(fs.as_ref(), &man_dir)? {
             Some(loaded) => {
                 report.skipped_manifests = loaded.skipped;
                 (loaded.current, loaded.previous, loaded.highest_generation)
@@ -144,19 +158,19 @@ impl UsageStore {
                 // very first open leaves behind: nothing was ever stored.
                 let mut wal_bytes = 0u64;
                 for (_, path) in &wal_files {
-                    wal_bytes += std::fs::metadata(path).at(path)?.len();
+                    wal_bytes += fs.file_len(path).at(path)?;
                 }
-                if wal_bytes > 0 || has_segment_files(&seg_dir)? {
+                if wal_bytes > 0 || has_segment_files(fs.as_ref(), &seg_dir)? {
                     return Err(StorageError::NoValidManifest { dir: man_dir, tried: 0 });
                 }
                 for (_, path) in &wal_files {
-                    fsutil::remove_if_exists(path)?;
+                    fsutil::remove_if_exists(fs.as_ref(), path)?;
                 }
                 // Fresh store: WAL 1 exists before the manifest that names it,
                 // so a live manifest always finds its first WAL file.
-                drop(WalWriter::create(&wal_dir, 1)?);
+                drop(WalWriter::create(fs.as_ref(), &wal_dir, 1, skip_dir_fsync)?);
                 let m = Manifest { generation: 1, next_segment_id: 1, wal_start: 1, ..Manifest::default() };
-                m.write(&man_dir, crash_at.as_deref())?;
+                m.write(fs.as_ref(), &man_dir, crash_at.as_deref())?;
                 report.created = true;
                 (m, None, 1)
             }
@@ -166,13 +180,13 @@ impl UsageStore {
         report.segment_rows = manifest.segments.iter().map(|s| s.rows).sum();
         for s in &manifest.segments {
             let path = segment::segment_path(&seg_dir, s.id);
-            if !path.is_file() {
+            if !fs.is_file(&path) {
                 return Err(StorageError::MissingSegment { file: path, generation: manifest.generation });
             }
         }
 
         // WAL replay: files from wal_start on, contiguous, the last may be torn.
-        let wal_files = wal::list(&wal_dir)?;
+        let wal_files = wal::list(fs.as_ref(), &wal_dir)?;
         let live: Vec<&(u64, PathBuf)> = wal_files.iter().filter(|(seq, _)| *seq >= manifest.wal_start).collect();
         for (i, (seq, _)) in live.iter().enumerate() {
             if *seq != manifest.wal_start + i as u64 {
@@ -193,7 +207,7 @@ impl UsageStore {
         let mut memtable = Memtable::default();
         for (i, (_, path)) in live.iter().enumerate() {
             let is_last = i + 1 == live.len();
-            let scan = reader::scan_file(path, is_last, |events| {
+            let scan = reader::scan_file(fs.as_ref(), path, is_last, |events| {
                 for e in events {
                     let cp = checkpoints.entry(e.key.output.partition).or_insert(i64::MIN);
                     if e.key.output.offset > *cp {
@@ -212,11 +226,10 @@ impl UsageStore {
             // the page cache only (interval policy), and from now on it counts
             // as stored. A torn tail is cut off first, durably, so a later
             // append never sits behind garbage the next recovery would call mid-log.
-            let f = std::fs::OpenOptions::new().write(true).open(path).at(path)?;
             if scan.torn.is_some() {
-                f.set_len(scan.valid_len).at(path)?;
+                fs.truncate(path, scan.valid_len).at(path)?;
             }
-            f.sync_all().at(path)?;
+            fs.sync_file(path).at(path)?;
             if let Some(detail) = scan.torn {
                 report.torn_tail = Some(TornTail {
                     file: (*path).clone(),
@@ -228,9 +241,10 @@ impl UsageStore {
         }
         checkpoints.retain(|_, o| *o != i64::MIN);
         let next_wal = live.last().map(|(seq, _)| seq + 1).unwrap_or(manifest.wal_start);
-        let wal = WalWriter::create(&wal_dir, next_wal)?;
+        let wal = WalWriter::create(fs.as_ref(), &wal_dir, next_wal, skip_dir_fsync)?;
 
         let mut store = UsageStore {
+            fs,
             wal_dir,
             seg_dir,
             man_dir,
@@ -327,7 +341,8 @@ impl UsageStore {
     /// Seals the active WAL file (fsync) and starts the next one.
     fn rotate_wal(&mut self) -> Result<(), StorageError> {
         self.wal.sync(self.observer.as_ref())?;
-        self.wal = WalWriter::create(&self.wal_dir, self.wal.seq() + 1)?;
+        let skip_dir_fsync = self.opts.mutations.has(Mutation::WalCreatedWithoutDirFsync);
+        self.wal = WalWriter::create(self.fs.as_ref(), &self.wal_dir, self.wal.seq() + 1, skip_dir_fsync)?;
         Ok(())
     }
 
@@ -407,11 +422,12 @@ impl UsageStore {
             }
             out.reserve(usize::try_from(meta.rows).unwrap_or(0));
             let mark = out.len();
-            let read = sidecar::read_each(&sidecar::sidecar_path(&self.seg_dir, meta.id), meta.id, |e| {
-                if wanted(&e.key) {
-                    out.push(e.key);
-                }
-            });
+            let read =
+                sidecar::read_each(self.fs.as_ref(), &sidecar::sidecar_path(&self.seg_dir, meta.id), meta.id, |e| {
+                    if wanted(&e.key) {
+                        out.push(e.key);
+                    }
+                });
             match read {
                 Ok(()) => self.observer.recovery_segment(RecoveryPath::Sidecar),
                 Err(_) => {
@@ -419,7 +435,7 @@ impl UsageStore {
                     // but stay exact even if that ever changes.
                     out.truncate(mark);
                     self.observer.recovery_segment(RecoveryPath::Fallback);
-                    let seg = SegmentFile::open(&segment::segment_path(&self.seg_dir, meta.id))?;
+                    let seg = SegmentFile::open(self.fs.as_ref(), &segment::segment_path(&self.seg_dir, meta.id))?;
                     out.extend(seg.read_keys()?.into_iter().filter(|k| wanted(k)));
                 }
             }
@@ -438,10 +454,11 @@ impl UsageStore {
         self.check_poison()?;
         for meta in &self.manifest.segments {
             let seg_path = segment::segment_path(&self.seg_dir, meta.id);
-            let entries = match sidecar::read(&sidecar::sidecar_path(&self.seg_dir, meta.id), meta.id) {
+            let entries = match sidecar::read(self.fs.as_ref(), &sidecar::sidecar_path(&self.seg_dir, meta.id), meta.id)
+            {
                 Ok(entries) => entries,
                 Err(_) => {
-                    let keys = SegmentFile::open(&seg_path)?.read_keys()?;
+                    let keys = SegmentFile::open(self.fs.as_ref(), &seg_path)?.read_keys()?;
                     keys.into_iter().enumerate().map(|(row, key)| SidecarEntry { key, row: row as u32 }).collect()
                 }
             };
@@ -450,7 +467,7 @@ impl UsageStore {
             let hit =
                 entries.iter().find(|e| e.key.id_hash == *id && partition.is_none_or(|p| e.key.output.partition == p));
             if let Some(hit) = hit {
-                let rows = SegmentFile::open(&seg_path)?.read_all()?;
+                let rows = SegmentFile::open(self.fs.as_ref(), &seg_path)?.read_all()?;
                 let row = rows.into_iter().nth(hit.row as usize).ok_or_else(|| {
                     StorageError::corrupt(&seg_path, 0, format!("sidecar names row {} beyond the segment", hit.row))
                 })?;
@@ -465,7 +482,7 @@ impl UsageStore {
     pub fn for_each_event(&self, mut f: impl FnMut(&StoredEvent)) -> Result<(), StorageError> {
         self.check_poison()?;
         for meta in &self.manifest.segments {
-            for e in SegmentFile::open(&segment::segment_path(&self.seg_dir, meta.id))?.read_all()? {
+            for e in SegmentFile::open(self.fs.as_ref(), &segment::segment_path(&self.seg_dir, meta.id))?.read_all()? {
                 f(&e);
             }
         }
@@ -512,10 +529,17 @@ impl UsageStore {
         after_sidecar: &'static str,
     ) -> Result<SegmentMeta, StorageError> {
         let (bytes, meta) = segment::encode(id, rows)?;
-        fsutil::write_atomic(&segment::segment_path(&self.seg_dir, id), &bytes, None, self.crash_at())?;
+        fsutil::write_atomic(
+            self.fs.as_ref(),
+            &segment::segment_path(&self.seg_dir, id),
+            &bytes,
+            None,
+            self.crash_at(),
+        )?;
         failpoint::check(after_segment, self.crash_at())?;
         let keys: Vec<SeenKey> = rows.iter().map(|e| e.key).collect();
         fsutil::write_atomic(
+            self.fs.as_ref(),
             &sidecar::sidecar_path(&self.seg_dir, id),
             &sidecar::encode(id, &keys),
             None,
@@ -532,7 +556,7 @@ impl UsageStore {
     }
 
     fn install_manifest(&mut self, next: Manifest) -> Result<(), StorageError> {
-        next.write(&self.man_dir, self.crash_at())?;
+        next.write(self.fs.as_ref(), &self.man_dir, self.crash_at())?;
         self.highest_generation = next.generation;
         self.previous = Some(std::mem::replace(&mut self.manifest, next));
         Ok(())
@@ -578,7 +602,7 @@ impl UsageStore {
         let mut merged: Vec<u64> = Vec::new();
         for s in &merge {
             let path = segment::segment_path(&self.seg_dir, s.id);
-            match SegmentFile::open(&path).and_then(|f| f.read_all()) {
+            match SegmentFile::open(self.fs.as_ref(), &path).and_then(|f| f.read_all()) {
                 Ok(r) => {
                     merged.push(s.id);
                     rows.extend(r);
@@ -646,8 +670,7 @@ impl UsageStore {
             manifest_keep_from = prev.generation;
         }
         let mut doomed: Vec<PathBuf> = Vec::new();
-        for entry in std::fs::read_dir(&self.seg_dir).at(&self.seg_dir)? {
-            let path = entry.at(&self.seg_dir)?.path();
+        for path in self.fs.list_dir(&self.seg_dir).at(&self.seg_dir)? {
             let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
             let id =
                 name.strip_suffix(".seg").or_else(|| name.strip_suffix(".idx")).and_then(|s| s.parse::<u64>().ok());
@@ -658,24 +681,23 @@ impl UsageStore {
                 None => {}
             }
         }
-        for (seq, path) in wal::list(&self.wal_dir)? {
+        for (seq, path) in wal::list(self.fs.as_ref(), &self.wal_dir)? {
             if seq < wal_keep_from {
                 doomed.push(path);
             }
         }
-        for (generation, path) in manifest::list(&self.man_dir)? {
+        for (generation, path) in manifest::list(self.fs.as_ref(), &self.man_dir)? {
             if generation < manifest_keep_from {
                 doomed.push(path);
             }
         }
-        for entry in std::fs::read_dir(&self.man_dir).at(&self.man_dir)? {
-            let path = entry.at(&self.man_dir)?.path();
+        for path in self.fs.list_dir(&self.man_dir).at(&self.man_dir)? {
             if path.extension().and_then(|e| e.to_str()) == Some("tmp") {
                 doomed.push(path);
             }
         }
         for (i, path) in doomed.iter().enumerate() {
-            fsutil::remove_if_exists(path)?;
+            fsutil::remove_if_exists(self.fs.as_ref(), path)?;
             if i == 0 {
                 failpoint::check("gc_mid_delete", self.crash_at())?;
             }
@@ -697,9 +719,9 @@ impl UsageStore {
     pub fn simulate_crash(self, unsynced_bytes_kept: u64) -> Result<(), StorageError> {
         let keep = self.wal.synced_len() + unsynced_bytes_kept.min(self.wal.unsynced_bytes());
         let path = self.wal.path().to_path_buf();
+        let fs = Arc::clone(&self.fs);
         drop(self);
-        let f = std::fs::OpenOptions::new().write(true).open(&path).at(&path)?;
-        f.set_len(keep).at(&path)
+        fs.truncate(&path, keep).at(&path)
     }
 }
 

@@ -4,6 +4,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
+use super::fs::{FileSystem, RealFs};
 use super::manifest::{self, Manifest};
 use super::segment::{self, SegmentFile};
 use super::sidecar;
@@ -112,14 +113,18 @@ fn file_report(path: &Path, kind: FileKind, r: Result<String, StorageError>) -> 
 /// Checks every file of the usage store in `dir` (`<state-dir>/usage`).
 /// Errors only when a directory cannot be listed; corruption goes in the report.
 pub fn verify(dir: &Path) -> Result<VerifyReport, StorageError> {
+    verify_on(&RealFs, dir)
+}
+
+/// [`verify`] on any [`FileSystem`] (the simulator's disk, in tests).
+pub fn verify_on(fs: &dyn FileSystem, dir: &Path) -> Result<VerifyReport, StorageError> {
     let (wal_dir, seg_dir, man_dir) = (dir.join("wal"), dir.join("segments"), dir.join("manifest"));
     let mut report = VerifyReport::default();
 
     let mut readable: Vec<Manifest> = Vec::new();
-    for (_, path) in manifest::list(&man_dir)? {
-        let r = std::fs::read(&path)
-            .map_err(|e| StorageError::io(&path, e))
-            .and_then(|bytes| Manifest::decode(&path, &bytes));
+    for (_, path) in manifest::list(fs, &man_dir)? {
+        let r =
+            fs.read(&path).map_err(|e| StorageError::io(&path, e)).and_then(|bytes| Manifest::decode(&path, &bytes));
         let r = r.map(|m| {
             let detail =
                 format!("generation {}, {} segments, wal_start {}", m.generation, m.segments.len(), m.wal_start);
@@ -132,11 +137,11 @@ pub fn verify(dir: &Path) -> Result<VerifyReport, StorageError> {
     report.manifest_generation = current.map(|m| m.generation);
     let referenced: HashSet<u64> = readable.iter().take(2).flat_map(|m| m.segments.iter().map(|s| s.id)).collect();
 
-    let wal_files = wal::list(&wal_dir)?;
+    let wal_files = wal::list(fs, &wal_dir)?;
     for (i, (_, path)) in wal_files.iter().enumerate() {
         let is_last = i + 1 == wal_files.len();
         let mut events = 0usize;
-        match reader::scan_file(path, is_last, |e| {
+        match reader::scan_file(fs, path, is_last, |e| {
             events += e.len();
             Ok(())
         }) {
@@ -154,17 +159,15 @@ pub fn verify(dir: &Path) -> Result<VerifyReport, StorageError> {
 
     let mut seen_segments: HashSet<u64> = HashSet::new();
     let mut entries: Vec<PathBuf> = Vec::new();
-    if seg_dir.is_dir() {
-        for entry in std::fs::read_dir(&seg_dir).map_err(|e| StorageError::io(&seg_dir, e))? {
-            entries.push(entry.map_err(|e| StorageError::io(&seg_dir, e))?.path());
-        }
+    if fs.is_dir(&seg_dir) {
+        entries = fs.list_dir(&seg_dir).map_err(|e| StorageError::io(&seg_dir, e))?;
     }
     entries.sort();
     for path in entries {
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
         if let Some(id) = name.strip_suffix(".seg").and_then(|s| s.parse::<u64>().ok()) {
             seen_segments.insert(id);
-            let r = SegmentFile::open(&path).and_then(|s| {
+            let r = SegmentFile::open(fs, &path).and_then(|s| {
                 let rows = s.read_all()?;
                 Ok(format!("{} rows, {} bytes", rows.len(), s.len_bytes()))
             });
@@ -174,7 +177,7 @@ pub fn verify(dir: &Path) -> Result<VerifyReport, StorageError> {
             }
             report.files.push(fr);
         } else if let Some(id) = name.strip_suffix(".idx").and_then(|s| s.parse::<u64>().ok()) {
-            let r = sidecar::read(&path, id).map(|e| format!("{} entries", e.len()));
+            let r = sidecar::read(fs, &path, id).map(|e| format!("{} entries", e.len()));
             let mut fr = file_report(&path, FileKind::Sidecar, r);
             if fr.status == FileStatus::Ok && !referenced.contains(&id) {
                 fr.status = FileStatus::Unreferenced;

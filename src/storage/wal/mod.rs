@@ -13,6 +13,7 @@ pub(crate) mod writer;
 
 use std::path::{Path, PathBuf};
 
+use super::fs::FileSystem;
 use super::StorageError;
 
 pub(crate) fn wal_path(dir: &Path, seq: u64) -> PathBuf {
@@ -20,6 +21,6 @@ pub(crate) fn wal_path(dir: &Path, seq: u64) -> PathBuf {
 }
 
 /// The WAL files in `dir`, sorted by sequence number.
-pub(crate) fn list(dir: &Path) -> Result<Vec<(u64, PathBuf)>, StorageError> {
-    super::fsutil::list_numbered(dir, |name| name.strip_suffix(".wal").and_then(|s| s.parse::<u64>().ok()))
+pub(crate) fn list(fs: &dyn FileSystem, dir: &Path) -> Result<Vec<(u64, PathBuf)>, StorageError> {
+    super::fsutil::list_numbered(fs, dir, |name| name.strip_suffix(".wal").and_then(|s| s.parse::<u64>().ok()))
 }

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 use super::frame::{read_frame, FrameRead};
 use crate::storage::error::IoContext;
+use crate::storage::fs::FileSystem;
 use crate::storage::{StorageError, StoredEvent};
 
 /// The outcome of scanning one WAL file.
@@ -28,11 +29,12 @@ pub(crate) struct WalScan {
 /// Scans `path`, calling `on_frame` for each valid frame in order.
 /// `is_last` allows a torn tail; otherwise any bad frame is an error.
 pub(crate) fn scan_file(
+    fs: &dyn FileSystem,
     path: &Path,
     is_last: bool,
     mut on_frame: impl FnMut(Vec<StoredEvent>) -> Result<(), StorageError>,
 ) -> Result<WalScan, StorageError> {
-    let buf = std::fs::read(path).at(path)?;
+    let buf = fs.read(path).at(path)?;
     let mut off = 0usize;
     let mut frames = 0usize;
     while off < buf.len() {
@@ -113,7 +115,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("x.wal");
         std::fs::write(&path, bytes).expect("write");
-        scan_file(&path, is_last, |_| Ok(()))
+        scan_file(&crate::storage::fs::RealFs, &path, is_last, |_| Ok(()))
     }
 
     #[test]

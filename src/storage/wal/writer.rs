@@ -1,13 +1,12 @@
 //! Appending to the WAL: group commit and the fsync policy.
 
-use std::fs::{File, OpenOptions};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use super::frame::{write_frame, MAX_PAYLOAD};
 use crate::storage::codec::encode_event;
 use crate::storage::error::IoContext;
+use crate::storage::fs::{AppendFile, FileSystem};
 use crate::storage::{failpoint, fsutil, FsyncPolicy, StorageError, StorageObserver, StoredEvent};
 
 /// The active (unsealed) WAL file.
@@ -18,7 +17,7 @@ use crate::storage::{failpoint, fsutil, FsyncPolicy, StorageError, StorageObserv
 pub(crate) struct WalWriter {
     seq: u64,
     path: PathBuf,
-    file: File,
+    file: Box<dyn AppendFile>,
     len: u64,
     synced_len: u64,
     last_sync: Instant,
@@ -30,10 +29,20 @@ impl WalWriter {
     /// Creates WAL file `seq` in `dir` (which must not exist yet) and makes
     /// its directory entry durable: without the directory fsync an fsynced
     /// frame could vanish together with its file after a power loss.
-    pub(crate) fn create(dir: &Path, seq: u64) -> Result<WalWriter, StorageError> {
+    /// `skip_dir_fsync` is the simulator's deliberate bug
+    /// ([`Mutation::WalCreatedWithoutDirFsync`](crate::pipeline::Mutation)),
+    /// never set outside test builds.
+    pub(crate) fn create(
+        fs: &dyn FileSystem,
+        dir: &Path,
+        seq: u64,
+        skip_dir_fsync: bool,
+    ) -> Result<WalWriter, StorageError> {
         let path = super::wal_path(dir, seq);
-        let file = OpenOptions::new().append(true).create_new(true).open(&path).at(&path)?;
-        fsutil::fsync_dir(dir)?;
+        let file = fs.create_append(&path).at(&path)?;
+        if !skip_dir_fsync {
+            fsutil::fsync_dir(fs, dir)?;
+        }
         Ok(WalWriter {
             seq,
             path,
@@ -81,7 +90,7 @@ impl WalWriter {
             self.payload_buf[0..4].copy_from_slice(&count.to_le_bytes());
             write_frame(&mut self.frame_buf, &self.payload_buf);
         }
-        self.file.write_all(&self.frame_buf).at(&self.path)?;
+        self.file.append(&self.frame_buf).at(&self.path)?;
         self.len += self.frame_buf.len() as u64;
         failpoint::check("wal_after_write", crash_at)
     }

@@ -1,0 +1,122 @@
+//! The filesystem seam: every byte the usage store reads or writes goes
+//! through [`FileSystem`], so the durability rules can be tested against a
+//! disk that loses what was not synced.
+//!
+//! [`RealFs`] is `std::fs` and what `dedupd` runs on. The simulator's disk
+//! (`sim::disk`, test builds only) implements the same trait with a model of
+//! what a crash keeps: file bytes up to their last fsync (plus a possibly torn
+//! prefix of the rest), directory entries up to their directory's last fsync
+//! (plus a prefix of later changes, in order), and injected write errors,
+//! fsync errors and a full disk.
+//!
+//! The operations are the few the store needs, named for what they promise.
+//! Nothing here retries: a failed fsync must poison the caller (see
+//! `storage`'s failure rules), and only the caller knows that.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+/// A file opened for appending (the active WAL file).
+pub trait AppendFile: Send {
+    /// Appends all of `bytes`. On error some prefix may have been written.
+    fn append(&mut self, bytes: &[u8]) -> io::Result<()>;
+    /// Makes every appended byte durable (`fdatasync`).
+    fn sync_data(&mut self) -> io::Result<()>;
+}
+
+/// The filesystem operations of the usage store.
+pub trait FileSystem: Send + Sync + std::fmt::Debug {
+    /// Creates `dir` and missing parents. Not durable until the parent's
+    /// [`sync_dir`](FileSystem::sync_dir).
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()>;
+    fn is_dir(&self, path: &Path) -> bool;
+    fn is_file(&self, path: &Path) -> bool;
+    /// The entries of `dir` (full paths), in no particular order.
+    fn list_dir(&self, dir: &Path) -> io::Result<Vec<PathBuf>>;
+    fn file_len(&self, path: &Path) -> io::Result<u64>;
+    fn read(&self, path: &Path) -> io::Result<Vec<u8>>;
+    /// Creates or truncates `path` and writes `bytes`; not synced.
+    fn write_file(&self, path: &Path, bytes: &[u8]) -> io::Result<()>;
+    /// Creates `path`, which must not exist, for appending.
+    fn create_append(&self, path: &Path) -> io::Result<Box<dyn AppendFile>>;
+    /// Cuts `path` to `len` bytes; not synced.
+    fn truncate(&self, path: &Path, len: u64) -> io::Result<()>;
+    /// fsyncs the file at `path` (data and size).
+    fn sync_file(&self, path: &Path) -> io::Result<()>;
+    /// fsyncs `dir`, so entries created, renamed or removed in it survive a crash.
+    fn sync_dir(&self, dir: &Path) -> io::Result<()>;
+    /// Renames within one directory, replacing `to`. Atomic; durable after `sync_dir`.
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
+    fn remove_file(&self, path: &Path) -> io::Result<()>;
+}
+
+/// The operating system's filesystem.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct RealFs;
+
+struct RealAppend(File);
+
+impl AppendFile for RealAppend {
+    fn append(&mut self, bytes: &[u8]) -> io::Result<()> {
+        self.0.write_all(bytes)
+    }
+
+    fn sync_data(&mut self) -> io::Result<()> {
+        self.0.sync_data()
+    }
+}
+
+impl FileSystem for RealFs {
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        std::fs::create_dir_all(dir)
+    }
+
+    fn is_dir(&self, path: &Path) -> bool {
+        path.is_dir()
+    }
+
+    fn is_file(&self, path: &Path) -> bool {
+        path.is_file()
+    }
+
+    fn list_dir(&self, dir: &Path) -> io::Result<Vec<PathBuf>> {
+        std::fs::read_dir(dir)?.map(|entry| entry.map(|e| e.path())).collect()
+    }
+
+    fn file_len(&self, path: &Path) -> io::Result<u64> {
+        Ok(std::fs::metadata(path)?.len())
+    }
+
+    fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
+        std::fs::read(path)
+    }
+
+    fn write_file(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
+        OpenOptions::new().write(true).create(true).truncate(true).open(path)?.write_all(bytes)
+    }
+
+    fn create_append(&self, path: &Path) -> io::Result<Box<dyn AppendFile>> {
+        Ok(Box::new(RealAppend(OpenOptions::new().append(true).create_new(true).open(path)?)))
+    }
+
+    fn truncate(&self, path: &Path, len: u64) -> io::Result<()> {
+        OpenOptions::new().write(true).open(path)?.set_len(len)
+    }
+
+    fn sync_file(&self, path: &Path) -> io::Result<()> {
+        OpenOptions::new().write(true).open(path)?.sync_all()
+    }
+
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        File::open(dir)?.sync_all()
+    }
+
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        std::fs::rename(from, to)
+    }
+
+    fn remove_file(&self, path: &Path) -> io::Result<()> {
+        std::fs::remove_file(path)
+    }
+}
