@@ -86,6 +86,11 @@ impl StateEngine {
         StateEngine { state: Some(state), validator, horizon }
     }
 
+    /// The local state, until closed.
+    pub fn local_state(&self) -> Option<&LocalState> {
+        self.state.as_ref()
+    }
+
     fn state(&self, operation: &'static str, partition: i32) -> Result<&LocalState, EngineError> {
         self.state.as_ref().ok_or_else(|| closed(operation, partition))
     }

@@ -63,6 +63,69 @@ mod store;
 mod verify;
 
 pub use error::KeystoreError;
+
+use crate::classify::{LongHorizon, SeenKey};
+
+/// What local state needs of the long-horizon key store: the contract
+/// [`KeyStore`] (RocksDB) implements and the simulator models
+/// (`sim::disk::SimKeyStore`, with unsynced writes lost at a power loss).
+/// `tests/keystore_contract.rs`-style checks of it run against both (see
+/// `contract` below), so the model cannot drift from the store.
+///
+/// - `apply_batch` is atomic: a batch's keys and the partition's new
+///   checkpoint become visible, and survive a crash, together or not at all.
+/// - A batch at or below the checkpoint changes nothing; within a batch and
+///   across batches the first delivery of an id wins while it is above the
+///   floor.
+/// - `age_out` raises the floor; keys first seen at or below it are gone.
+/// - `drop_partition` forgets a partition's keys and checkpoint atomically.
+/// - Writes are durable against a process crash once applied, against a
+///   power loss after `flush`; a power loss keeps a prefix of the batches
+///   applied since.
+pub trait KeyTier: LongHorizon + Send + Sync {
+    fn checkpoint(&self, partition: i32) -> Result<Option<i64>, KeystoreError>;
+    fn apply_batch(&self, partition: i32, keys: &[SeenKey], checkpoint: i64) -> Result<(), KeystoreError>;
+    fn age_out(&self, now_ms: i64) -> Result<(), KeystoreError>;
+    fn drop_partition(&self, partition: i32) -> Result<(), KeystoreError>;
+    fn oldest_first_seen_ms(&self) -> Result<Option<i64>, KeystoreError>;
+    fn window_below_floor(&self, now_ms: i64) -> Result<bool, KeystoreError>;
+    fn disk_bytes(&self) -> u64;
+    fn flush(&self) -> Result<(), KeystoreError>;
+}
+
+impl KeyTier for KeyStore {
+    fn checkpoint(&self, partition: i32) -> Result<Option<i64>, KeystoreError> {
+        KeyStore::checkpoint(self, partition)
+    }
+
+    fn apply_batch(&self, partition: i32, keys: &[SeenKey], checkpoint: i64) -> Result<(), KeystoreError> {
+        KeyStore::apply_batch(self, partition, keys, checkpoint)
+    }
+
+    fn age_out(&self, now_ms: i64) -> Result<(), KeystoreError> {
+        KeyStore::age_out(self, now_ms).map(drop)
+    }
+
+    fn drop_partition(&self, partition: i32) -> Result<(), KeystoreError> {
+        KeyStore::drop_partition(self, partition)
+    }
+
+    fn oldest_first_seen_ms(&self) -> Result<Option<i64>, KeystoreError> {
+        KeyStore::oldest_first_seen_ms(self)
+    }
+
+    fn window_below_floor(&self, now_ms: i64) -> Result<bool, KeystoreError> {
+        KeyStore::window_below_floor(self, now_ms)
+    }
+
+    fn disk_bytes(&self) -> u64 {
+        KeyStore::disk_bytes(self)
+    }
+
+    fn flush(&self) -> Result<(), KeystoreError> {
+        KeyStore::flush(self)
+    }
+}
 pub use options::KeyStoreOptions;
 pub use store::{AgeOutReport, KeyStore};
 pub use verify::{verify, KeystoreVerifyReport};

@@ -58,6 +58,8 @@
 //! "Testing" in `docs/ARCHITECTURE.md`.
 
 pub mod broker;
+#[cfg(test)]
+pub mod disk;
 pub mod error;
 pub mod net;
 pub mod rng;

@@ -25,9 +25,9 @@ use crate::classify::{
 };
 use crate::config::EngineSettings;
 use crate::event::{IdHash, UsageEvent, Validator};
-use crate::keystore::{KeyStore, KeyStoreOptions, KeystoreError};
+use crate::keystore::{KeyStore, KeyStoreOptions, KeyTier, KeystoreError};
 use crate::storage::{
-    NoopObserver, RecoveryReport, StateDirLock, StorageError, StorageObserver, StoreOptions, UsageStore,
+    FileSystem, NoopObserver, RecoveryReport, StateDirLock, StorageError, StorageObserver, StoreOptions, UsageStore,
 };
 
 pub use crate::storage::StoredEvent;
@@ -71,10 +71,11 @@ pub struct StateStats {
 struct Durable {
     dir: PathBuf,
     usage: UsageStore,
-    keys: KeyStore,
+    keys: Box<dyn KeyTier>,
     recovery: RecoveryReport,
-    /// Held for the life of the state: one process per directory.
-    _lock: StateDirLock,
+    /// Held for the life of the state: one process per directory. `None`
+    /// only on the simulator's disk, where no other process exists.
+    _lock: Option<StateDirLock>,
 }
 
 /// How often the key store's horizon is enforced: it walks a histogram and
@@ -171,8 +172,50 @@ impl LocalState {
         let (usage, recovery) = UsageStore::open(&dir.join("usage"), store_options(&settings), observer)?;
         let keys = KeyStore::open(&dir.join("keystore"), keystore_options(&settings))?;
         let mut state = LocalState::in_memory(settings, detect_replays);
-        state.durable = Some(Durable { dir: dir.to_owned(), usage, keys, recovery, _lock: lock });
+        state.durable = Some(Durable { dir: dir.to_owned(), usage, keys: Box::new(keys), recovery, _lock: Some(lock) });
         Ok(state)
+    }
+
+    /// Durable state on another filesystem and key store than the real
+    /// ones: the simulator's faulty disk and key-store model. Recovery is
+    /// the same code as [`open`](Self::open)'s.
+    pub fn open_on(
+        fs: Arc<dyn FileSystem>,
+        dir: &Path,
+        keys: Box<dyn KeyTier>,
+        settings: EngineSettings,
+        store: StoreOptions,
+        detect_replays: bool,
+    ) -> Result<LocalState, StateError> {
+        let (usage, recovery) = UsageStore::open_on(fs, &dir.join("usage"), store, Arc::new(NoopObserver))?;
+        let mut state = LocalState::in_memory(settings, detect_replays);
+        state.durable = Some(Durable { dir: dir.to_owned(), usage, keys, recovery, _lock: None });
+        Ok(state)
+    }
+
+    /// Calls `f` on every event the usage store holds for `partition`
+    /// (none without a state directory).
+    pub fn for_each_stored(&self, partition: i32, mut f: impl FnMut(&StoredEvent)) -> Result<(), StateError> {
+        if let Some(d) = &self.durable {
+            d.usage.for_each_event(|e| {
+                if e.key.output.partition == partition {
+                    f(e);
+                }
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The key store's answers for `ids` of `partition` (all `None` without
+    /// a state directory).
+    pub fn remembered_keys(
+        &self,
+        partition: i32,
+        ids: &[IdHash],
+    ) -> Result<Vec<Option<crate::classify::SeenKey>>, StateError> {
+        let mut out = Vec::new();
+        self.long_horizon().lookup_many(partition, ids, &mut out)?;
+        Ok(out)
     }
 
     pub fn settings(&self) -> &EngineSettings {
@@ -253,7 +296,7 @@ impl LocalState {
 
     fn long_horizon(&self) -> &dyn LongHorizon {
         match &self.durable {
-            Some(d) => &d.keys,
+            Some(d) => d.keys.as_ref(),
             None => &NoLongHorizon,
         }
     }

@@ -90,7 +90,9 @@ pub fn inspect(
         }
         let mut in_keystore = Vec::new();
         for p in d.usage.partitions() {
-            if let Some(k) = d.keys.get(p, &id)? {
+            let mut answer = Vec::with_capacity(1);
+            d.keys.lookup_many(p, &[id], &mut answer)?;
+            if let Some(Some(k)) = answer.pop() {
                 in_keystore.push(serde_json::json!({
                     "partition": p,
                     "payload_hash": k.payload_hash.to_hex(),

@@ -1,122 +1,111 @@
-//! Local state for simulated workers: the real classifier and local state
-//! (in memory) over a modelled durable journal.
+//! Local state for simulated workers: dedupd's own [`LocalState`] (the
+//! classifier, the WAL/segment usage store and its recovery, the key-store
+//! tier) over the simulated disk and the key-store model of
+//! [`crate::sim::disk`].
 //!
-//! What `apply_published` remembers goes to a journal per partition; only
-//! its synced prefix survives a crash (the unsynced tail is lost, as
-//! unsynced writes are). Assigning a partition rebuilds its state from the
-//! journal, as recovery rebuilds it from the WAL and segments, so a
-//! restarted worker starts from whatever its disk kept and repair must
-//! bring it up to the output.
+//! A worker's disk and key store outlive its process. A crash either kills
+//! the process only (the page cache keeps everything) or loses power (only
+//! what was synced survives, plus torn prefixes); the next start runs the
+//! real recovery on what is left, and repair must bring it up to the output.
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::config::EngineSettings;
-use crate::event::{IdHash, UsageEvent};
-use crate::kafka::engine::{Engine, EngineError, EngineStats, InputRecord, Outcome, StateEngine, StoredEvent};
+use crate::kafka::engine::StateEngine;
+use crate::pipeline::Mutations;
+use crate::sim::disk::{DiskFaults, SimDisk, SimKeyStore};
+use crate::sim::SimRng;
 use crate::state::LocalState;
+use crate::storage::{FsyncPolicy, StoreOptions};
 
-/// One worker's disk: what survives its crashes.
-#[derive(Debug, Clone, Default)]
-pub struct SimDisk {
-    /// Applied events per partition, in apply order.
-    pub journal: BTreeMap<i32, Vec<StoredEvent>>,
-    /// How much of each journal is synced.
-    pub synced: BTreeMap<i32, usize>,
-}
-
-impl SimDisk {
-    /// A crash: every unsynced event is lost.
-    pub fn crash(&mut self) {
-        for (p, events) in &mut self.journal {
-            events.truncate(self.synced.get(p).copied().unwrap_or(0));
-        }
-    }
-}
-
-/// The [`Engine`] of a simulated worker.
-#[derive(Debug)]
-pub struct SimEngine {
-    settings: EngineSettings,
-    states: BTreeMap<i32, StateEngine>,
+/// One worker's durable side: its disk, its key store and how its usage
+/// store is tuned (small, so flushes, WAL rotations and compactions happen
+/// within a schedule).
+#[derive(Debug, Clone)]
+pub struct SimState {
     pub disk: SimDisk,
-    /// Sync every this many applies (1: `--fsync always`).
-    sync_every: u32,
-    applies: u32,
+    pub keys: SimKeyStore,
+    dir: PathBuf,
+    settings: EngineSettings,
+    store: StoreOptions,
 }
 
-impl SimEngine {
-    pub fn new(settings: EngineSettings, disk: SimDisk, sync_every: u32) -> SimEngine {
-        SimEngine { settings, states: BTreeMap::new(), disk, sync_every: sync_every.max(1), applies: 0 }
+impl SimState {
+    /// `sync_every_apply`: `--fsync always`; otherwise the WAL is synced only
+    /// when a file is sealed, the memtable is flushed or the store closes
+    /// (an interval longer than the schedule).
+    pub fn new(worker: usize, rng: &mut SimRng, sync_every_apply: bool, mutations: Mutations) -> SimState {
+        let dir = Path::new("/sim").join(format!("w{worker}"));
+        let settings = EngineSettings {
+            keep_revoked_partitions: false,
+            fsync: if sync_every_apply {
+                FsyncPolicy::Always
+            } else {
+                FsyncPolicy::Interval(std::time::Duration::from_secs(86_400))
+            },
+            ..EngineSettings::default()
+        };
+        let store = StoreOptions {
+            wal_rotate_bytes: 512 + rng.below(4_096),
+            memtable_max_events: 2 + rng.below(12) as usize,
+            compaction_target_rows: 8 + rng.below(32),
+            compaction_min_segments: 2 + rng.below(3) as usize,
+            mutations,
+            ..crate::state::store_options(&settings)
+        };
+        let horizon_ms = settings.horizon_ms();
+        SimState {
+            disk: SimDisk::new(&dir, rng.next_u64()),
+            keys: SimKeyStore::new(horizon_ms, rng.next_u64()),
+            dir,
+            settings,
+            store,
+        }
     }
 
-    fn state(&self, operation: &'static str, partition: i32) -> Result<&StateEngine, EngineError> {
-        self.states.get(&partition).ok_or_else(|| EngineError { operation, partition, source: "not assigned".into() })
+    /// Starts a process on this disk: recovery, then an engine.
+    pub fn open(&self) -> Result<StateEngine, String> {
+        let state = LocalState::open_on(
+            Arc::new(self.disk.clone()),
+            &self.dir,
+            Box::new(self.keys.clone()),
+            self.settings.clone(),
+            self.store.clone(),
+            true,
+        )
+        .map_err(|e| format!("local state does not open: {e}"))?;
+        Ok(StateEngine::new(state, self.settings.validator()))
+    }
+
+    pub fn power_loss(&self) {
+        self.disk.power_loss();
+        self.keys.power_loss();
+    }
+
+    pub fn set_faults(&self, faults: DiskFaults) {
+        self.disk.set_faults(faults);
     }
 }
 
-impl Engine for SimEngine {
-    fn assign(&mut self, partition: i32, now_ms: i64) -> Result<(), EngineError> {
-        if self.states.contains_key(&partition) {
-            return Ok(());
-        }
-        let validator = self.settings.validator();
-        let mut state = StateEngine::new(LocalState::in_memory(self.settings.clone(), true), validator);
-        state.assign(partition, now_ms)?;
-        if let Some(events) = self.disk.journal.get(&partition) {
-            state.apply_published(partition, events, now_ms)?;
-        }
-        self.states.insert(partition, state);
-        Ok(())
-    }
-
-    fn revoke(&mut self, partition: i32) {
-        self.states.remove(&partition);
-    }
-
-    fn checkpoint(&self, partition: i32) -> Option<i64> {
-        self.states.get(&partition).and_then(|s| s.checkpoint(partition))
-    }
-
-    fn horizon(&self) -> std::time::Duration {
-        self.settings.horizon
-    }
-
-    fn classify(&self, partition: i32, records: &[InputRecord<'_>], now_ms: i64) -> Result<Vec<Outcome>, EngineError> {
-        self.state("classify", partition)?.classify(partition, records, now_ms)
-    }
-
-    fn apply_published(&mut self, partition: i32, events: &[StoredEvent], now_ms: i64) -> Result<(), EngineError> {
-        let checkpoint = self.checkpoint(partition);
-        let state = self.states.get_mut(&partition).ok_or_else(|| EngineError {
-            operation: "apply",
-            partition,
-            source: "not assigned".into(),
-        })?;
-        state.apply_published(partition, events, now_ms)?;
-        let journal = self.disk.journal.entry(partition).or_default();
-        journal.extend(events.iter().filter(|e| checkpoint.is_none_or(|c| e.key.output.offset > c)).cloned());
-        self.applies += 1;
-        if self.applies % self.sync_every == 0 {
-            for (p, events) in &self.disk.journal {
-                self.disk.synced.insert(*p, events.len());
-            }
-        }
-        Ok(())
-    }
-
-    fn original(&self, partition: i32, id: &IdHash) -> Option<UsageEvent> {
-        self.states.get(&partition).and_then(|s| s.original(partition, id))
-    }
-
-    fn stats(&self, _now_ms: i64) -> EngineStats {
-        EngineStats::default()
-    }
-
-    fn maintain(&mut self, _now_ms: i64) -> Result<(), EngineError> {
-        Ok(())
-    }
-
-    fn close(&mut self) -> Result<(), EngineError> {
-        Ok(())
-    }
+/// What a live worker's local state holds for `partition`: the event ids in
+/// its usage store, and the ids of `expected` its key store cannot answer.
+pub fn held_by_state(
+    engine: &StateEngine,
+    partition: i32,
+    expected: &[crate::storage::StoredEvent],
+) -> Result<(BTreeSet<String>, Vec<String>), String> {
+    let state = engine.local_state().ok_or("local state is closed")?;
+    let mut stored = BTreeSet::new();
+    state
+        .for_each_stored(partition, |e| {
+            stored.insert(e.event.event_id.clone());
+        })
+        .map_err(|e| e.to_string())?;
+    let ids: Vec<_> = expected.iter().map(|e| e.key.id_hash).collect();
+    let answers = state.remembered_keys(partition, &ids).map_err(|e| e.to_string())?;
+    let forgotten =
+        expected.iter().zip(answers).filter(|(_, a)| a.is_none()).map(|(e, _)| e.event.event_id.clone()).collect();
+    Ok((stored, forgotten))
 }

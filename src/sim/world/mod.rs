@@ -4,9 +4,10 @@
 //! One schedule: input producers write usage events with retries,
 //! conflicts and malformed records; two workers share the input in one
 //! consumer group; the network drops requests and responses, the broker
-//! goes down, the coordinator moves, workers crash (losing unsynced local
-//! state) and restart, or pause past their session (zombies), transaction
-//! markers land late. After the faults stop the workers must finish all
+//! goes down, the coordinator moves, workers crash (the process alone, or
+//! with a power loss that takes unsynced writes and directory entries) and
+//! restart, or pause past their session (zombies), transaction markers land
+//! late, and a worker's disk fails writes or fsyncs or fills up for a while. After the faults stop the workers must finish all
 //! input within a bounded simulated time, and the checks of
 //! [`check`] hold. Everything is a function of the seed: a failing seed
 //! replays exactly and prints its trace.
@@ -14,7 +15,8 @@
 //! What runs for real: the partition life ([`crate::pipeline::PartitionLife`])
 //! and transaction endings, batch classification and record formats
 //! ([`crate::kafka::batch`], [`crate::kafka::records`]), the classifier and
-//! local state (in memory, over the modelled journal of [`engine`]).
+//! local state with its WAL/segment usage store and recovery, over the
+//! faulty disk and key-store model of [`crate::sim::disk`] (see [`engine`]).
 //! What is modelled: the broker ([`crate::sim::broker`]), the network, and
 //! the client side of librdkafka (group membership, fetch positions, the
 //! transactional and idempotent producers), written here from Kafka's
@@ -32,6 +34,7 @@ use std::collections::BTreeMap;
 use crate::pipeline::{DeliveryMode, Mutations};
 use crate::sim::broker::log::{Record, TopicPartition};
 use crate::sim::broker::{Broker, BrokerConfig, ProduceBatch};
+use crate::sim::disk::{DiskCounts, DiskFaults};
 use crate::sim::net::{Delivery, NetConfig, Network, Outage, OutageKind};
 use crate::sim::rng::SimRng;
 
@@ -110,12 +113,33 @@ pub struct Faults {
     /// the session timeout makes the worker a zombie when it resumes.
     pub pauses: Vec<(usize, i64, i64)>,
     pub marker_delay_ms: i64,
-    /// Local state syncs every this many applies.
+    /// 1: the usage store runs with `--fsync always`; otherwise its WAL is
+    /// synced only when a file is sealed, flushed or closed.
     pub sync_every: u32,
     pub batch_records: usize,
+    /// (worker, from, until, faults): a disk failing for a while. A full
+    /// disk is `capacity_bytes` of headroom over what it holds at `from`.
+    pub disk: Vec<(usize, i64, i64, DiskFaults)>,
 }
 
 impl Faults {
+    /// Disk faults come from their own generator, so adding them left every
+    /// other fault of a seed as it was (regression seeds keep their meaning).
+    fn draw_disk(&mut self, rng: &mut SimRng) {
+        if rng.below(3) != 0 {
+            return;
+        }
+        let worker = rng.below(WORKERS as u64) as usize;
+        let from = rng.range_i64(500, FAULTS_END_MS - 6_000);
+        let until = from + rng.range_i64(500, 6_000);
+        let faults = match rng.below(3) {
+            0 => DiskFaults { write_error_per_million: 50_000 + rng.below(500_000) as u32, ..DiskFaults::default() },
+            1 => DiskFaults { fsync_error_per_million: 50_000 + rng.below(500_000) as u32, ..DiskFaults::default() },
+            _ => DiskFaults { capacity_bytes: Some(rng.below(2_048)), ..DiskFaults::default() },
+        };
+        self.disk.push((worker, from, until, faults));
+    }
+
     fn draw(rng: &mut SimRng, delivery: DeliveryMode) -> Faults {
         let lossy = rng.below(3) > 0;
         let net = NetConfig {
@@ -163,6 +187,7 @@ impl Faults {
             },
             sync_every: if rng.below(2) == 0 { 1 } else { 1 + rng.below(4) as u32 },
             batch_records: 1 + rng.below(6) as usize,
+            disk: Vec::new(),
         }
     }
 }
@@ -176,6 +201,8 @@ pub struct Report {
     pub lost_assignments: usize,
     pub aborted_transactions: usize,
     pub finished_ms: i64,
+    /// What the workers' disks did, summed.
+    pub disk: DiskCounts,
 }
 
 /// A schedule that failed: the seed, what broke, and the trace.
@@ -223,12 +250,16 @@ pub struct World {
     pub(crate) violations: Vec<Violation>,
     pub(crate) report: Report,
     next_request_owner: BTreeMap<u64, (usize, u32)>,
+    /// Disk-side randomness (what a crash takes), apart from the rest.
+    pub(crate) disk_rng: SimRng,
 }
 
 impl World {
     pub fn new(config: ScheduleConfig) -> World {
         let mut rng = SimRng::new(config.seed);
-        let faults = Faults::draw(&mut rng, config.delivery);
+        let mut faults = Faults::draw(&mut rng, config.delivery);
+        let mut disk_rng = SimRng::new(config.seed ^ 0xD15C_5EED_0000_0000);
+        faults.draw_disk(&mut disk_rng);
         let broker_config = BrokerConfig { marker_delay_ms: faults.marker_delay_ms, ..BrokerConfig::default() };
         let mut broker = Broker::new(broker_config);
         for (topic, n) in [(INPUT, PARTITIONS), (OUTPUT, PARTITIONS), (CONFLICTS, 1), (REJECTED, 1)] {
@@ -253,10 +284,17 @@ impl World {
             violations: Vec::new(),
             report: Report::default(),
             next_request_owner: BTreeMap::new(),
+            disk_rng,
         };
         for i in 0..WORKERS {
-            world.workers.push(Worker::new(i, &world.faults));
+            let always = world.faults.sync_every == 1;
+            let state = engine::SimState::new(i, &mut world.disk_rng, always, world.config.mutations);
+            world.workers.push(Worker::new(i, &world.faults, state));
             world.at(0, Timer::Start { worker: i });
+        }
+        for &(worker, from, until, faults) in &world.faults.disk.clone() {
+            world.at(from, Timer::Disk { worker, faults });
+            world.at(until, Timer::Disk { worker, faults: DiskFaults::default() });
         }
         for (i, (at, _)) in world.plan.iter().enumerate() {
             world.timers.insert((*at, u64::MAX - i as u64), Timer::Produce { index: i });
@@ -319,6 +357,16 @@ impl World {
             self.violations.push(Violation::Stalled { deadline_ms: deadline, detail });
         }
         self.report.finished_ms = self.now_ms;
+        for w in &self.workers {
+            let c = w.state.disk.counts();
+            let d = &mut self.report.disk;
+            d.write_errors += c.write_errors;
+            d.fsync_errors += c.fsync_errors;
+            d.full_disk_errors += c.full_disk_errors;
+            d.power_losses += c.power_losses;
+            d.bytes_lost += c.bytes_lost;
+            d.entries_lost += c.entries_lost;
+        }
         if self.violations.is_empty() {
             self.violations = check::final_checks(&self);
         }

@@ -23,6 +23,7 @@ fn seeds() -> std::ops::Range<u64> {
 
 fn run_all(delivery: DeliveryMode) {
     let mut totals = (0usize, 0usize, 0usize, 0usize, 0usize);
+    let mut disk = crate::sim::disk::DiskCounts::default();
     let mut schedules = 0;
     for seed in seeds() {
         let config = ScheduleConfig { seed, delivery, mutations: Mutations::NONE };
@@ -34,14 +35,31 @@ fn run_all(delivery: DeliveryMode) {
                 totals.2 += r.crashes;
                 totals.3 += r.lost_assignments;
                 totals.4 += r.aborted_transactions;
+                disk.power_losses += r.disk.power_losses;
+                disk.bytes_lost += r.disk.bytes_lost;
+                disk.entries_lost += r.disk.entries_lost;
+                disk.write_errors += r.disk.write_errors;
+                disk.fsync_errors += r.disk.fsync_errors;
+                disk.full_disk_errors += r.disk.full_disk_errors;
             }
             Err(failure) => panic!("{failure}"),
         }
     }
     eprintln!(
         "{delivery}: {schedules} schedules passed: {} input records, {} output records, {} crashes, {} lost \
-         assignments, {} failed publishes",
-        totals.0, totals.1, totals.2, totals.3, totals.4
+         assignments, {} failed publishes; disks: {} power losses taking {} unsynced bytes and {} directory \
+         changes, {} write errors, {} fsync errors, {} full-disk errors",
+        totals.0,
+        totals.1,
+        totals.2,
+        totals.3,
+        totals.4,
+        disk.power_losses,
+        disk.bytes_lost,
+        disk.entries_lost,
+        disk.write_errors,
+        disk.fsync_errors,
+        disk.full_disk_errors
     );
 }
 
@@ -107,6 +125,11 @@ fn a_revoke_that_finishes_a_lost_batch_is_caught() {
 #[test]
 fn a_commit_timeout_that_is_not_resumed_is_caught() {
     assert_caught(Mutation::CommitTimeoutNotResumed, DeliveryMode::ExactlyOnce);
+}
+
+#[test]
+fn a_wal_file_created_without_a_directory_fsync_is_caught() {
+    assert_caught(Mutation::WalCreatedWithoutDirFsync, DeliveryMode::ExactlyOnce);
 }
 
 #[test]

@@ -9,6 +9,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use crate::config::EngineSettings;
 use crate::event::Position;
 use crate::kafka::batch::{classify_batch, BatchInput, Prepared, SideLayout};
+use crate::kafka::engine::StateEngine;
 use crate::kafka::records::{parse_output, Destination, OutRecord};
 use crate::pipeline::{
     BatchFailure, DeliveryMode, EndAttempt, EndDecision, Ending, Event, LifeSettings, PartitionLife, Step,
@@ -18,10 +19,11 @@ use crate::sim::broker::api::{Request, Response};
 use crate::sim::broker::group::{GroupMetadata, JoinGroupRequest, JoinOutcome};
 use crate::sim::broker::log::{read_committed_records, Isolation, Record, TopicPartition};
 use crate::sim::broker::{OffsetSpec, ProduceBatch, ProducerIdAndEpoch};
+use crate::sim::disk::DiskFaults;
 use crate::sim::error::ErrorCode;
 use crate::sim::net::{Delivery, Outcome};
 use crate::sim::world::check::{self, Violation};
-use crate::sim::world::engine::{SimDisk, SimEngine};
+use crate::sim::world::engine::{held_by_state, SimState};
 use crate::sim::world::{Faults, World, CONFLICTS, EPOCH_MS, GROUP, INPUT, OUTPUT, REJECTED};
 
 const SESSION_MS: i64 = 6_000;
@@ -47,6 +49,11 @@ pub enum Timer {
     Pause {
         worker: usize,
         until_ms: i64,
+    },
+    /// The worker's disk starts or stops failing.
+    Disk {
+        worker: usize,
+        faults: DiskFaults,
     },
     Resume {
         worker: usize,
@@ -171,9 +178,9 @@ pub struct Worker {
     pub paused_until: i64,
     pub deferred: Vec<Delivery>,
     deferred_timers: Vec<Timer>,
-    disk: SimDisk,
-    engine: Option<SimEngine>,
-    sync_every: u32,
+    /// The disk and key store, which outlive the process.
+    pub(crate) state: SimState,
+    engine: Option<StateEngine>,
     batch_records: usize,
     member: Member,
     producer: Producer,
@@ -183,10 +190,12 @@ pub struct Worker {
     committed: BTreeMap<i32, i64>,
     /// Requests in flight and what they are for.
     pending: BTreeMap<u64, Purpose>,
+    /// Why the last start failed (local state did not open), for a stall's report.
+    start_error: Option<String>,
 }
 
 impl Worker {
-    pub fn new(index: usize, faults: &Faults) -> Worker {
+    pub fn new(index: usize, faults: &Faults, state: SimState) -> Worker {
         Worker {
             index,
             incarnation: 0,
@@ -194,9 +203,8 @@ impl Worker {
             paused_until: i64::MIN,
             deferred: Vec::new(),
             deferred_timers: Vec::new(),
-            disk: SimDisk::default(),
+            state,
             engine: None,
-            sync_every: faults.sync_every,
             batch_records: faults.batch_records,
             member: Member::default(),
             producer: Producer::default(),
@@ -204,15 +212,17 @@ impl Worker {
             next_generation: 0,
             committed: BTreeMap::new(),
             pending: BTreeMap::new(),
+            start_error: None,
         }
     }
 
     pub fn describe(&self) -> String {
         let slots: Vec<String> = self.slots.iter().map(|(p, s)| format!("p{p}:{:?}", s.step)).collect();
         format!(
-            "w{} alive={} member={}@{} stable={} slots=[{}] producer pid={:?} queue={} run={}",
+            "w{} alive={}{} member={}@{} stable={} slots=[{}] producer pid={:?} queue={} run={}",
             self.index,
             self.alive,
+            self.start_error.as_ref().map(|e| format!(" ({e})")).unwrap_or_default(),
             self.member.id,
             self.member.generation,
             self.member.stable,
@@ -227,7 +237,7 @@ impl Worker {
         (self.index as u32) * 10_000 + self.incarnation
     }
 
-    fn engine(&mut self) -> &mut SimEngine {
+    fn engine(&mut self) -> &mut StateEngine {
         self.engine.as_mut().expect("a live worker has an engine")
     }
 
@@ -238,10 +248,6 @@ impl Worker {
     fn metadata(&self) -> GroupMetadata {
         GroupMetadata { member_id: self.member.id.clone(), group_instance_id: None, generation: self.member.generation }
     }
-}
-
-fn engine_settings() -> EngineSettings {
-    EngineSettings { keep_revoked_partitions: false, ..EngineSettings::default() }
 }
 
 fn send(w: &mut World, worker: usize, request: Request, purpose: Purpose) {
@@ -272,7 +278,12 @@ pub(crate) fn on_timer(w: &mut World, timer: Timer) {
             if !w.workers[worker].alive {
                 return;
             }
-            crash(w, worker, "crash (SIGKILL)");
+            if w.disk_rng.below(2) == 0 {
+                crash(w, worker, "crash (SIGKILL)");
+            } else {
+                crash(w, worker, "crash (power loss)");
+                w.workers[worker].state.power_loss();
+            }
             w.at(w.now_ms + down_ms, Timer::Start { worker });
         }
         Timer::Pause { worker, until_ms } => {
@@ -281,6 +292,14 @@ pub(crate) fn on_timer(w: &mut World, timer: Timer) {
                 w.workers[worker].paused_until = until_ms;
                 w.at(until_ms, Timer::Resume { worker });
             }
+        }
+        Timer::Disk { worker, mut faults } => {
+            let disk = &w.workers[worker].state;
+            if let Some(headroom) = faults.capacity_bytes {
+                faults.capacity_bytes = Some(disk.disk.used_bytes() + headroom);
+            }
+            disk.set_faults(faults);
+            w.log(format!("w{worker} disk faults {faults:?}"));
         }
         Timer::Resume { worker } => {
             w.log(format!("w{worker} resumes"));
@@ -337,20 +356,30 @@ fn start(w: &mut World, worker: usize) {
     wk.reset_process();
     wk.alive = true;
     wk.paused_until = i64::MIN;
-    let disk = std::mem::take(&mut wk.disk);
-    wk.engine = Some(SimEngine::new(engine_settings(), disk, wk.sync_every));
+    match wk.state.open() {
+        Ok(engine) => wk.engine = Some(engine),
+        Err(e) => {
+            // As a pod whose process exits at start: restarted shortly.
+            wk.alive = false;
+            w.log(format!("w{worker} does not start: {e}"));
+            w.workers[worker].start_error = Some(e);
+            w.at(w.now_ms + 1_000, Timer::Start { worker });
+            return;
+        }
+    }
+    w.workers[worker].start_error = None;
     w.log(format!("w{worker} starts (incarnation {})", w.workers[worker].incarnation));
     init_producer(w, worker);
     join(w, worker);
 }
 
-/// The process dies: memory gone, unsynced local state lost.
+/// The process dies: memory gone; its disk keeps what the page cache
+/// holds (a power loss is the caller's to add).
 pub(crate) fn crash(w: &mut World, worker: usize, why: &str) {
     w.report.crashes += 1;
     let wk = &mut w.workers[worker];
-    let mut disk = wk.engine.take().map(|e| e.disk).unwrap_or_default();
-    disk.crash();
-    wk.disk = disk;
+    // Dropped, not closed: nothing is flushed or synced on the way out.
+    drop(wk.engine.take());
     wk.alive = false;
     wk.incarnation += 1;
     wk.reset_process();
@@ -603,7 +632,8 @@ fn perform(w: &mut World, worker: usize, partition: i32) {
                 }
             }
             let checkpoint = crate::kafka::Engine::checkpoint(engine, partition);
-            advance(w, worker, partition, Event::Loaded { checkpoint, furthest: checkpoint });
+            let furthest = crate::kafka::Engine::furthest_checkpoint(engine, partition);
+            advance(w, worker, partition, Event::Loaded { checkpoint, furthest });
         }
         Step::ProbeOutputEnd => slot_request(
             w,
@@ -742,6 +772,11 @@ fn perform(w: &mut World, worker: usize, partition: i32) {
             if let Err(e) = crate::kafka::Engine::apply_published(engine, partition, &stored, now) {
                 return fail(w, worker, e.to_string());
             }
+            // Upkeep between batches, as the real worker does: flushes,
+            // WAL rotation and compaction happen here and at append.
+            if let Err(e) = crate::kafka::Engine::maintain(w.workers[worker].engine(), now) {
+                return fail(w, worker, e.to_string());
+            }
             advance(w, worker, partition, Event::Applied);
         }
         Step::CommitInput { next_input } => {
@@ -816,7 +851,7 @@ fn on_slot_response(w: &mut World, worker: usize, partition: i32, what: SlotRequ
         }
         (SlotRequest::ReadOutput { from, end }, Some(Response::Fetch(Ok(fetch)))) => {
             let now = EPOCH_MS + w.now_ms;
-            let validator = engine_settings().validator();
+            let validator = EngineSettings::default().validator();
             let mut stored = Vec::new();
             for (offset, record) in read_committed_records(&fetch) {
                 if offset >= end {
@@ -884,27 +919,30 @@ fn parse_record(
 /// After an assignment's repair: local state must hold exactly what the
 /// output holds below the repair's end.
 fn check_state_after_repair(w: &mut World, worker: usize, partition: i32, end: Option<i64>) {
-    let journal: BTreeSet<String> = w.workers[worker]
-        .engine
-        .as_ref()
-        .and_then(|e| e.disk.journal.get(&partition))
-        .map(|events| events.iter().map(|e| e.event.event_id.clone()).collect())
-        .unwrap_or_default();
     let end = end.unwrap_or_else(|| {
         w.net.broker().partition(&TopicPartition::new(OUTPUT, partition)).map_or(0, |l| l.last_stable_offset())
     });
-    let output: BTreeSet<String> = check::output_events(&w.net, OUTPUT)
+    let expected: Vec<crate::state::StoredEvent> = check::output_events(&w.net, OUTPUT)
         .into_iter()
         .filter(|(p, o, _)| *p == partition && *o < end)
-        .map(|(_, _, e)| e.event.event_id)
+        .map(|(_, _, e)| e)
         .collect();
-    if journal != output {
-        let missing: Vec<&String> = output.difference(&journal).collect();
-        let extra: Vec<&String> = journal.difference(&output).collect();
+    let Some(engine) = w.workers[worker].engine.as_ref() else { return };
+    let (stored, forgotten) = match held_by_state(engine, partition, &expected) {
+        Ok(held) => held,
+        Err(e) => return fail(w, worker, format!("reading local state: {e}")),
+    };
+    let output: BTreeSet<String> = expected.iter().map(|e| e.event.event_id.clone()).collect();
+    if stored != output || !forgotten.is_empty() {
+        let missing: Vec<&String> = output.difference(&stored).collect();
+        let extra: Vec<&String> = stored.difference(&output).collect();
         w.violations.push(Violation::StateDiffers {
             worker,
             partition,
-            detail: format!("after repair to {end}: missing from state {missing:?}, not on the output {extra:?}"),
+            detail: format!(
+                "after repair to {end}: missing from the usage store {missing:?}, not on the output {extra:?}, \
+                 not in the key store {forgotten:?}"
+            ),
         });
     }
 }
