@@ -55,6 +55,8 @@
 //! - `store.rs`: [`KeyStore`].
 
 mod codec;
+#[cfg(test)]
+mod contract;
 mod error;
 mod histogram;
 mod horizon;
@@ -69,8 +71,8 @@ use crate::classify::{LongHorizon, SeenKey};
 /// What local state needs of the long-horizon key store: the contract
 /// [`KeyStore`] (RocksDB) implements and the simulator models
 /// (`sim::disk::SimKeyStore`, with unsynced writes lost at a power loss).
-/// `tests/keystore_contract.rs`-style checks of it run against both (see
-/// `contract` below), so the model cannot drift from the store.
+/// The same scripted checks run against both (`keystore/contract.rs`), so
+/// the model cannot drift from the store.
 ///
 /// - `apply_batch` is atomic: a batch's keys and the partition's new
 ///   checkpoint become visible, and survive a crash, together or not at all.

@@ -56,6 +56,8 @@
 mod codec;
 mod error;
 pub mod failpoint;
+#[cfg(test)]
+mod faulty_disk_tests;
 pub mod fs;
 mod fsutil;
 mod lock;

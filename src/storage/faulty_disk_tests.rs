@@ -1,0 +1,193 @@
+//! The usage store on the simulator's faulty disk (`sim::disk`): random
+//! appends, upkeep, process crashes, power losses, write errors, fsync
+//! errors and a full disk, against the one promise billing needs from it:
+//! with `--fsync always`, every event `append` acknowledged is there after
+//! any crash, once, and nothing is there that was never appended.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::Arc;
+
+use super::testutil::sample_event;
+use super::{FsyncPolicy, NoopObserver, StoreOptions, StoredEvent, UsageStore};
+use crate::pipeline::{Mutation, Mutations};
+use crate::sim::disk::{DiskFaults, SimDisk};
+use crate::sim::SimRng;
+
+/// Runs one seeded life of a store; `Err` names what broke.
+fn one_life(seed: u64, mutations: Mutations) -> Result<(), String> {
+    let mut rng = SimRng::new(seed);
+    let dir = Path::new("/disk/usage");
+    let disk = SimDisk::new(Path::new("/disk"), rng.next_u64());
+    let opts = StoreOptions {
+        fsync: FsyncPolicy::Always,
+        wal_rotate_bytes: 256 + rng.below(2_048),
+        memtable_max_events: 2 + rng.below(10) as usize,
+        compaction_target_rows: 4 + rng.below(16),
+        compaction_min_segments: 2,
+        mutations,
+        ..StoreOptions::default()
+    };
+    let open = |disk: &SimDisk| {
+        UsageStore::open_on(Arc::new(disk.clone()), dir, opts.clone(), Arc::new(NoopObserver)).map(|(s, _)| s)
+    };
+    let mut acknowledged: BTreeMap<(i32, i64), String> = BTreeMap::new();
+    let mut attempted: BTreeSet<String> = BTreeSet::new();
+    let mut next_offset = [0i64; 2];
+    let mut n = 0u64;
+    let mut store = None;
+    for step in 0..120 {
+        if store.is_none() {
+            match open(&disk) {
+                Ok(s) => store = Some(s),
+                // Only a failing disk may stop a start; the next step retries.
+                Err(e) if disk_is_failing(&disk) => {
+                    let _ = e;
+                    disk.set_faults(DiskFaults::default());
+                    continue;
+                }
+                Err(e) => return Err(format!("step {step}: the store does not open on a healthy disk: {e}")),
+            }
+        }
+        let Some(s) = store.as_mut() else { continue };
+        match rng.below(20) {
+            0..=11 => {
+                let partition = rng.below(2) as usize;
+                let batch: Vec<StoredEvent> = (0..1 + rng.below(4))
+                    .map(|_| {
+                        n += 1;
+                        next_offset[partition] += 1;
+                        sample_event(n, partition as i32, next_offset[partition])
+                    })
+                    .collect();
+                attempted.extend(batch.iter().map(|e| e.event.event_id.clone()));
+                match s.append(&batch) {
+                    Ok(_) => acknowledged.extend(
+                        batch.iter().map(|e| ((e.key.output.partition, e.key.output.offset), e.event.event_id.clone())),
+                    ),
+                    // The store is poisoned: the process exits.
+                    Err(_) => store = None,
+                }
+            }
+            12..=13 => {
+                if s.maintain(1_700_000_000_000).is_err() {
+                    store = None;
+                }
+            }
+            14 => store = None,
+            15..=16 => {
+                store = None;
+                disk.power_loss();
+            }
+            17 => disk.set_faults(DiskFaults { write_error_per_million: 300_000, ..DiskFaults::default() }),
+            18 => disk.set_faults(DiskFaults { fsync_error_per_million: 300_000, ..DiskFaults::default() }),
+            _ => disk.set_faults(DiskFaults {
+                capacity_bytes: Some(disk.used_bytes() + rng.below(1_024)),
+                ..DiskFaults::default()
+            }),
+        }
+    }
+    // The end: faults stop, the power goes, and the store must hold every
+    // acknowledged event.
+    drop(store);
+    disk.set_faults(DiskFaults::default());
+    disk.power_loss();
+    let s = open(&disk).map_err(|e| format!("the store does not open after the last power loss: {e}"))?;
+    let mut held: BTreeMap<(i32, i64), String> = BTreeMap::new();
+    let mut twice = Vec::new();
+    s.for_each_event(|e| {
+        if let Some(old) = held.insert((e.key.output.partition, e.key.output.offset), e.event.event_id.clone()) {
+            twice.push(old);
+        }
+    })
+    .map_err(|e| format!("reading back: {e}"))?;
+    if !twice.is_empty() {
+        return Err(format!("stored twice: {twice:?}"));
+    }
+    let lost: Vec<&String> = acknowledged.iter().filter(|(k, id)| held.get(k) != Some(id)).map(|(_, id)| id).collect();
+    if !lost.is_empty() {
+        return Err(format!("acknowledged but lost: {lost:?}"));
+    }
+    let invented: Vec<&String> = held.values().filter(|id| !attempted.contains(*id)).collect();
+    if !invented.is_empty() {
+        return Err(format!("never appended: {invented:?}"));
+    }
+    Ok(())
+}
+
+fn disk_is_failing(disk: &SimDisk) -> bool {
+    let c = disk.counts();
+    c.write_errors + c.fsync_errors + c.full_disk_errors > 0
+}
+
+#[test]
+fn every_acknowledged_event_survives_crashes_power_losses_and_a_failing_disk() {
+    for seed in 0..400 {
+        if let Err(e) = one_life(seed, Mutations::NONE) {
+            panic!("seed {seed}: {e}");
+        }
+    }
+}
+
+/// The same lives catch a store that creates WAL files without fsyncing
+/// their directory: the test above can fail.
+#[test]
+fn a_wal_file_created_without_a_directory_fsync_loses_acknowledged_events() {
+    let caught = (0..400).find_map(|seed| one_life(seed, Mutations::only(Mutation::WalCreatedWithoutDirFsync)).err());
+    match caught {
+        Some(e) => eprintln!("caught: {e}"),
+        None => panic!("no life of 400 lost anything without the WAL directory fsync"),
+    }
+}
+
+// ------------------------------------------------------- the disk model itself
+
+#[test]
+fn a_synced_file_without_a_synced_directory_entry_can_vanish_and_with_one_cannot() {
+    use crate::storage::FileSystem;
+    let mut outcomes = BTreeSet::new();
+    for seed in 0..32 {
+        let disk = SimDisk::new(Path::new("/d"), seed);
+        disk.write_file(Path::new("/d/a"), b"abc").expect("write");
+        disk.sync_file(Path::new("/d/a")).expect("sync");
+        disk.write_file(Path::new("/d/b"), b"xyz").expect("write");
+        disk.sync_file(Path::new("/d/b")).expect("sync");
+        disk.sync_dir(Path::new("/d")).expect("sync dir");
+        disk.write_file(Path::new("/d/c"), b"late").expect("write");
+        disk.sync_file(Path::new("/d/c")).expect("sync");
+        disk.power_loss();
+        assert_eq!(disk.read(Path::new("/d/a")).expect("a"), b"abc");
+        assert_eq!(disk.read(Path::new("/d/b")).expect("b"), b"xyz");
+        outcomes.insert(disk.is_file(Path::new("/d/c")));
+    }
+    assert_eq!(outcomes.len(), 2, "an entry not yet synced must sometimes survive and sometimes not");
+}
+
+#[test]
+fn unsynced_appends_come_back_as_a_prefix_and_a_rename_is_all_or_nothing() {
+    use crate::storage::FileSystem;
+    let mut lengths = BTreeSet::new();
+    for seed in 0..64 {
+        let disk = SimDisk::new(Path::new("/d"), seed);
+        let mut f = disk.create_append(Path::new("/d/wal")).expect("create");
+        disk.sync_dir(Path::new("/d")).expect("sync dir");
+        f.append(b"synced-").expect("append");
+        f.sync_data().expect("sync");
+        f.append(&[7u8; 64]).expect("append");
+        disk.write_file(Path::new("/d/m"), b"old").expect("write");
+        disk.sync_file(Path::new("/d/m")).expect("sync");
+        disk.sync_dir(Path::new("/d")).expect("sync dir");
+        disk.write_file(Path::new("/d/m.tmp"), b"new").expect("write");
+        disk.sync_file(Path::new("/d/m.tmp")).expect("sync");
+        disk.rename(Path::new("/d/m.tmp"), Path::new("/d/m")).expect("rename");
+        disk.power_loss();
+        let wal = disk.read(Path::new("/d/wal")).expect("wal");
+        assert!(wal.starts_with(b"synced-") && wal.len() <= 7 + 64, "seed {seed}: {wal:?}");
+        lengths.insert(wal.len());
+        let m = disk.read(Path::new("/d/m")).expect("m is there, old or new");
+        let tmp = disk.is_file(Path::new("/d/m.tmp"));
+        // The temp file's own creation may be lost too; never a half rename.
+        assert!(m == b"old" || (m == b"new" && !tmp), "seed {seed}: m={m:?} tmp={tmp}");
+    }
+    assert!(lengths.len() > 3, "torn tails of several lengths: {lengths:?}");
+}
