@@ -28,8 +28,11 @@
 //! - [`metrics`]: the Prometheus registry and the HTTP endpoint.
 //! - [`sim`]: a model Kafka broker and faulty network for deterministic
 //!   simulation (pure, sans-I/O, seeded; knows nothing of dedupd's records);
-//!   in test builds, `sim::world`, the simulator that drives [`pipeline`]
-//!   against it under thousands of seeded fault schedules.
+//!   in test builds, `sim::disk` (a disk that loses unsynced writes and
+//!   fails, behind [`storage::FileSystem`], and a key-store model behind
+//!   [`keystore::KeyTier`]) and `sim::world`, the simulator that drives
+//!   [`pipeline`] and [`state`] against them under thousands of seeded
+//!   fault schedules.
 
 pub mod classify;
 pub mod config;

@@ -1,7 +1,9 @@
 //! The durable usage store (DESIGN §7): every accepted, published event is
 //! persisted here, and the hot cache is rebuilt from here after a restart.
 //!
-//! Synchronous and single-writer; no tokio, no rdkafka.
+//! Synchronous and single-writer; no tokio, no rdkafka. Every file operation
+//! goes through [`FileSystem`] ([`RealFs`] in `dedupd`; the simulator's
+//! faulty disk in tests, see `faulty_disk_tests.rs`).
 //!
 //! ```text
 //! append ─► WAL frame (CRC32C, group commit) ─► memtable ─flush─► segment + sidecar ─► manifest
