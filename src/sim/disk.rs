@@ -68,6 +68,17 @@ pub struct DiskCounts {
     pub entries_lost: usize,
 }
 
+impl std::ops::AddAssign for DiskCounts {
+    fn add_assign(&mut self, other: DiskCounts) {
+        self.write_errors += other.write_errors;
+        self.fsync_errors += other.fsync_errors;
+        self.full_disk_errors += other.full_disk_errors;
+        self.power_losses += other.power_losses;
+        self.bytes_lost += other.bytes_lost;
+        self.entries_lost += other.entries_lost;
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Entry {
     File(u64),
@@ -331,12 +342,6 @@ impl SimDisk {
     pub fn used_bytes(&self) -> u64 {
         self.lock().used_bytes()
     }
-
-    /// Bytes written but not yet fsynced, over every file.
-    pub fn unsynced_bytes(&self) -> usize {
-        let st = self.lock();
-        st.files.values().map(|f| f.data.len().abs_diff(f.synced.len())).sum()
-    }
 }
 
 struct SimAppend {
@@ -543,17 +548,6 @@ impl SimKeyStore {
             m.durable.apply(w);
         }
         m.live = m.durable.clone();
-    }
-
-    /// Every key remembered for `partition`, above the floor.
-    pub fn keys_of(&self, partition: i32) -> Vec<SeenKey> {
-        let m = self.lock();
-        m.live
-            .keys
-            .range((partition, IdHash([0; 16]))..=(partition, IdHash([0xff; 16])))
-            .map(|(_, k)| *k)
-            .filter(|k| k.first_seen_ms > m.floor_ms)
-            .collect()
     }
 }
 

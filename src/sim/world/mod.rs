@@ -358,14 +358,7 @@ impl World {
         }
         self.report.finished_ms = self.now_ms;
         for w in &self.workers {
-            let c = w.state.disk.counts();
-            let d = &mut self.report.disk;
-            d.write_errors += c.write_errors;
-            d.fsync_errors += c.fsync_errors;
-            d.full_disk_errors += c.full_disk_errors;
-            d.power_losses += c.power_losses;
-            d.bytes_lost += c.bytes_lost;
-            d.entries_lost += c.entries_lost;
+            self.report.disk += w.state.disk.counts();
         }
         if self.violations.is_empty() {
             self.violations = check::final_checks(&self);

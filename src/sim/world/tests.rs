@@ -35,12 +35,7 @@ fn run_all(delivery: DeliveryMode) {
                 totals.2 += r.crashes;
                 totals.3 += r.lost_assignments;
                 totals.4 += r.aborted_transactions;
-                disk.power_losses += r.disk.power_losses;
-                disk.bytes_lost += r.disk.bytes_lost;
-                disk.entries_lost += r.disk.entries_lost;
-                disk.write_errors += r.disk.write_errors;
-                disk.fsync_errors += r.disk.fsync_errors;
-                disk.full_disk_errors += r.disk.full_disk_errors;
+                disk += r.disk;
             }
             Err(failure) => panic!("{failure}"),
         }
