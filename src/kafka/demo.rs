@@ -348,6 +348,15 @@ pub async fn demo(settings: DemoSettings, parts: WorkerParts) -> Result<DemoRepo
         tokio::time::sleep(Duration::from_millis(100)).await;
         waited += Duration::from_millis(100);
     }
+    // Then until the worker's own lag gauge says every partition is caught
+    // up (librdkafka statistics tick every second), so the demo's metrics
+    // page ends showing what an operator would check: lag 0 everywhere.
+    let caught_up = || (0..settings.partitions).all(|p| metrics.consumer_lag(p) == Some(0));
+    let mut waited = Duration::ZERO;
+    while !caught_up() && !worker.is_finished() && waited < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        waited += Duration::from_millis(100);
+    }
     let _ = stop_tx.send(());
     let run = worker.await.map_err(|e| KafkaError::Task { detail: e.to_string() })??;
     Ok(DemoReport { expected: traffic.expected, run, produced: total, metrics_addr })
