@@ -402,10 +402,23 @@ impl World {
         let now = self.now_ms;
         let parts: Vec<TopicPartition> = (0..PARTITIONS).map(|p| TopicPartition::new(INPUT, p)).collect();
         let committed = self.net.broker_mut().offset_fetch(now, GROUP, &parts, true);
-        committed.iter().all(|(tp, c)| {
+        let consumed = committed.iter().all(|(tp, c)| {
             let end = self.net.broker().partition(tp).map_or(0, |l| l.high_watermark());
             matches!(c, Ok(Some(o)) if *o >= end)
-        })
+        });
+        // And readable: a crashed process's transaction stays open until its
+        // timeout and holds the last stable offset of every partition it
+        // wrote to, so records committed after it are not yet visible to
+        // read_committed readers (billing's view) until it ends.
+        let settled = [(OUTPUT, PARTITIONS), (CONFLICTS, 1), (REJECTED, 1)].into_iter().all(|(topic, n)| {
+            (0..n).all(|p| {
+                self.net
+                    .broker()
+                    .partition(&TopicPartition::new(topic, p))
+                    .is_none_or(|l| l.last_stable_offset() == l.high_watermark())
+            })
+        });
+        consumed && settled
     }
 
     fn progress_summary(&mut self) -> String {

@@ -241,8 +241,12 @@ impl Worker {
         self.engine.as_mut().expect("a live worker has an engine")
     }
 
+    /// As `RunSettings::transactional_id` for a dynamic member (the
+    /// simulator's workers join without `--instance-id`): unique per
+    /// process, so fencing rests on the group generation (KIP-447) and a
+    /// dead process's open transaction stays open until its timeout.
     fn transactional_id(&self) -> String {
-        format!("dedupd-w{}", self.index)
+        format!("dedupd-{GROUP}-{:016x}", self.client())
     }
 
     fn metadata(&self) -> GroupMetadata {
