@@ -300,7 +300,7 @@ impl Metrics {
             "kind",
         );
         let build_info = b.add(
-            IntGaugeVec::new(Opts::new("dedupd_build_info", "The running dedupd's version (value 1)"), &["version"])
+            IntGaugeVec::new(Opts::new("dedupd_build_info", "The running dedupd's version (value 1)."), &["version"])
                 .expect(DEFINITIONS_ARE_VALID),
         );
         build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);

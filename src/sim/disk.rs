@@ -20,9 +20,12 @@
 //! # Faults while running
 //!
 //! Writes fail with `EIO` after writing a random prefix; fsyncs fail with
-//! `EIO` and leave the data unsynced (Linux may drop the dirty pages after
-//! a failed fsync; here they simply never become durable); a disk with a
-//! capacity fails writes past it with `ENOSPC`, after writing what fits.
+//! `EIO` and leave the data unsynced; a disk with a capacity fails writes
+//! past it with `ENOSPC`, after writing what fits. Not modelled: Linux may
+//! drop the dirty pages of a failed fsync and let a later fsync succeed
+//! over them. Here a later successful fsync makes them durable, so a
+//! retried fsync would look safe; the store never retries one (it poisons
+//! itself), and recovery's fsync of a replayed WAL runs in a new process.
 //! Faults are drawn from the disk's own seeded generator while switched on.
 //!
 //! # The key store
@@ -415,6 +418,11 @@ impl FileSystem for SimDisk {
             f.data.clear();
         }
         st.write_at_end(inode, bytes)
+    }
+
+    fn write_file_synced(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
+        self.write_file(path, bytes)?;
+        self.sync_file(path)
     }
 
     fn create_append(&self, path: &Path) -> io::Result<Box<dyn AppendFile>> {

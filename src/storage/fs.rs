@@ -38,6 +38,10 @@ pub trait FileSystem: Send + Sync + std::fmt::Debug {
     fn read(&self, path: &Path) -> io::Result<Vec<u8>>;
     /// Creates or truncates `path` and writes `bytes`; not synced.
     fn write_file(&self, path: &Path, bytes: &[u8]) -> io::Result<()>;
+    /// [`write_file`](FileSystem::write_file), then fsync, on one open
+    /// file: a writeback error between the two is reported to this fsync
+    /// (a second handle opened later may not see it on older kernels).
+    fn write_file_synced(&self, path: &Path, bytes: &[u8]) -> io::Result<()>;
     /// Creates `path`, which must not exist, for appending.
     fn create_append(&self, path: &Path) -> io::Result<Box<dyn AppendFile>>;
     /// Cuts `path` to `len` bytes; not synced.
@@ -94,6 +98,12 @@ impl FileSystem for RealFs {
 
     fn write_file(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
         OpenOptions::new().write(true).create(true).truncate(true).open(path)?.write_all(bytes)
+    }
+
+    fn write_file_synced(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
+        let mut f = OpenOptions::new().write(true).create(true).truncate(true).open(path)?;
+        f.write_all(bytes)?;
+        f.sync_all()
     }
 
     fn create_append(&self, path: &Path) -> io::Result<Box<dyn AppendFile>> {

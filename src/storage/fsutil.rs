@@ -23,8 +23,7 @@ pub(crate) fn write_atomic(
     crash_at: Option<&str>,
 ) -> Result<(), StorageError> {
     let tmp = path.with_extension(tmp_extension(path));
-    fs.write_file(&tmp, bytes).at(&tmp)?;
-    fs.sync_file(&tmp).at(&tmp)?;
+    fs.write_file_synced(&tmp, bytes).at(&tmp)?;
     if let Some(name) = after_temp {
         super::failpoint::check(name, crash_at)?;
     }

@@ -35,6 +35,8 @@ pub enum Violation {
     ForeignOutput { partition: i32, offset: i64, detail: String },
     #[error("input not processed by {deadline_ms} ms although faults stopped (a stall): {detail}")]
     Stalled { deadline_ms: i64, detail: String },
+    #[error("worker {worker}'s local state does not open after the schedule and a last power loss: {detail}")]
+    StateUnreadable { worker: usize, detail: String },
 }
 
 /// Records of `topic` a read_committed consumer sees, partition by

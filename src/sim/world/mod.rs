@@ -364,6 +364,9 @@ impl World {
             self.violations = check::final_checks(&self);
         }
         if self.violations.is_empty() {
+            self.violations = self.reopen_every_state();
+        }
+        if self.violations.is_empty() {
             let mut report = self.report.clone();
             report.input_records = self.produced.len();
             report.output_records = check::output_records(&self.net, OUTPUT).len();
@@ -371,6 +374,23 @@ impl World {
         } else {
             Err(Failure { config: self.config, violations: self.violations, trace: self.trace })
         }
+    }
+
+    /// After the schedule: every worker's process stops, its disk loses
+    /// power, and its local state must open again on the healthy disk. A
+    /// worker whose recovery fails would otherwise go unnoticed whenever
+    /// the other worker finished its partitions.
+    fn reopen_every_state(&mut self) -> Vec<Violation> {
+        let mut v = Vec::new();
+        for (i, w) in self.workers.iter_mut().enumerate() {
+            w.stop_process();
+            w.state.set_faults(DiskFaults::default());
+            w.state.power_loss();
+            if let Err(detail) = w.state.open() {
+                v.push(Violation::StateUnreadable { worker: i, detail });
+            }
+        }
+        v
     }
 
     fn produce_input(&mut self, index: usize) {

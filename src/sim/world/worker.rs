@@ -237,6 +237,12 @@ impl Worker {
         (self.index as u32) * 10_000 + self.incarnation
     }
 
+    /// Drops the process's local state without closing it (a crash).
+    pub(crate) fn stop_process(&mut self) {
+        drop(self.engine.take());
+        self.alive = false;
+    }
+
     fn engine(&mut self) -> &mut StateEngine {
         self.engine.as_mut().expect("a live worker has an engine")
     }
@@ -934,7 +940,10 @@ fn check_state_after_repair(w: &mut World, worker: usize, partition: i32, end: O
     let Some(engine) = w.workers[worker].engine.as_ref() else { return };
     let (stored, forgotten) = match held_by_state(engine, partition, &expected) {
         Ok(held) => held,
-        Err(e) => return fail(w, worker, format!("reading local state: {e}")),
+        Err(e) => {
+            let detail = format!("local state cannot be read after repair to {end}: {e}");
+            return w.violations.push(Violation::StateDiffers { worker, partition, detail });
+        }
     };
     let output: BTreeSet<String> = expected.iter().map(|e| e.event.event_id.clone()).collect();
     if stored != output || !forgotten.is_empty() {
