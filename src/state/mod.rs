@@ -167,7 +167,10 @@ impl LocalState {
         let Some(dir) = state_dir else {
             return Ok(LocalState::in_memory(settings, detect_replays));
         };
-        std::fs::create_dir_all(dir).map_err(|source| StateError::CreateDir { dir: dir.to_owned(), source })?;
+        crate::storage::create_dir_durable(dir).map_err(|e| match e {
+            StorageError::Io { source, .. } => StateError::CreateDir { dir: dir.to_owned(), source },
+            other => StateError::Storage(other),
+        })?;
         let lock = StateDirLock::acquire(dir)?;
         let (usage, recovery) = UsageStore::open(&dir.join("usage"), store_options(&settings), observer)?;
         let keys = KeyStore::open(&dir.join("keystore"), keystore_options(&settings))?;

@@ -39,14 +39,17 @@ fn tmp_extension(path: &Path) -> String {
     }
 }
 
-/// Creates `dir` and its parents, fsyncing the parent so the new entry is durable.
+/// Creates `dir` and any missing parents, one level at a time, fsyncing
+/// each new directory's parent so every new entry is durable: syncing only
+/// the last parent would leave a new ancestor's own entry to chance, and
+/// with it the whole tree below.
 pub(crate) fn create_dir_durable(fs: &dyn FileSystem, dir: &Path) -> Result<(), StorageError> {
-    if fs.is_dir(dir) {
-        return Ok(());
-    }
-    fs.create_dir_all(dir).at(dir)?;
-    if let Some(parent) = dir.parent() {
-        fsync_dir(fs, parent)?;
+    let missing: Vec<&Path> = dir.ancestors().take_while(|d| !d.as_os_str().is_empty() && !fs.is_dir(d)).collect();
+    for d in missing.into_iter().rev() {
+        fs.create_dir_all(d).at(d)?;
+        if let Some(parent) = d.parent().filter(|p| !p.as_os_str().is_empty()) {
+            fsync_dir(fs, parent)?;
+        }
     }
     Ok(())
 }

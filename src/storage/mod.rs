@@ -77,6 +77,12 @@ use std::time::Duration;
 
 pub use error::StorageError;
 pub use fs::{AppendFile, FileSystem, RealFs};
+
+/// Creates a state directory (and missing parents) so that it survives a
+/// power loss: each new entry's parent directory is fsynced.
+pub fn create_dir_durable(dir: &std::path::Path) -> Result<(), StorageError> {
+    fsutil::create_dir_durable(&RealFs, dir)
+}
 pub use lock::StateDirLock;
 pub use manifest::Manifest;
 pub use segment::SegmentMeta;
