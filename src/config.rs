@@ -187,6 +187,10 @@ pub struct FileConfig {
     pub operation_timeout: Option<String>,
     pub revoke_timeout: Option<String>,
     pub on_output_gap: Option<String>,
+    pub partitioner: Option<String>,
+    /// `dedupd route` only: the topic of raw records it places.
+    pub raw_topic: Option<String>,
+    pub on_misrouted: Option<String>,
 }
 
 impl FileConfig {

@@ -10,7 +10,9 @@ use clap::{Parser, Subcommand};
 use dedupd::classify::SystemClock;
 use dedupd::config::{EngineSettings, FileConfig, PropertySource, TuningArgs};
 use dedupd::kafka::demo::DemoSettings;
-use dedupd::kafka::{DeliveryMode, OnOutputGap, RunSettings, StateEngine, Topics, WorkerParts};
+use dedupd::kafka::{
+    DeliveryMode, OnMisrouted, OnOutputGap, Partitioner, RunSettings, StateEngine, Topics, WorkerParts,
+};
 use dedupd::metrics::Metrics;
 use dedupd::offline::{run_dedupe_with_progress, DedupeOptions, Stdio};
 use dedupd::state::LocalState;
@@ -49,6 +51,20 @@ enum Command {
     /// the same code path as `run`, prints the effective settings with
     /// secrets masked, and exits: 0 when valid, 2 naming the bad key.
     CheckConfig {
+        #[command(flatten)]
+        run: RunArgs,
+        #[command(flatten)]
+        tuning: TuningArgs,
+    },
+    /// The router: consumes a raw topic with any keys and partitioning and
+    /// produces each record to the input topic keyed `tenant_id \0 event_id`,
+    /// on the partition `--partitioner` gives its identity (exactly once by
+    /// default). Records without an identity go to the rejected topic. Give
+    /// it its own `--group`, and the workers' `--derive-salt`.
+    Route {
+        /// The topic producers write to, keyed and partitioned any way.
+        #[arg(long, env = "DEDUPD_RAW_TOPIC")]
+        raw_topic: Option<String>,
         #[command(flatten)]
         run: RunArgs,
         #[command(flatten)]
@@ -113,7 +129,7 @@ enum Command {
 
 /// The flags of `dedupd run` (DESIGN §9). Each also reads `DEDUPD_<FLAG>` and
 /// a key of the TOML file.
-#[derive(clap::Args, Debug, Default)]
+#[derive(clap::Args, Clone, Debug, Default)]
 struct RunArgs {
     /// Kafka bootstrap servers.
     #[arg(long, env = "DEDUPD_BROKERS")]
@@ -176,6 +192,16 @@ struct RunArgs {
     /// (name the gap and exit) or `continue` (count it) [default: stop].
     #[arg(long, env = "DEDUPD_ON_OUTPUT_GAP")]
     on_output_gap: Option<String>,
+    /// Which input partition each identity belongs on: `dedupd` (what
+    /// `dedupd route` writes), `murmur2` (the Java client's default) or
+    /// `crc32` (librdkafka's default), both over the key `tenant_id \0
+    /// event_id` [default: dedupd].
+    #[arg(long, env = "DEDUPD_PARTITIONER")]
+    partitioner: Option<String>,
+    /// A record on another partition than its identity's: `count` it and
+    /// classify it where it is, or `reject` it (`misrouted`) [default: count].
+    #[arg(long, env = "DEDUPD_ON_MISROUTED")]
+    on_misrouted: Option<String>,
 }
 
 fn need(key: &'static str, flag: Option<&String>, file: Option<&String>) -> anyhow::Result<String> {
@@ -279,8 +305,41 @@ impl RunArgs {
                 anyhow::anyhow!("invalid `on_output_gap` (flag --on-output-gap, env DEDUPD_ON_OUTPUT_GAP): {g:?} is neither stop nor continue")
             })?;
         }
+        if let Some(p) = self.partitioner.as_ref().or(file.partitioner.as_ref()) {
+            s.partitioner = Partitioner::parse(p).ok_or_else(|| {
+                anyhow::anyhow!("invalid `partitioner` (flag --partitioner, env DEDUPD_PARTITIONER): {p:?} is none of dedupd, murmur2, crc32")
+            })?;
+        }
+        if let Some(m) = self.on_misrouted.as_ref().or(file.on_misrouted.as_ref()) {
+            s.on_misrouted = OnMisrouted::parse(m).ok_or_else(|| {
+                anyhow::anyhow!("invalid `on_misrouted` (flag --on-misrouted, env DEDUPD_ON_MISROUTED): {m:?} is neither count nor reject")
+            })?;
+        }
         let state_dir = self.state_dir.clone().or_else(|| file.state_dir.clone());
         Ok((s, state_dir))
+    }
+}
+
+impl RunArgs {
+    /// The settings of `dedupd route`: the raw topic is consumed, the input
+    /// topic produced to, the rejected topic takes unroutable records; every
+    /// other key means what it means for `run`.
+    fn resolve_route(
+        &self,
+        raw_topic: Option<&String>,
+        file: &FileConfig,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> anyhow::Result<dedupd::kafka::router::RouteSettings> {
+        let raw = need("raw_topic", raw_topic, file.raw_topic.as_ref())?;
+        let input = need("input_topic", self.input_topic.as_ref(), file.input_topic.as_ref())?;
+        let rejected = need("rejected_topic", self.rejected_topic.as_ref(), file.rejected_topic.as_ref())?;
+        let mut args = self.clone();
+        args.input_topic = Some(raw);
+        args.output_topic = Some(input);
+        args.conflicts_topic = Some(rejected.clone());
+        args.rejected_topic = Some(rejected);
+        let (run, _) = args.resolve(file, env)?;
+        Ok(dedupd::kafka::router::RouteSettings { run })
     }
 }
 
@@ -415,6 +474,25 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let report = runtime.block_on(dedupd::kafka::run(run_settings, parts, dedupd::kafka::shutdown_signal()))?;
             tracing::info!(?report, "dedupd stopped");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Route { raw_topic, run, tuning } => {
+            let (settings, file) = engine_settings(&tuning)?;
+            let route = run.resolve_route(raw_topic.as_ref(), &file, &|k| std::env::var(k).ok())?;
+            tracing::info!(
+                version = env!("CARGO_PKG_VERSION"),
+                route = %route.run.describe(),
+                "dedupd route starting (input= is the raw topic, output= the dedupe input topic)"
+            );
+            let metrics = Arc::new(Metrics::new());
+            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let report = runtime.block_on(dedupd::kafka::router::route(
+                route,
+                settings.validator(),
+                metrics,
+                dedupd::kafka::shutdown_signal(),
+            ))?;
+            tracing::info!(?report, "dedupd route stopped");
             Ok(ExitCode::SUCCESS)
         }
         Command::Demo { events, work_dir, offline: false, metrics_addr } => {

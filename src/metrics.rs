@@ -144,6 +144,8 @@ pub struct Metrics {
     consumer_lag: IntGaugeVec,
     assigned_partitions: IntGauge,
     unkeyed_records: IntCounter,
+    misrouted_records: IntCounter,
+    routed_records: IntCounterVec,
     publish_retries: IntCounterVec,
     transactions: IntCounterVec,
     transaction_resumes: IntCounter,
@@ -257,6 +259,15 @@ impl Metrics {
             "dedupd_unkeyed_records_total",
             "Input records without a key (retries of them may land on other partitions)",
         );
+        let misrouted_records = b.counter(
+            "dedupd_misrouted_records_total",
+            "Valid input records on a partition other than the one --partitioner assigns their identity",
+        );
+        let routed_records = b.counters(
+            "dedupd_routed_records_total",
+            "Raw records `dedupd route` keyed and placed by identity (routed) or sent to the rejected topic",
+            "result",
+        );
         let publish_retries = b.counters(
             "dedupd_publish_retries_total",
             "Batches published again after a transient failure, by reason",
@@ -309,7 +320,7 @@ impl Metrics {
         b.add_process_collector();
 
         // Pre-register every closed label value so series exist from the start.
-        let closed: [(&IntCounterVec, &[&str]); 7] = [
+        let closed: [(&IntCounterVec, &[&str]); 8] = [
             (&events, &Bucket::ALL.map(Bucket::as_str)),
             (&rejected, &RejectReason::ALL.map(RejectReason::as_str)),
             (&publish_retries, &PUBLISH_RETRY_REASONS),
@@ -317,6 +328,7 @@ impl Metrics {
             (&recovery_segments, &RECOVERY_PATHS),
             (&hot_cache_evictions, &["expired", "capacity"]),
             (&rebalances, &["assign", "revoke", "lost"]),
+            (&routed_records, &["routed", "rejected"]),
         ];
         for (family, values) in closed {
             for v in values {
@@ -347,6 +359,8 @@ impl Metrics {
             consumer_lag,
             assigned_partitions,
             unkeyed_records,
+            misrouted_records,
+            routed_records,
             publish_retries,
             transactions,
             transaction_resumes,
@@ -388,6 +402,15 @@ impl Metrics {
 
     pub fn unkeyed_records(&self) -> u64 {
         self.unkeyed_records.get()
+    }
+
+    pub fn misrouted_records(&self) -> u64 {
+        self.misrouted_records.get()
+    }
+
+    /// Raw records the router handled, `result` one of routed, rejected.
+    pub fn routed_records(&self, result: &str) -> u64 {
+        self.routed_records.with_label_values(&[result]).get()
     }
 
     pub fn set_ready(&self, ready: bool) {
@@ -484,6 +507,9 @@ pub struct BatchClassified {
     pub rejected: u64,
     pub replayed: u64,
     pub unkeyed: u64,
+    /// Valid records whose identity belongs on another partition (rejected
+    /// with `misrouted` or not, as `--on-misrouted` says).
+    pub misrouted: u64,
     /// Rejections by reason.
     pub rejected_by_reason: Vec<(RejectReason, u64)>,
     /// Conflicts by tenant.
@@ -513,7 +539,10 @@ impl BatchClassified {
         if self.unkeyed > 0 {
             m.unkeyed_records.inc_by(self.unkeyed);
         }
-        if self.conflict > 0 || self.rejected > 0 {
+        if self.misrouted > 0 {
+            m.misrouted_records.inc_by(self.misrouted);
+        }
+        if self.conflict > 0 || self.rejected > 0 || self.misrouted > 0 {
             tracing::info!(
                 partition = self.partition,
                 accepted = self.accepted,
@@ -521,7 +550,8 @@ impl BatchClassified {
                 conflict = self.conflict,
                 rejected = self.rejected,
                 replayed = self.replayed,
-                "batch had conflicts or rejects"
+                misrouted = self.misrouted,
+                "batch had conflicts, rejects or misrouted records"
             );
         } else {
             tracing::debug!(
@@ -654,6 +684,20 @@ pub struct PublishRetried {
 impl PublishRetried {
     pub fn emit(&self, m: &Metrics) {
         m.publish_retries.with_label_values(&[self.reason]).inc();
+    }
+}
+
+/// The router published one batch of raw records.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteBatchPublished {
+    pub routed: u64,
+    pub rejected: u64,
+}
+
+impl RouteBatchPublished {
+    pub fn emit(&self, m: &Metrics) {
+        m.routed_records.with_label_values(&["routed"]).inc_by(self.routed);
+        m.routed_records.with_label_values(&["rejected"]).inc_by(self.rejected);
     }
 }
 
@@ -956,6 +1000,7 @@ mod tests {
             "dedupd_consumer_lag_records",
             "dedupd_assigned_partitions",
             "dedupd_unkeyed_records_total",
+            "dedupd_misrouted_records_total",
         ] {
             assert!(page.contains(&format!("# TYPE {name} ")), "{name} missing from\n{page}");
         }
@@ -1015,6 +1060,7 @@ mod tests {
             duplicate: 2,
             rejected: 1,
             unkeyed: 3,
+            misrouted: 4,
             rejected_by_reason: vec![(RejectReason::MalformedJson, 1)],
             ..Default::default()
         }
@@ -1023,6 +1069,7 @@ mod tests {
         assert_eq!(m.events(Bucket::duplicate), 2);
         assert_eq!(m.rejected(RejectReason::MalformedJson), 1);
         assert_eq!(m.unkeyed_records(), 3);
+        assert_eq!(m.misrouted_records(), 4);
         assert!(m.encode().contains("dedupd_events_total{bucket=\"accepted\"} 5"));
     }
 

@@ -176,6 +176,11 @@ fn assert_reads_back(raw: &str, now: i64) -> Result<(), TestCaseError> {
     let ph = payload_hash(&event);
     let reader = tightest_reader();
 
+    // The router places a record by the identity it reads without judging
+    // the rest; it must be the identity the dedupe stage then checks.
+    let routed = validator.identity_of(raw.as_bytes()).map_err(|r| TestCaseError::fail(r.to_string()))?;
+    prop_assert_eq!(routed, (event.tenant_id.clone(), event.event_id.clone()));
+
     // Repair's path: the Kafka output record and its headers.
     let record = accepted_record(&event, id, ph, Position::new(3, 17), now);
     prop_assert!(record.value.as_ref().map_or(0, Vec::len) <= Limits::default().max_output_bytes);
@@ -203,6 +208,24 @@ proptest! {
     fn accepted_events_with_adversarial_strings_read_back_to_the_same_identity_and_payload(i in input()) {
         assert_reads_back(&render(&i), NOW)?;
     }
+}
+
+#[test]
+fn a_record_without_an_identity_says_why_and_one_with_a_bad_quantity_still_has_one() {
+    let v = EngineSettings::default().validator();
+    let reason = |raw: &str| v.identity_of(raw.as_bytes()).map_err(|r| r.reason);
+    assert_eq!(reason("not json"), Err(RejectReason::MalformedJson));
+    assert_eq!(reason(r#"{"event_id":"e"}"#), Err(RejectReason::MissingField));
+    assert_eq!(reason(r#"{"event_id":"e","tenant_id":""}"#), Err(RejectReason::EmptyField));
+    assert_eq!(reason(r#"{"event_id":"e","tenant_id":7}"#), Err(RejectReason::MalformedJson));
+    assert_eq!(reason(r#"{"tenant_id":"t","customer_id":"c","meter":"m"}"#), Err(RejectReason::MissingField));
+    assert_eq!(
+        reason(r#"{"tenant_id":"t","customer_id":"c","meter":"m","timestamp":"yesterday"}"#),
+        Err(RejectReason::InvalidTimestamp)
+    );
+    // Placement needs the identity only: the dedupe stage judges the rest.
+    let negative = r#"{"event_id":"e","tenant_id":"t","quantity":"-5","extra":1}"#;
+    assert_eq!(v.identity_of(negative.as_bytes()), Ok(("t".to_owned(), "e".to_owned())));
 }
 
 /// The event of the report: sixteen dimensions of 1 KiB of `\b`. About 33 KB

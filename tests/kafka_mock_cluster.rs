@@ -294,6 +294,180 @@ async fn demo_traffic_lands_in_the_expected_buckets_including_hostile_records() 
     assert_eq!(report.run.conflict, e.conflict, "{}", report.table());
     assert_eq!(report.run.rejected, e.rejected, "{}", report.table());
     assert_eq!(metrics.unkeyed_records(), e.unkeyed);
+    // The demo's producer follows the keying contract.
+    assert_eq!(metrics.misrouted_records(), 0);
+}
+
+/// librdkafka's own `murmur2` and `consistent` partitioners (the Java
+/// client's default and librdkafka's default for keyed records) put identity
+/// keys exactly where `--partitioner murmur2|crc32` expects them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn librdkafkas_partitioners_place_identity_keys_where_dedupd_expects_them() {
+    use dedupd::event::{id_hash, identity_key, Partitioner};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let mock = MockCluster::new(1).expect("mock cluster");
+    let brokers = mock.bootstrap_servers();
+    for (name, partitioner, ours) in
+        [("murmur2", "murmur2", Partitioner::Murmur2), ("crc32", "consistent", Partitioner::Crc32)]
+    {
+        let topic = format!("placement-{name}");
+        mock.create_topic(&topic, 7, 1).expect("topic");
+        let producer: FutureProducer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .set("partitioner", partitioner)
+            .create()
+            .expect("producer");
+        let ids: Vec<(String, String)> =
+            (0..200).map(|i| (["acme", "globex"][i % 2].to_owned(), format!("evt-{i}-\u{e9}"))).collect();
+        for (tenant, event) in &ids {
+            let key = identity_key(tenant, event);
+            let record: FutureRecord<'_, [u8], [u8]> =
+                FutureRecord::to(&topic).key(key.as_slice()).payload(b"{}".as_slice());
+            producer.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e).expect("delivered");
+        }
+        let read = read_topic(&brokers, &topic);
+        assert_eq!(read.len(), ids.len());
+        let mut used = std::collections::HashSet::new();
+        for r in &read {
+            let key = r.key.as_deref().expect("keyed");
+            let text = std::str::from_utf8(key).expect("utf-8");
+            let (tenant, event) = text.split_once('\0').expect("identity key");
+            let expected = ours.partition_of(&id_hash(tenant, event), tenant, event, 7);
+            assert_eq!(r.partition, expected, "{name}: {text:?}");
+            used.insert(r.partition);
+        }
+        assert_eq!(used.len(), 7, "{name}: 200 keys should reach every partition");
+    }
+}
+
+/// `dedupd route` between producers that key and partition any way and the
+/// worker: exactly once (transactions, with aborts injected), every raw
+/// record is routed or rejected once, none reaches the worker on the wrong
+/// partition, and the output holds every valid id once with its first payload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_router_places_records_keyed_any_way_on_their_identitys_partition_exactly_once() {
+    use dedupd::kafka::records::H_REASON;
+    use dedupd::kafka::router::{route, RouteSettings};
+    const RAW_PARTITIONS: i32 = 5;
+    let topics = topics("route");
+    let mock = cluster(&topics, PARTITIONS);
+    let raw = "route-raw";
+    mock.create_topic(raw, RAW_PARTITIONS, 1).expect("raw topic");
+    let brokers = mock.bootstrap_servers();
+    let s = scenario(3000, 50, 10, 10);
+    let (first, later) = raw_waves(&s, RAW_PARTITIONS);
+    let unroutable =
+        s.records.iter().filter(|r| validator().identity_of(r.value.as_deref().unwrap_or_default()).is_err()).count()
+            as u64;
+    assert!(unroutable > 0 && unroutable < s.invalid, "{unroutable} of {}", s.invalid);
+    let producer = traffic_producer(&brokers);
+    produce_wave(&producer, raw, &first).await;
+
+    let mut rs = RouteSettings::new(&brokers, "route-router", raw, &topics.input, &topics.rejected);
+    rs.run.instance_id = Some("r1".into());
+    rs.run.batch.max_records = 400;
+    rs.run.batch.max_wait = Duration::from_millis(10);
+    let router_metrics = std::sync::Arc::new(dedupd::metrics::Metrics::new());
+    let (router_stop, router_rx) = tokio::sync::oneshot::channel::<()>();
+    let router = tokio::spawn(route(rs, validator(), router_metrics.clone(), async move {
+        let _ = router_rx.await;
+    }));
+    let mut settings = settings(&brokers, "route-worker", &topics, DeliveryMode::ExactlyOnce);
+    settings.on_misrouted = dedupd::kafka::OnMisrouted::Reject;
+    let (stop, worker, metrics) = spawn_worker(settings);
+
+    let routed = |m: &dedupd::metrics::Metrics| m.routed_records("routed") + m.routed_records("rejected");
+    assert!(
+        wait_until(Duration::from_secs(60), || routed(&router_metrics) >= first.len() as u64).await,
+        "the first wave was not routed"
+    );
+    // Aborted transactions in both stages, then the retries and conflicts.
+    mock.request_errors(RDKafkaApiKey::AddPartitionsToTxn, &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_PRODUCER_ID; 2]);
+    mock.request_errors(RDKafkaApiKey::Produce, &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS; 2]);
+    produce_wave(&producer, raw, &later).await;
+
+    let total = s.records.len() as u64;
+    assert!(
+        wait_until(Duration::from_secs(90), || routed(&router_metrics) >= total).await,
+        "the router did not catch up"
+    );
+    let to_classify = total - unroutable;
+    assert!(
+        wait_until(Duration::from_secs(90), || buckets_total(&metrics) >= to_classify).await,
+        "the worker did not catch up"
+    );
+    let _ = router_stop.send(());
+    let report = router.await.expect("join").expect("route");
+    let _ = stop.send(());
+    worker.await.expect("join").expect("run");
+
+    // Exactly once through aborts: each raw record routed or rejected once.
+    assert_eq!(report.routed, to_classify, "{report:?}");
+    assert_eq!(report.rejected, unroutable, "{report:?}");
+    assert!(
+        router_metrics.publish_retries("transaction_aborted") + router_metrics.publish_retries("broker") > 0
+            || metrics.publish_retries("transaction_aborted") + metrics.publish_retries("broker") > 0,
+        "the injected errors must have aborted a transaction"
+    );
+    assert_eq!(buckets_total(&metrics), to_classify);
+    assert_eq!(metrics.misrouted_records(), 0, "the router placed a record where the worker does not expect it");
+    let input = read_topic(&brokers, &topics.input);
+    assert_eq!(input.len() as u64, to_classify);
+    let rejected = read_topic(&brokers, &topics.rejected);
+    assert_eq!(rejected_count(&rejected) as u64, s.invalid);
+    assert!(rejected.iter().all(|r| r.header(H_REASON) != Some(b"misrouted".as_slice())));
+    assert_exactly_once(&read_topic(&brokers, &topics.output), &s);
+}
+
+/// Records placed on the wrong partition for their identity are counted,
+/// and with `--on-misrouted reject` land on the rejected topic with reason
+/// `misrouted` instead of being billed; every other id is published once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn misrouted_records_are_counted_and_rejected_with_their_reason() {
+    use dedupd::kafka::demo::{home_partition, produce_placed};
+    use dedupd::kafka::records::H_REASON;
+    let topics = topics("misrouted");
+    let mock = cluster(&topics, PARTITIONS);
+    let brokers = mock.bootstrap_servers();
+    let mut s = scenario(900, 20, 10, 10);
+    // Every delivery of one id in seven goes to the next partition over.
+    let misplaced = |key: &[u8]| key.last().is_some_and(|b| b % 7 == 0);
+    let now = dedupd::classify::Clock::now_ms(&dedupd::classify::SystemClock);
+    let mut placed = Vec::new();
+    let mut wrong_valid = 0u64;
+    for r in &s.records {
+        let key = r.key.as_deref().expect("scenario records are keyed");
+        let home = home_partition(key, PARTITIONS);
+        let valid = validator().validate(r.value.as_deref().unwrap_or_default(), now).is_ok();
+        if misplaced(key) {
+            placed.push(((home + 1) % PARTITIONS, r));
+            wrong_valid += u64::from(valid);
+        } else {
+            placed.push((home, r));
+        }
+    }
+    assert!(wrong_valid > 50, "{wrong_valid}");
+    let producer = traffic_producer(&brokers);
+    produce_placed(&producer, &topics.input, &placed).await.expect("produce");
+
+    let mut settings = settings(&brokers, "misrouted", &topics, DeliveryMode::ExactlyOnce);
+    settings.on_misrouted = dedupd::kafka::OnMisrouted::Reject;
+    let (stop, worker, metrics) = spawn_worker(settings);
+    let total = s.records.len() as u64;
+    assert!(wait_until(Duration::from_secs(90), || buckets_total(&metrics) >= total).await, "worker did not catch up");
+    let _ = stop.send(());
+    worker.await.expect("join").expect("run");
+
+    assert_eq!(metrics.misrouted_records(), wrong_valid);
+    assert_eq!(metrics.rejected(dedupd::event::RejectReason::Misrouted), wrong_valid);
+    let rejected = read_topic(&brokers, &topics.rejected);
+    let by_reason = |reason: &str| rejected.iter().filter(|r| r.header(H_REASON) == Some(reason.as_bytes())).count();
+    assert_eq!(by_reason("misrouted") as u64, wrong_valid);
+    // Exactly the correctly placed ids are billed, each once.
+    s.first_payload.retain(|k, _| !misplaced(k));
+    let output = read_topic(&brokers, &topics.output);
+    assert!(output.iter().all(|r| !misplaced(r.key.as_deref().unwrap_or_default())));
+    assert_exactly_once(&output, &s);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -532,6 +706,7 @@ async fn at_least_once_publish_waits_for_every_record_handed_over_before_it_repo
         key: Some(b"k".to_vec()),
         value: Some(vec![b'x'; len]),
         headers: vec![],
+        passthrough_headers: vec![],
         timestamp_ms: 1,
     };
     let publisher = Publisher::Idempotent { producer: producer.clone(), topics: std::sync::Arc::new(topics.clone()) };

@@ -15,5 +15,5 @@ pub use classifier::{
 };
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use hot_cache::{HotCache, HotEvictions};
-pub use outcome::{classify_records, InputRecord, Outcome};
+pub use outcome::{classify_records, Classified, InputRecord, OnMisrouted, Outcome, Placement};
 pub use seen::SeenKey;

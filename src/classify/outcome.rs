@@ -6,7 +6,8 @@
 
 use crate::classify::{Candidate, FirstSeen, HorizonError, LongHorizon, PartitionClassifier, Tier, Verdict};
 use crate::event::{
-    id_hash, payload_hash_with, IdHash, PayloadHash, Position, RejectReason, Rejection, UsageEvent, Validator,
+    id_hash, payload_hash_with, IdHash, Partitioner, PayloadHash, Position, RejectReason, Rejection, UsageEvent,
+    Validator,
 };
 
 /// One input record: where it came from and its value bytes. `None` is a
@@ -45,15 +46,76 @@ impl Outcome {
     }
 }
 
+/// What to do with a record on an input partition other than the one its
+/// identity belongs on (`--on-misrouted`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum OnMisrouted {
+    /// Classify it where it is and count it (`dedupd_misrouted_records_total`).
+    #[default]
+    Count,
+    /// Reject it (`misrouted`) and count it: its retries may reach another
+    /// partition, whose state could never recognise them.
+    Reject,
+}
+
+impl OnMisrouted {
+    /// The flag spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnMisrouted::Count => "count",
+            OnMisrouted::Reject => "reject",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<OnMisrouted> {
+        match s {
+            "count" => Some(OnMisrouted::Count),
+            "reject" => Some(OnMisrouted::Reject),
+            _ => None,
+        }
+    }
+}
+
+/// Which partition of the input topic each identity belongs on, checked
+/// for every valid record (issue #13).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub partitioner: Partitioner,
+    /// The input topic's partition count.
+    pub partitions: u32,
+    pub on_misrouted: OnMisrouted,
+}
+
+impl Placement {
+    /// `Some(expected partition)` when `event` does not belong on `partition`.
+    pub fn misplaced(&self, event: &UsageEvent, id: &IdHash, partition: i32) -> Option<i32> {
+        let expected = self.partitioner.partition_of(id, &event.tenant_id, &event.event_id, self.partitions);
+        (expected != partition).then_some(expected)
+    }
+}
+
+/// The outcomes of one batch, in input order, and how many of its records
+/// were on the wrong partition (rejected or not).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Classified {
+    pub outcomes: Vec<Outcome>,
+    pub misrouted: u64,
+}
+
 /// Classifies one batch of one partition. Read-only: the caller publishes the
-/// accepted events and then applies them to local state.
+/// accepted events and then applies them to local state. With a
+/// `placement`, a misrouted record is counted, and with
+/// [`OnMisrouted::Reject`] rejected before classification, so it can never
+/// stand as the first delivery of an identity (not even within its batch).
 pub fn classify_records(
     validator: &Validator,
     classifier: &PartitionClassifier,
     long: &dyn LongHorizon,
     records: &[InputRecord<'_>],
     now_ms: i64,
-) -> Result<Vec<Outcome>, HorizonError> {
+    placement: Option<&Placement>,
+) -> Result<Classified, HorizonError> {
+    let mut misrouted = 0u64;
     let mut scratch = Vec::with_capacity(256);
     let mut validated: Vec<Result<(UsageEvent, IdHash, PayloadHash), Rejection>> = Vec::with_capacity(records.len());
     let mut candidates = Vec::with_capacity(records.len());
@@ -64,11 +126,25 @@ pub fn classify_records(
             }
             Some(bytes) => validator.validate(bytes, now_ms),
         };
-        let v = v.map(|event| {
+        let v = v.and_then(|event| {
             let id = id_hash(&event.tenant_id, &event.event_id);
+            if let Some(p) = placement {
+                if let Some(expected) = p.misplaced(&event, &id, r.source.partition) {
+                    misrouted += 1;
+                    if p.on_misrouted == OnMisrouted::Reject {
+                        return Err(Rejection::new(
+                            RejectReason::Misrouted,
+                            format!(
+                                "the identity belongs on partition {expected} ({} partitioner), not {}",
+                                p.partitioner, r.source.partition
+                            ),
+                        ));
+                    }
+                }
+            }
             let payload = payload_hash_with(&event, &mut scratch);
             candidates.push(Candidate { id_hash: id, payload_hash: payload, source: r.source });
-            (event, id, payload)
+            Ok((event, id, payload))
         });
         validated.push(v);
     }
@@ -91,5 +167,80 @@ pub fn classify_records(
         };
         out.push(outcome);
     }
-    Ok(out)
+    Ok(Classified { outcomes: out, misrouted })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::classify::{ClassifierSettings, NoLongHorizon};
+    use crate::event::Limits;
+
+    const NOW: i64 = 1_790_000_000_000;
+
+    fn event(id: &str) -> Vec<u8> {
+        format!(
+            r#"{{"event_id":"{id}","tenant_id":"acme","customer_id":"c","meter":"m","quantity":"1","timestamp":{NOW}}}"#
+        )
+        .into_bytes()
+    }
+
+    /// Four partitions; `home` is where `evt-{i}` belongs.
+    fn home(i: usize) -> i32 {
+        Partitioner::Dedupd.partition_of(&id_hash("acme", &format!("evt-{i}")), "", "", 4)
+    }
+
+    fn run(partition: i32, ids: &[usize], on_misrouted: OnMisrouted) -> Classified {
+        let validator = Validator::new(Limits::default(), Vec::new(), "salt");
+        let settings =
+            ClassifierSettings { hot_ttl_ms: 1 << 40, hot_capacity: 100, horizon_ms: 1 << 40, detect_replays: true };
+        let classifier = PartitionClassifier::new(partition, settings);
+        let bytes: Vec<Vec<u8>> = ids.iter().map(|i| event(&format!("evt-{i}"))).collect();
+        let records: Vec<InputRecord<'_>> = bytes
+            .iter()
+            .enumerate()
+            .map(|(o, b)| InputRecord { source: Position::new(partition, o as i64), payload: Some(b) })
+            .collect();
+        let placement = Placement { partitioner: Partitioner::Dedupd, partitions: 4, on_misrouted };
+        classify_records(&validator, &classifier, &NoLongHorizon, &records, NOW, Some(&placement)).expect("classify")
+    }
+
+    #[test]
+    fn a_record_on_another_partition_than_its_identitys_is_counted_and_still_classified() {
+        let here: Vec<usize> = (0..40).filter(|&i| home(i) == 2).take(3).collect();
+        let elsewhere: Vec<usize> = (0..40).filter(|&i| home(i) != 2).take(2).collect();
+        let ids = [here[0], elsewhere[0], here[1], elsewhere[1], elsewhere[1], here[2]];
+        let c = run(2, &ids, OnMisrouted::Count);
+        assert_eq!(c.misrouted, 3);
+        let buckets: Vec<&str> = c.outcomes.iter().map(Outcome::bucket).collect();
+        assert_eq!(buckets, ["accepted", "accepted", "accepted", "accepted", "duplicate", "accepted"]);
+    }
+
+    #[test]
+    fn with_reject_a_misrouted_record_is_rejected_before_it_can_be_a_first_delivery() {
+        let here = (0..40).find(|&i| home(i) == 1).expect("an id of partition 1");
+        let elsewhere = (0..40).find(|&i| home(i) == 3).expect("an id of partition 3");
+        let c = run(1, &[elsewhere, here, elsewhere], OnMisrouted::Reject);
+        assert_eq!(c.misrouted, 2);
+        for i in [0, 2] {
+            let Outcome::Rejected(r) = &c.outcomes[i] else { panic!("{:?}", c.outcomes[i]) };
+            assert_eq!(r.reason, RejectReason::Misrouted);
+            assert!(r.detail.contains("belongs on partition 3"), "{}", r.detail);
+        }
+        assert_eq!(c.outcomes[1].bucket(), "accepted");
+    }
+
+    #[test]
+    fn invalid_records_are_not_judged_for_placement() {
+        let validator = Validator::new(Limits::default(), Vec::new(), "salt");
+        let settings = ClassifierSettings { hot_ttl_ms: 1, hot_capacity: 1, horizon_ms: 1, detect_replays: true };
+        let classifier = PartitionClassifier::new(0, settings);
+        let bad = br#"{"event_id":"x","tenant_id":"acme"}"#;
+        let records = [InputRecord { source: Position::new(0, 0), payload: Some(bad) }];
+        let placement =
+            Placement { partitioner: Partitioner::Crc32, partitions: 64, on_misrouted: OnMisrouted::Reject };
+        let c = classify_records(&validator, &classifier, &NoLongHorizon, &records, NOW, Some(&placement)).expect("ok");
+        assert_eq!(c.misrouted, 0);
+        assert!(matches!(&c.outcomes[0], Outcome::Rejected(r) if r.reason == RejectReason::MissingField));
+    }
 }

@@ -6,6 +6,10 @@
 //! bytes ─► wire::decode ─► Validator::validate ─► UsageEvent ─► id_hash / payload_hash
 //!            (JSON shape)     (reason codes)        (normalised)   (identity)
 //! ```
+//!
+//! [`Partitioner`] says which input partition an identity belongs on, and
+//! [`Validator::identity_of`] finds a record's identity without judging the
+//! rest of it (what `dedupd route` needs).
 
 mod canonical;
 mod identity;
@@ -13,6 +17,7 @@ mod model;
 mod position;
 mod quantity;
 mod reason;
+mod routing;
 mod validate;
 pub mod wire;
 
@@ -25,6 +30,7 @@ pub use model::{CorrectionRef, EventKind, UsageEvent};
 pub use position::Position;
 pub use quantity::{parse_decimal, QuantityError};
 pub use reason::{RejectReason, Rejection};
+pub use routing::{crc32, identity_key, murmur2, Partitioner};
 pub use validate::{
     parse_timestamp, ClosedPeriod, Limits, UnknownFields, Validator, DAY_MS, OUTPUT_READ_CEILING_BYTES,
 };

@@ -20,11 +20,14 @@ pub enum RejectReason {
     MissingCorrectionRef,
     ClosedPeriod,
     RecordTooLarge,
+    /// On an input partition other than the one its identity belongs on
+    /// (`--on-misrouted reject`): its retries may be classified elsewhere.
+    Misrouted,
 }
 
 impl RejectReason {
     /// Every reason, for metrics pre-registration and documentation tests.
-    pub const ALL: [RejectReason; 14] = [
+    pub const ALL: [RejectReason; 15] = [
         RejectReason::MalformedJson,
         RejectReason::UnknownField,
         RejectReason::MissingField,
@@ -39,6 +42,7 @@ impl RejectReason {
         RejectReason::MissingCorrectionRef,
         RejectReason::ClosedPeriod,
         RejectReason::RecordTooLarge,
+        RejectReason::Misrouted,
     ];
 
     /// The exact reason code.
@@ -58,6 +62,7 @@ impl RejectReason {
             RejectReason::MissingCorrectionRef => "missing_correction_ref",
             RejectReason::ClosedPeriod => "closed_period",
             RejectReason::RecordTooLarge => "record_too_large",
+            RejectReason::Misrouted => "misrouted",
         }
     }
 }

@@ -166,6 +166,47 @@ impl Validator {
         self.validate_with(bytes, 0, Reading::Output)
     }
 
+    /// The identity of one input record, `(tenant_id, event_id)`, reading
+    /// only what identity needs: the router places records with it, and
+    /// leaves judging the rest (quantity, time window, limits, unknown
+    /// fields) to the dedupe stage. For every record [`validate`] accepts,
+    /// this is the accepted event's `(tenant_id, event_id)`; an error names
+    /// why the record has no identity (not JSON, no tenant, and for an event
+    /// without `event_id`, no customer, meter or readable timestamp).
+    ///
+    /// [`validate`]: Validator::validate
+    pub fn identity_of(&self, bytes: &[u8]) -> Result<(String, String), Rejection> {
+        let w = wire::decode(bytes, false).map_err(|e| Rejection::new(RejectReason::MalformedJson, e.0))?;
+        check_types(&w)?;
+        let tenant_id = required_str(&w.tenant_id, "tenant_id")?;
+        let event_id = optional_str(&w.event_id);
+        if tenant_id.is_empty() {
+            return Err(Rejection::new(RejectReason::EmptyField, "`tenant_id` is empty"));
+        }
+        let event_id = match event_id {
+            Some("") => return Err(Rejection::new(RejectReason::EmptyField, "`event_id` is empty")),
+            Some(id) => id.to_owned(),
+            None => {
+                let customer_id = required_str(&w.customer_id, "customer_id")?;
+                let meter = required_str(&w.meter, "meter")?;
+                let resource_id = optional_str(&w.resource_id);
+                let timestamp = match &w.timestamp {
+                    WireField::Value(t) => parse_timestamp(t)?,
+                    _ => return Err(Rejection::new(RejectReason::MissingField, "`timestamp` is required")),
+                };
+                for (name, v) in
+                    [("customer_id", Some(customer_id)), ("meter", Some(meter)), ("resource_id", resource_id)]
+                {
+                    if v.is_some_and(str::is_empty) {
+                        return Err(Rejection::new(RejectReason::EmptyField, format!("`{name}` is empty")));
+                    }
+                }
+                self.deriver.derive(tenant_id, customer_id, meter, resource_id, timestamp)
+            }
+        };
+        Ok((tenant_id.to_owned(), event_id))
+    }
+
     fn validate_with(&self, bytes: &[u8], now_ms: i64, reading: Reading) -> Result<UsageEvent, Rejection> {
         use RejectReason::*;
         let input = reading == Reading::Input;

@@ -8,7 +8,7 @@ use hashbrown::HashMap;
 
 use crate::classify::{SeenKey, Tier};
 use crate::event::{IdHash, Position, RejectReason, UsageEvent};
-use crate::kafka::engine::{Engine, EngineError, InputRecord, Outcome, StoredEvent};
+use crate::kafka::engine::{Engine, EngineError, InputRecord, Outcome, Placement, StoredEvent};
 use crate::kafka::records::{accepted_record, conflict_record, rejected_record, OutRecord};
 use crate::metrics::BatchClassified;
 
@@ -20,9 +20,12 @@ pub struct BatchInput<'a> {
     pub payload: Option<&'a [u8]>,
 }
 
-/// Where side-topic records go and how much of a rejected record they keep.
+/// What a batch needs to know of its topics: which input partition each
+/// identity belongs on (`None`: not checked), where side-topic records go
+/// and how much of a rejected record they keep.
 #[derive(Clone, Copy, Debug)]
-pub struct SideLayout {
+pub struct BatchLayout {
+    pub placement: Option<Placement>,
     pub conflicts_partitions: usize,
     pub rejected_partitions: usize,
     pub max_rejected_raw_bytes: usize,
@@ -47,12 +50,13 @@ pub fn classify_batch(
     partition: i32,
     inputs: &[BatchInput<'_>],
     now_ms: i64,
-    layout: &SideLayout,
+    layout: &BatchLayout,
 ) -> Result<Prepared, EngineError> {
     let records_in: Vec<InputRecord<'_>> =
         inputs.iter().map(|m| InputRecord { source: Position::new(partition, m.offset), payload: m.payload }).collect();
-    let outcomes = engine.classify(partition, &records_in, now_ms)?;
-    let mut summary = BatchClassified { partition, ..Default::default() };
+    let classified = engine.classify(partition, &records_in, now_ms, layout.placement.as_ref())?;
+    let outcomes = classified.outcomes;
+    let mut summary = BatchClassified { partition, misrouted: classified.misrouted, ..Default::default() };
     let mut records = Vec::with_capacity(inputs.len());
     let mut accepted = Vec::new();
     let mut in_batch: HashMap<IdHash, UsageEvent> = HashMap::new();

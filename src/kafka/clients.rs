@@ -128,17 +128,7 @@ pub struct TopicLayout {
 /// Checks that every topic exists and input and output are co-partitioned.
 /// Blocking: call from `spawn_blocking`.
 pub fn check_topics(settings: &RunSettings, timeout: Duration) -> Result<TopicLayout, KafkaError> {
-    let consumer: BaseConsumer =
-        repair_consumer_config(settings).create().map_err(KafkaError::client("creating the metadata client"))?;
-    let count = |topic: &str| -> Result<usize, KafkaError> {
-        let md =
-            consumer.fetch_metadata(Some(topic), timeout).map_err(KafkaError::client("fetching topic metadata"))?;
-        let t = md.topics().iter().find(|t| t.name() == topic);
-        match t {
-            Some(t) if t.error().is_none() && !t.partitions().is_empty() => Ok(t.partitions().len()),
-            _ => Err(KafkaError::TopicMissing { topic: topic.to_owned(), brokers: settings.brokers.clone() }),
-        }
-    };
+    let count = partition_counter(settings, timeout)?;
     let t = &settings.topics;
     let input = count(&t.input)?;
     let output = count(&t.output)?;
@@ -154,6 +144,25 @@ pub fn check_topics(settings: &RunSettings, timeout: Duration) -> Result<TopicLa
         partitions: input,
         conflicts_partitions: count(&t.conflicts)?,
         rejected_partitions: count(&t.rejected)?,
+    })
+}
+
+/// A function from topic name to its partition count, failing with
+/// [`KafkaError::TopicMissing`] for a topic that does not exist. Blocking.
+pub fn partition_counter(
+    settings: &RunSettings,
+    timeout: Duration,
+) -> Result<impl Fn(&str) -> Result<usize, KafkaError> + '_, KafkaError> {
+    let consumer: BaseConsumer =
+        repair_consumer_config(settings).create().map_err(KafkaError::client("creating the metadata client"))?;
+    Ok(move |topic: &str| {
+        let md =
+            consumer.fetch_metadata(Some(topic), timeout).map_err(KafkaError::client("fetching topic metadata"))?;
+        let t = md.topics().iter().find(|t| t.name() == topic);
+        match t {
+            Some(t) if t.error().is_none() && !t.partitions().is_empty() => Ok(t.partitions().len()),
+            _ => Err(KafkaError::TopicMissing { topic: topic.to_owned(), brokers: settings.brokers.clone() }),
+        }
     })
 }
 

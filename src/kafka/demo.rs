@@ -18,7 +18,7 @@ use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
 use crate::classify::Clock;
-use crate::event::DAY_MS;
+use crate::event::{crc32, id_hash, Partitioner, DAY_MS};
 use crate::kafka::error::KafkaError;
 use crate::kafka::settings::{DeliveryMode, RunSettings, Topics};
 use crate::kafka::worker::{run, RunReport, WorkerParts};
@@ -228,20 +228,46 @@ fn start_mock_cluster(partitions: i32, topics: &Topics) -> Result<(String, std::
     Ok((brokers, stop_tx))
 }
 
-/// Produces `records` round-robin by key hash (like a default partitioner
-/// would, and unkeyed ones spread), waiting for every ack.
+/// The partition a producer following the keying contract gives a record
+/// keyed `tenant_id \0 event_id`: the one the `dedupd` partitioner assigns
+/// that identity. Other keys go by CRC-32 (librdkafka's default).
+pub fn home_partition(key: &[u8], partitions: i32) -> i32 {
+    let n = u32::try_from(partitions).unwrap_or(1);
+    let text = std::str::from_utf8(key).ok();
+    match text.and_then(|t| t.split_once('\0')) {
+        Some((tenant, event)) => Partitioner::Dedupd.partition_of(&id_hash(tenant, event), tenant, event, n),
+        None => (crc32(key) % n.max(1)) as i32,
+    }
+}
+
+/// Produces `records` where the keying contract puts them
+/// ([`home_partition`]; unkeyed ones spread), waiting for every ack.
 pub async fn produce_traffic(
     producer: &FutureProducer,
     topic: &str,
     partitions: i32,
     records: &[TrafficRecord],
 ) -> Result<(), KafkaError> {
-    let mut pending = Vec::with_capacity(records.len());
+    let mut placed = Vec::with_capacity(records.len());
     for (i, r) in records.iter().enumerate() {
-        let partition = match &r.key {
-            Some(k) => (crc32c::crc32c(k) % partitions as u32) as i32,
-            None => (i % partitions as usize) as i32,
+        let p = match &r.key {
+            Some(k) => home_partition(k, partitions),
+            None => (i % partitions.max(1) as usize) as i32,
         };
+        placed.push((p, r));
+    }
+    produce_placed(producer, topic, &placed).await
+}
+
+/// Produces each record to the partition given with it, waiting for every
+/// ack (tests place records on purpose, e.g. on the wrong partition).
+pub async fn produce_placed(
+    producer: &FutureProducer,
+    topic: &str,
+    records: &[(i32, &TrafficRecord)],
+) -> Result<(), KafkaError> {
+    let mut pending = Vec::new();
+    for &(partition, r) in records {
         let mut fr: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic).partition(partition);
         if let Some(k) = &r.key {
             fr = fr.key(k.as_slice());

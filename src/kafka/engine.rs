@@ -13,7 +13,7 @@
 use crate::event::{IdHash, UsageEvent, Validator};
 use crate::state::{LocalState, StateError};
 
-pub use crate::classify::{InputRecord, Outcome};
+pub use crate::classify::{Classified, InputRecord, Outcome, Placement};
 pub use crate::state::StoredEvent;
 
 /// Sizes and windows of local state, for the metrics page.
@@ -56,9 +56,16 @@ pub trait Engine: Send + 'static {
     /// How long a key is remembered: repair of a partition with no
     /// checkpoint reads only the output published within it.
     fn horizon(&self) -> std::time::Duration;
-    /// Classifies a batch read-only. Nothing is remembered until
+    /// Classifies a batch read-only, checking each record's partition
+    /// against `placement` when given. Nothing is remembered until
     /// [`Engine::apply_published`].
-    fn classify(&self, partition: i32, records: &[InputRecord<'_>], now_ms: i64) -> Result<Vec<Outcome>, EngineError>;
+    fn classify(
+        &self,
+        partition: i32,
+        records: &[InputRecord<'_>],
+        now_ms: i64,
+        placement: Option<&Placement>,
+    ) -> Result<Classified, EngineError>;
     /// Remembers published events. Idempotent by output offset: events at or
     /// below the checkpoint are skipped.
     fn apply_published(&mut self, partition: i32, events: &[StoredEvent], now_ms: i64) -> Result<(), EngineError>;
@@ -133,9 +140,15 @@ impl Engine for StateEngine {
         self.horizon
     }
 
-    fn classify(&self, partition: i32, records: &[InputRecord<'_>], now_ms: i64) -> Result<Vec<Outcome>, EngineError> {
+    fn classify(
+        &self,
+        partition: i32,
+        records: &[InputRecord<'_>],
+        now_ms: i64,
+        placement: Option<&Placement>,
+    ) -> Result<Classified, EngineError> {
         self.state("classify", partition)?
-            .classify(partition, &self.validator, records, now_ms)
+            .classify(partition, &self.validator, records, now_ms, placement)
             .map_err(state_error("classify", partition))
     }
 
@@ -212,7 +225,7 @@ mod tests {
         e.assign(0, NOW).expect("assign");
         let a = ev("a", "1");
         let recs = [InputRecord { source: Position::new(0, 10), payload: Some(&a) }];
-        let out = e.classify(0, &recs, NOW).expect("classify");
+        let out = e.classify(0, &recs, NOW, None).expect("classify").outcomes;
         let Outcome::Accepted { event, id_hash, payload_hash } = &out[0] else { panic!("{out:?}") };
         let key = SeenKey {
             id_hash: *id_hash,
@@ -231,7 +244,7 @@ mod tests {
             InputRecord { source: Position::new(0, 12), payload: Some(&c) },
             InputRecord { source: Position::new(0, 13), payload: None },
         ];
-        let out = e.classify(0, &recs, NOW).expect("classify");
+        let out = e.classify(0, &recs, NOW, None).expect("classify").outcomes;
         assert!(matches!(out[0], Outcome::Replayed { .. }));
         assert!(matches!(out[1], Outcome::Duplicate { .. }));
         assert!(matches!(out[2], Outcome::Conflict { .. }));
@@ -244,7 +257,7 @@ mod tests {
         e.assign(1, NOW).expect("assign");
         let a = ev("x", "1");
         let recs = [InputRecord { source: Position::new(1, 0), payload: Some(&a) }];
-        let out = e.classify(1, &recs, NOW).expect("classify");
+        let out = e.classify(1, &recs, NOW, None).expect("classify").outcomes;
         let Outcome::Accepted { event, id_hash, payload_hash } = &out[0] else { panic!("{out:?}") };
         let key = |off| SeenKey {
             id_hash: *id_hash,

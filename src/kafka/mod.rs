@@ -14,6 +14,7 @@
 //! - [`repair`]: reading an output partition back into local state.
 //! - [`partition`]: one input partition's pipeline.
 //! - [`worker`]: [`run`], rebalance callbacks, shutdown.
+//! - [`router`]: `dedupd route`, keying and placing raw records by identity.
 //! - [`demo`]: `dedupd demo` on librdkafka's mock cluster.
 
 pub mod batch;
@@ -25,10 +26,11 @@ mod partition;
 pub mod publisher;
 pub mod records;
 pub mod repair;
+pub mod router;
 pub mod settings;
 pub mod worker;
 
 pub use engine::{Engine, EngineError, EngineStats, InputRecord, Outcome, StateEngine, StoredEvent};
 pub use error::KafkaError;
-pub use settings::{BatchLimits, DeliveryMode, OnOutputGap, RunSettings, Topics};
+pub use settings::{BatchLimits, DeliveryMode, OnMisrouted, OnOutputGap, Partitioner, RunSettings, Topics};
 pub use worker::{run, shutdown_signal, RunReport, WorkerParts};

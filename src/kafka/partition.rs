@@ -421,7 +421,7 @@ fn prepare(shared: &Shared, partition: i32, batch: &[OwnedMessage], now_ms: i64)
     let inputs: Vec<BatchInput<'_>> =
         batch.iter().map(|m| BatchInput { offset: m.offset(), key: m.key(), payload: m.payload() }).collect();
     let engine = lock_engine(&shared.engine);
-    let prepared = classify_batch(engine.as_ref(), partition, &inputs, now_ms, &shared.side_layout())?;
+    let prepared = classify_batch(engine.as_ref(), partition, &inputs, now_ms, &shared.batch_layout())?;
     shared.batches.fetch_add(1, Ordering::Relaxed);
     Ok(prepared)
 }

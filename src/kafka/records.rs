@@ -85,14 +85,20 @@ pub struct OutRecord {
     pub key: Option<Vec<u8>>,
     pub value: Option<Vec<u8>>,
     pub headers: Vec<(&'static str, Vec<u8>)>,
+    /// Headers carried over from a raw record as they were (the router);
+    /// sent after `headers`.
+    pub passthrough_headers: Vec<(String, Option<Vec<u8>>)>,
     pub timestamp_ms: i64,
 }
 
 impl OutRecord {
     pub fn owned_headers(&self) -> OwnedHeaders {
-        let mut h = OwnedHeaders::new_with_capacity(self.headers.len());
+        let mut h = OwnedHeaders::new_with_capacity(self.headers.len() + self.passthrough_headers.len());
         for (k, v) in &self.headers {
             h = h.insert(Header { key: k, value: Some(v) });
+        }
+        for (k, v) in &self.passthrough_headers {
+            h = h.insert(Header { key: k, value: v.as_deref() });
         }
         h
     }
@@ -100,11 +106,7 @@ impl OutRecord {
 
 /// The output key of an event: `tenant_id \0 event_id`.
 pub fn event_key(e: &UsageEvent) -> Vec<u8> {
-    let mut k = Vec::with_capacity(e.tenant_id.len() + 1 + e.event_id.len());
-    k.extend_from_slice(e.tenant_id.as_bytes());
-    k.push(0);
-    k.extend_from_slice(e.event_id.as_bytes());
-    k
+    crate::event::identity_key(&e.tenant_id, &e.event_id)
 }
 
 fn position_headers(h: &mut Vec<(&'static str, Vec<u8>)>, source: Position, ingest_ms: i64) {
@@ -125,6 +127,7 @@ pub fn accepted_record(e: &UsageEvent, id: IdHash, ph: PayloadHash, source: Posi
         key: Some(event_key(e)),
         value: Some(to_canonical_json(e).into_bytes()),
         headers,
+        passthrough_headers: Vec::new(),
         timestamp_ms: ingest_ms,
     }
 }
@@ -199,6 +202,7 @@ pub fn conflict_record(
         key: Some(event_key(e)),
         value: Some(value.to_string().into_bytes()),
         headers,
+        passthrough_headers: Vec::new(),
         timestamp_ms: ingest_ms,
     }
 }
@@ -250,6 +254,7 @@ pub fn rejected_record(
         key,
         value,
         headers,
+        passthrough_headers: Vec::new(),
         timestamp_ms: ingest_ms,
     }
 }

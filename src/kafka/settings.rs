@@ -4,6 +4,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+pub use crate::classify::OnMisrouted;
+pub use crate::event::Partitioner;
 pub use crate::pipeline::{DeliveryMode, OnOutputGap};
 
 /// The four topics of one deployment.
@@ -71,6 +73,10 @@ pub struct RunSettings {
     pub stall_timeout: Duration,
     /// See [`OnOutputGap`].
     pub on_output_gap: OnOutputGap,
+    /// Which input partition each identity belongs on (`--partitioner`).
+    pub partitioner: Partitioner,
+    /// See [`OnMisrouted`].
+    pub on_misrouted: OnMisrouted,
 }
 
 impl RunSettings {
@@ -92,6 +98,8 @@ impl RunSettings {
             maintain_interval: Duration::from_secs(5),
             stall_timeout: Duration::from_secs(300),
             on_output_gap: OnOutputGap::Stop,
+            partitioner: Partitioner::Dedupd,
+            on_misrouted: OnMisrouted::Count,
         }
     }
 
@@ -110,7 +118,7 @@ impl RunSettings {
         format!(
             "brokers={} group={} instance_id={} delivery={:?} input={} output={} conflicts={} rejected={} \
              batch_max_records={} batch_max_wait={} operation_timeout={} revoke_timeout={} stall_timeout={} \
-             on_output_gap={:?} metrics_addr={} kafka_properties=[{}]",
+             on_output_gap={:?} partitioner={} on_misrouted={} metrics_addr={} kafka_properties=[{}]",
             self.brokers,
             self.group,
             self.instance_id.as_deref().unwrap_or("-"),
@@ -125,6 +133,8 @@ impl RunSettings {
             d(self.revoke_timeout),
             d(self.stall_timeout),
             self.on_output_gap,
+            self.partitioner,
+            self.on_misrouted.as_str(),
             self.metrics_addr.map_or_else(|| "-".to_owned(), |a| a.to_string()),
             props.join(", "),
         )

@@ -108,8 +108,13 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub(crate) fn side_layout(&self) -> crate::kafka::batch::SideLayout {
-        crate::kafka::batch::SideLayout {
+    pub(crate) fn batch_layout(&self) -> crate::kafka::batch::BatchLayout {
+        crate::kafka::batch::BatchLayout {
+            placement: Some(crate::classify::Placement {
+                partitioner: self.settings.partitioner,
+                partitions: u32::try_from(self.layout.partitions).unwrap_or(u32::MAX),
+                on_misrouted: self.settings.on_misrouted,
+            }),
             conflicts_partitions: self.layout.conflicts_partitions,
             rejected_partitions: self.layout.rejected_partitions,
             max_rejected_raw_bytes: self.settings.max_rejected_raw_bytes,
@@ -465,10 +470,10 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 
 /// Creates the producer and, for exactly-once, checks the broker speaks
 /// transactions and fences any previous instance with the same id.
-async fn start_publisher(
+pub(crate) async fn start_publisher(
     settings: &RunSettings,
     transactional_id: &str,
-    consumer_slot: Arc<OnceLock<Weak<InputConsumer>>>,
+    group_metadata: publisher::GroupMetadataSource,
     metrics: Arc<Metrics>,
 ) -> Result<(Publisher, Option<tokio::task::JoinHandle<()>>, FutureProducer), KafkaError> {
     let topics = Arc::new(settings.topics.clone());
@@ -512,25 +517,31 @@ async fn start_publisher(
                     KafkaError::Client { operation: "initialising transactions", source: e }
                 }
             })?;
-            // Only a live member's metadata: after a lost session librdkafka
-            // reports no member id and generation -1, and Kafka lets a
-            // transactional offset commit without a generation through
-            // unfenced (found by the simulator, seed 164). Refusing it turns
-            // a zombie's commit into an abort.
-            let cgm: publisher::GroupMetadataSource = Arc::new(move || {
-                let consumer = consumer_slot.get().and_then(Weak::upgrade)?;
-                has_member_id(&consumer).then(|| consumer.group_metadata()).flatten()
-            });
             let timeouts = TxnTimeouts { operation: timeout, resolve_deadline: settings.repair_settle_timeout() };
-            let (publisher, task) = publisher::start_transactional(producer.clone(), topics, cgm, timeouts, metrics);
+            let (publisher, task) =
+                publisher::start_transactional(producer.clone(), topics, group_metadata, timeouts, metrics);
             Ok((publisher, Some(task), producer))
         }
     }
 }
 
+/// The group metadata of the consumer in `slot`, for the transactional
+/// offset commit. Only a live member's: after a lost session librdkafka
+/// reports no member id and generation -1, and Kafka lets a transactional
+/// offset commit without a generation through unfenced (found by the
+/// simulator, seed 164). Refusing it turns a zombie's commit into an abort.
+pub(crate) fn live_group_metadata<C: ConsumerContext + 'static>(
+    slot: Arc<OnceLock<Weak<StreamConsumer<C>>>>,
+) -> publisher::GroupMetadataSource {
+    Arc::new(move || {
+        let consumer = slot.get().and_then(Weak::upgrade)?;
+        has_member_id(&consumer).then(|| consumer.group_metadata()).flatten()
+    })
+}
+
 /// Whether the consumer is a group member now (librdkafka clears the member
 /// id when its session is lost).
-fn has_member_id(consumer: &InputConsumer) -> bool {
+fn has_member_id<C: ConsumerContext>(consumer: &StreamConsumer<C>) -> bool {
     let ptr = consumer.client().native_ptr();
     // SAFETY: `ptr` is the live client owned by `consumer`, borrowed for
     // this call; `rd_kafka_memberid` returns a string librdkafka allocated
@@ -582,7 +593,8 @@ pub async fn run(
     let transactional_id = settings.transactional_id(rand::random::<u64>());
     let consumer_slot: Arc<OnceLock<Weak<InputConsumer>>> = Arc::new(OnceLock::new());
     let (publisher, publisher_task, producer) =
-        start_publisher(&settings, &transactional_id, consumer_slot.clone(), metrics.clone()).await?;
+        start_publisher(&settings, &transactional_id, live_group_metadata(consumer_slot.clone()), metrics.clone())
+            .await?;
 
     let engine = Arc::new(Mutex::new(engine));
     let (fatal_tx, mut fatal_rx) = mpsc::unbounded_channel();

@@ -236,7 +236,8 @@ pub fn run_dedupe_with_progress(
                 payload: Some(&l.bytes[..]),
             })
             .collect();
-        let mut outcomes = state.classify(OFFLINE_PARTITION, &validator, &records, now_ms)?;
+        // One partition, no topic: placement does not apply.
+        let mut outcomes = state.classify(OFFLINE_PARTITION, &validator, &records, now_ms, None)?.outcomes;
         // A record longer than the limit was read only in part; its reason
         // must say so whatever the part looks like.
         for (o, l) in outcomes.iter_mut().zip(&batch) {

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::classify::{
-    classify_records, HorizonError, InputRecord, LongHorizon, NoLongHorizon, Outcome, PartitionClassifier,
+    classify_records, Classified, HorizonError, InputRecord, LongHorizon, NoLongHorizon, PartitionClassifier, Placement,
 };
 use crate::config::EngineSettings;
 use crate::event::{IdHash, UsageEvent, Validator};
@@ -311,9 +311,10 @@ impl LocalState {
         validator: &Validator,
         records: &[InputRecord<'_>],
         now_ms: i64,
-    ) -> Result<Vec<Outcome>, StateError> {
+        placement: Option<&Placement>,
+    ) -> Result<Classified, StateError> {
         let classifier = self.partitions.get(&partition).ok_or(StateError::NotAssigned { partition })?;
-        Ok(classify_records(validator, classifier, self.long_horizon(), records, now_ms)?)
+        Ok(classify_records(validator, classifier, self.long_horizon(), records, now_ms, placement)?)
     }
 
     /// Applies published events of `partition`, in output-offset order.

@@ -324,3 +324,52 @@ pub async fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bo
     }
     cond()
 }
+
+/// Records with the partition each is produced to.
+pub type Placed = Vec<(i32, TrafficRecord)>;
+
+/// Produces every record of `wave` to its partition of `topic`.
+pub async fn produce_wave(producer: &rdkafka::producer::FutureProducer, topic: &str, wave: &[(i32, TrafficRecord)]) {
+    let placed: Vec<(i32, &TrafficRecord)> = wave.iter().map(|(p, r)| (*p, r)).collect();
+    dedupd::kafka::demo::produce_placed(producer, topic, &placed).await.expect("produce");
+}
+
+/// `s` as producers that ignore the keying contract would write it to a raw
+/// topic of `raw_partitions`: one record in three with a random key placed
+/// by murmur2 (the Java client), one with no key on a random partition, one
+/// keyed by identity but placed by CRC-32 (librdkafka). Retries of one event
+/// therefore land on different raw partitions. Split in two waves: every
+/// first delivery, then every later one (retries and conflicts), so the
+/// first payload of an id is well defined although the router reads raw
+/// partitions in no particular order across each other.
+pub fn raw_waves(s: &Scenario, raw_partitions: i32) -> (Placed, Placed) {
+    use dedupd::event::{crc32, murmur2};
+    let n = raw_partitions as u32;
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut seen = std::collections::HashSet::new();
+    let (mut first, mut later) = (Vec::new(), Vec::new());
+    for (i, r) in s.records.iter().enumerate() {
+        let identity = r.key.clone().unwrap_or_default();
+        let placed = match i % 3 {
+            0 => {
+                let key = next().to_le_bytes().to_vec();
+                ((murmur2(&key) & 0x7fff_ffff) % n, TrafficRecord { key: Some(key), value: r.value.clone() })
+            }
+            1 => ((next() % u64::from(n)) as u32, TrafficRecord { key: None, value: r.value.clone() }),
+            _ => (crc32(&identity) % n, r.clone()),
+        };
+        let placed = (placed.0 as i32, placed.1);
+        if seen.insert(identity) {
+            first.push(placed);
+        } else {
+            later.push(placed);
+        }
+    }
+    (first, later)
+}

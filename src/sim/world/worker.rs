@@ -8,7 +8,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 
 use crate::config::EngineSettings;
 use crate::event::Position;
-use crate::kafka::batch::{classify_batch, BatchInput, Prepared, SideLayout};
+use crate::kafka::batch::{classify_batch, BatchInput, BatchLayout, Prepared};
 use crate::kafka::engine::StateEngine;
 use crate::kafka::records::{parse_output, Destination, OutRecord};
 use crate::pipeline::{
@@ -736,8 +736,14 @@ fn perform(w: &mut World, worker: usize, partition: i32) {
                 .iter()
                 .map(|(offset, r)| BatchInput { offset: *offset, key: r.key.as_deref(), payload: r.value.as_deref() })
                 .collect();
-            let layout =
-                SideLayout { conflicts_partitions: 1, rejected_partitions: 1, max_rejected_raw_bytes: 1 << 16 };
+            // The model's producers place records by their own choice of
+            // key; placement is checked by the partitioner's own tests.
+            let layout = BatchLayout {
+                placement: None,
+                conflicts_partitions: 1,
+                rejected_partitions: 1,
+                max_rejected_raw_bytes: 1 << 16,
+            };
             let engine = wk.engine.as_ref().expect("engine");
             match classify_batch(engine, partition, &inputs, now, &layout) {
                 Ok(prepared) => {
