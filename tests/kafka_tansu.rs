@@ -211,6 +211,52 @@ fn spawn_worker_with_args(
     Worker { child, metrics }
 }
 
+/// Starts the real `dedupd route` binary: `raw` → `topics.input` (rejects to
+/// `topics.rejected`), at-least-once, with dynamic membership as deployed
+/// (`instance` names its log file only). Tansu 0.6 can leave a static member
+/// of a cooperative group without partitions after a rebalance.
+fn spawn_router(brokers: &str, group: &str, raw: &str, topics: &Topics, instance: &str) -> Worker {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
+    let metrics = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let log = std::fs::OpenOptions::new().create(true).append(true).open(log_path(group, instance)).expect("child log");
+    let child = Command::new(env!("CARGO_BIN_EXE_dedupd"))
+        .arg("route")
+        .args(["--brokers", brokers, "--group", group])
+        .args(["--raw-topic", raw, "--input-topic", &topics.input, "--rejected-topic", &topics.rejected])
+        .args(["--delivery", "at-least-once"])
+        .args(["--metrics-addr", &metrics.to_string()])
+        .args(["--batch-max-records", "1000", "--batch-max-wait", "20ms"])
+        .args(["--kafka-property", "consumer.session.timeout.ms=6000"])
+        .args(["--kafka-property", "consumer.max.poll.interval.ms=20000"])
+        .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "dedupd=info".into()))
+        .stdout(log.try_clone().expect("child log"))
+        .stderr(log)
+        .spawn()
+        .expect("spawn dedupd route");
+    Worker { child, metrics }
+}
+
+/// Whether `group` has committed all of `topic` (`partitions` partitions).
+fn topic_done(brokers: &str, group: &str, topic: &str, partitions: i32) -> bool {
+    match (try_committed(brokers, group, topic, partitions), try_high_watermarks(brokers, topic, partitions)) {
+        (Some(done), Some(end)) => done == end,
+        _ => false,
+    }
+}
+
+/// Waits until `group` has committed all of `topic`, failing if `w` exits
+/// first or `timeout` passes.
+async fn wait_topic_done(w: &mut Worker, brokers: &str, group: &str, topic: &str, partitions: i32, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    while !topic_done(brokers, group, topic, partitions) {
+        assert!(Instant::now() < deadline, "{group} did not finish {topic} within {timeout:?}");
+        if let Some(status) = w.child.try_wait().expect("try_wait") {
+            panic!("{group} exited on its own with {status}: {}", stderr_of(&mut w.child));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 fn signal(child: &Child, sig: i32) {
     let pid = i32::try_from(child.id()).expect("pid");
     // SAFETY: kill(2) on our own child's pid; no memory is touched.
@@ -592,4 +638,82 @@ async fn retention_that_deleted_unapplied_output_stops_the_worker_or_is_counted_
     assert_eq!(counted, gap as f64, "the gap counted is the output a never applied and retention deleted");
     w.stop().await;
     assert_state_dir_verifies(state_a.path());
+}
+
+/// Producers with random keys, null keys and two partitioners write a raw
+/// topic with retries, conflicts and bad records. Through the router, with
+/// the router SIGKILLed twice and the worker once, the output holds every
+/// valid id exactly once with its first payload and the worker finds nothing
+/// misrouted. The same traffic straight into an input topic is misrouted:
+/// counted, and rejected with `--on-misrouted reject`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_the_router_any_keying_is_billed_once_across_sigkills_and_without_it_misrouting_is_caught() {
+    const RAW_PARTITIONS: i32 = 3;
+    let _one_at_a_time = ONE_AT_A_TIME.lock().await;
+    let tansu = Tansu::start();
+    let brokers = tansu.brokers.clone();
+    let routed = topics("routed");
+    tansu.create_topics(&routed, PARTITIONS);
+    let raw = "routed-raw";
+    tansu.create_topic(raw, RAW_PARTITIONS);
+    let s = scenario(20_000, 30, 5, 10);
+    let (first, later) = raw_waves(&s, RAW_PARTITIONS);
+    let producer = traffic_producer(&brokers);
+    produce_wave(&producer, raw, &first).await;
+
+    let state = tempfile::tempdir().expect("state dir");
+    let worker_args = ["--on-misrouted", "reject"];
+    let spawn_w =
+        || spawn_worker_with_args(&brokers, "routed", &routed, "w1", Membership::Static, state.path(), &worker_args);
+    let mut router = spawn_router(&brokers, "router-grp", raw, &routed, "r1");
+    let mut worker = spawn_w();
+    wait_topic_done(&mut router, &brokers, "router-grp", raw, RAW_PARTITIONS, Duration::from_secs(300)).await;
+    produce_wave(&producer, raw, &later).await;
+    // Kill each stage mid-stream: the router twice, the worker once.
+    for (round, victim) in ["router", "worker", "router"].into_iter().enumerate() {
+        let w = if victim == "router" { &mut router } else { &mut worker };
+        wait_ready(w, Duration::from_secs(120)).await;
+        tokio::time::sleep(Duration::from_millis(300 + 400 * round as u64)).await;
+        signal(&w.child, libc::SIGKILL);
+        let _ = w.child.wait();
+        eprintln!("SIGKILL of the {victim}");
+        *w = if victim == "router" { spawn_router(&brokers, "router-grp", raw, &routed, "r1") } else { spawn_w() };
+    }
+    wait_topic_done(&mut router, &brokers, "router-grp", raw, RAW_PARTITIONS, Duration::from_secs(600)).await;
+    worker.wait_input_done(&brokers, "routed", &routed.input, Duration::from_secs(600)).await;
+    router.stop().await;
+    worker.stop().await;
+
+    use dedupd::kafka::records::H_REASON;
+    let output = read_topic(&brokers, &routed.output);
+    assert_exactly_once(&output, &s);
+    let rejected = read_topic(&brokers, &routed.rejected);
+    let by_reason = |records: &[ReadRecord], reason: &str| {
+        records.iter().filter(|r| r.header(H_REASON) == Some(reason.as_bytes())).count()
+    };
+    assert_eq!(by_reason(&rejected, "misrouted"), 0, "the router placed records where the worker does not expect them");
+    // At-least-once: a report may be there twice after a kill, never missing.
+    assert!(rejected_count(&rejected) as u64 >= s.invalid, "{} rejects < {}", rejected_count(&rejected), s.invalid);
+
+    // Without the router: the same placements straight into the input topic.
+    let unrouted = topics("unrouted");
+    tansu.create_topics(&unrouted, PARTITIONS);
+    let (first, later) = raw_waves(&s, PARTITIONS);
+    produce_wave(&producer, &unrouted.input, &first).await;
+    produce_wave(&producer, &unrouted.input, &later).await;
+    let state2 = tempfile::tempdir().expect("state dir");
+    let mut w2 =
+        spawn_worker_with_args(&brokers, "unrouted", &unrouted, "w2", Membership::Static, state2.path(), &worker_args);
+    w2.wait_input_done(&brokers, "unrouted", &unrouted.input, Duration::from_secs(600)).await;
+    let counted = metric(w2.metrics, "dedupd_misrouted_records_total").expect("metrics answer");
+    w2.stop().await;
+    let rejected2 = read_topic(&brokers, &unrouted.rejected);
+    let misrouted = by_reason(&rejected2, "misrouted");
+    eprintln!("without the router: {misrouted} of {} records misrouted", s.records.len());
+    assert!(misrouted as u64 > s.first_payload.len() as u64 / 2, "{misrouted}");
+    assert_eq!(counted, misrouted as f64, "the counter and the rejected topic disagree");
+    // What was classified was on its identity's partition: never billed twice.
+    let output2 = read_topic(&brokers, &unrouted.output);
+    let mut keys = std::collections::HashSet::new();
+    assert!(output2.iter().all(|r| keys.insert(r.key.clone())), "an id was published twice");
 }

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Creates dedupd's four topics on the compose broker, or checks them when they
+# Creates dedupd's four topics (and the router's raw topic) on the compose broker, or checks them when they
 # exist. Run by the kafka-init service (docker-compose.yml); idempotent.
 #
 # Input and output must have the same partition count: input partition p
@@ -15,6 +15,10 @@ input_topic="${INPUT_TOPIC:-usage-events}"
 output_topic="${OUTPUT_TOPIC:-usage-events-deduped}"
 conflicts_topic="${CONFLICTS_TOPIC:-usage-events-conflicts}"
 rejected_topic="${REJECTED_TOPIC:-usage-events-rejected}"
+# Where producers write when `dedupd route` places records by identity (the
+# `router` profile); any partition count works, it only bounds the router's
+# parallelism.
+raw_topic="${RAW_TOPIC:-usage-events-raw}"
 # Overridable so scripts/check-deploy can run this script against a fake.
 topics="${KAFKA_TOPICS_SH:-/opt/kafka/bin/kafka-topics.sh}"
 
@@ -38,6 +42,7 @@ create "$output_topic" --config "retention.ms=${output_retention_ms}" \
     --config cleanup.policy=delete --config message.timestamp.type=CreateTime
 create "$conflicts_topic" --config retention.ms=2592000000
 create "$rejected_topic" --config retention.ms=2592000000
+create "$raw_topic" --config retention.ms=604800000
 
 input_count="$(partition_count "$input_topic")"
 output_count="$(partition_count "$output_topic")"

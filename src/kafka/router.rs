@@ -83,6 +83,14 @@ impl RouteSettings {
     pub fn input_topic(&self) -> &str {
         &self.run.topics.output
     }
+
+    /// The longest an orderly stop can take: the batch being published
+    /// (its commit resumed up to the transaction timeout plus one operation
+    /// timeout), then the producer flush and leaving the group (one
+    /// operation timeout each). Grace periods must exceed it.
+    pub fn shutdown_budget(&self) -> Duration {
+        self.run.repair_settle_timeout() + self.run.operation_timeout * 2
+    }
 }
 
 /// What a router did before it stopped.
@@ -103,11 +111,17 @@ pub struct RouterContext {
     metrics: OnceLock<Arc<Metrics>>,
 }
 
-impl ClientContext for RouterContext {}
+impl ClientContext for RouterContext {
+    // The shared consumer configuration asks for statistics (the worker's
+    // lag gauge); the router has no use for them, and the default would log
+    // every report.
+    fn stats(&self, _: rdkafka::Statistics) {}
+}
 
 impl ConsumerContext for RouterContext {
     fn pre_rebalance(&self, base: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        if let Rebalance::Revoke(_) = rebalance {
+        if let Rebalance::Revoke(tpl) = rebalance {
+            tracing::info!(revoked = ?partitions(tpl), "raw partitions revoked");
             self.revoked.store(true, Ordering::SeqCst);
             let lost = base.assignment_lost();
             if lost {
@@ -120,13 +134,20 @@ impl ConsumerContext for RouterContext {
     }
 
     fn post_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        if let (Rebalance::Assign(_), Some(m)) = (rebalance, self.metrics.get()) {
-            Rebalanced::Assigned.emit(m);
+        if let Rebalance::Assign(tpl) = rebalance {
+            tracing::info!(assigned = ?partitions(tpl), "raw partitions assigned");
+            if let Some(m) = self.metrics.get() {
+                Rebalanced::Assigned.emit(m);
+            }
         }
     }
 }
 
 type RouterConsumer = StreamConsumer<RouterContext>;
+
+fn partitions(tpl: &TopicPartitionList) -> Vec<i32> {
+    tpl.elements().iter().map(|e| e.partition()).collect()
+}
 
 /// Partition counts the router needs.
 #[derive(Clone, Copy, Debug)]
@@ -334,6 +355,7 @@ impl Router<'_> {
             }
         }
         report.batches += 1;
+        tracing::debug!(records = batch.len(), partitions = groups.len(), failed = failed.len(), "routed a batch");
         if self.s.delivery == DeliveryMode::AtLeastOnce && commit.count() > 0 {
             let c = consumer.clone();
             if let Err(e) = blocking(move || c.commit(&commit, CommitMode::Sync)).await? {
