@@ -6,8 +6,8 @@
 //!
 //! # Layout
 //!
-//! - [`event`]: wire decoding, validation with reason codes, identity hashing
-//!   (pure, no I/O).
+//! - [`event`]: wire decoding, validation with reason codes, identity hashing,
+//!   and which input partition an identity belongs on (pure, no I/O).
 //! - [`classify`]: the four-bucket classifier, the in-memory hot cache, and
 //!   `classify_records`, the pure part of the pipeline (pure, no I/O; time
 //!   comes from a [`classify::Clock`]).
@@ -24,7 +24,8 @@
 //!   transaction endings) with time as an input; driven by [`kafka`] in
 //!   production and by [`sim`] in tests (pure, no I/O).
 //! - [`kafka`]: the worker (`dedupd run`, `dedupd demo`): consumer group,
-//!   publishing, repair (async).
+//!   publishing, repair; and the router (`dedupd route`), which keys and
+//!   places raw records by identity in front of it (async).
 //! - [`metrics`]: the Prometheus registry and the HTTP endpoint.
 //! - [`sim`]: a model Kafka broker and faulty network for deterministic
 //!   simulation (pure, sans-I/O, seeded; knows nothing of dedupd's records);
