@@ -155,6 +155,8 @@ pub struct Metrics {
     unowned_lag: IntGauge,
     hot_cache_evictions: IntCounterVec,
     repair_remaining: IntGaugeVec,
+    repair_last_records: IntGaugeVec,
+    repair_last_seconds: GaugeVec,
     rebalances: IntCounterVec,
     healthy: AtomicBool,
     ready: AtomicBool,
@@ -305,6 +307,16 @@ impl Metrics {
             "Output records a running repair has still to read, by partition (0 when none runs)",
             "partition",
         );
+        let repair_last_records = b.gauges(
+            "dedupd_repair_last_records",
+            "Output records the last finished repair of a partition applied, by partition",
+            "partition",
+        );
+        let repair_last_seconds = b.float_gauges(
+            "dedupd_repair_last_seconds",
+            "How long the last finished repair of a partition took, by partition",
+            "partition",
+        );
         let rebalances = b.counters(
             "dedupd_rebalances_total",
             "Partition moves to or from this instance: assign, revoke, lost (revoked after the session expired)",
@@ -370,6 +382,8 @@ impl Metrics {
             unowned_lag,
             hot_cache_evictions,
             repair_remaining,
+            repair_last_records,
+            repair_last_seconds,
             rebalances,
             healthy: AtomicBool::new(true),
             ready: AtomicBool::new(false),
@@ -628,14 +642,21 @@ pub struct RepairCompleted {
 
 impl RepairCompleted {
     pub fn emit(&self, m: &Metrics) {
+        let partition = self.partition.to_string();
         m.repair_records.inc_by(self.records);
-        m.repair_remaining.with_label_values(&[self.partition.to_string().as_str()]).set(0);
+        m.repair_remaining.with_label_values(&[partition.as_str()]).set(0);
+        m.repair_last_records
+            .with_label_values(&[partition.as_str()])
+            .set(i64::try_from(self.records).unwrap_or(i64::MAX));
+        m.repair_last_seconds.with_label_values(&[partition.as_str()]).set(self.duration.as_secs_f64());
         StageTimed { stage: Stage::repair, duration: self.duration }.emit(m);
+        let secs = self.duration.as_secs_f64();
         tracing::info!(
             partition = self.partition,
             from_offset = self.from_offset,
             records = self.records,
             millis = self.duration.as_millis() as u64,
+            records_per_second = if secs > 0.0 { (self.records as f64 / secs) as u64 } else { 0 },
             "repair done"
         );
     }
@@ -1014,6 +1035,8 @@ mod tests {
         assert!(m.encode().contains("dedupd_repair_records_remaining{partition=\"2\"} 500"));
         RepairCompleted { partition: 2, from_offset: 0, records: 500, duration: Duration::from_secs(1) }.emit(&m);
         assert!(m.encode().contains("dedupd_repair_records_remaining{partition=\"2\"} 0"));
+        assert!(m.encode().contains("dedupd_repair_last_records{partition=\"2\"} 500"));
+        assert!(m.encode().contains("dedupd_repair_last_seconds{partition=\"2\"} 1"));
         Rebalanced::Lost.emit(&m);
         assert!(m.encode().contains("dedupd_rebalances_total{kind=\"lost\"} 1"));
     }

@@ -262,7 +262,9 @@ fn every_reason_code_has_its_exact_string() {
             "timestamp_too_old",
             "missing_correction_ref",
             "closed_period",
-            "record_too_large"
+            "record_too_large",
+            // Issue #13: `--on-misrouted reject` (README's list).
+            "misrouted"
         ]
     );
 }

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use dedupd::kafka::clients::{input_consumer_config, producer_config};
 use dedupd::kafka::demo::{produce_traffic, TrafficRecord};
+use dedupd::kafka::router::{route, RouteSettings};
 use dedupd::kafka::{run, DeliveryMode, RunSettings};
 use futures::StreamExt;
 use rdkafka::consumer::{Consumer, StreamConsumer};
@@ -90,6 +91,9 @@ enum Pipeline {
     /// hashing, no state): what the broker charges for dedupd's record shape.
     PassthroughWithHeaders,
     Dedupd,
+    /// `dedupd route`: identity read, key and partition by identity, the
+    /// value and headers unchanged (raw = this run's input topic).
+    Router,
 }
 
 /// The passthrough: consume input, produce each record's value unchanged to
@@ -158,13 +162,17 @@ struct Figures {
     steady_per_s: f64,
     p50_ms: i64,
     p99_ms: i64,
+    /// Dedupd only: a second worker with an empty state directory, started
+    /// on the throughput phase's topics: output records applied per second
+    /// by repair, from its start (group join included) to the last one.
+    repair_per_s: f64,
 }
 
 async fn measure(broker: &Tansu, name: &str, pipeline: Pipeline) -> Figures {
     let n = env_or("BENCH_EVENTS", 200_000) as usize;
     let rate = env_or("BENCH_RATE", 2_000);
     let secs = env_or("BENCH_SECONDS", 10);
-    let mut figures = Figures { events_per_s: 0.0, steady_per_s: 0.0, p50_ms: 0, p99_ms: 0 };
+    let mut figures = Figures { events_per_s: 0.0, steady_per_s: 0.0, p50_ms: 0, p99_ms: 0, repair_per_s: 0.0 };
     for phase in ["throughput", "latency"] {
         let topics = topics(&format!("bench-{name}-{phase}"));
         for (t, p) in
@@ -194,18 +202,32 @@ async fn measure(broker: &Tansu, name: &str, pipeline: Pipeline) -> Figures {
         // as `dedupd run --state-dir` does.
         let state = tempfile::tempdir().expect("state dir");
         let mut metrics = None;
-        let task = if pipeline == Pipeline::Dedupd {
-            let (parts, m) = parts_in(state.path());
-            metrics = Some(m);
-            tokio::spawn(async move {
-                let _ = run(settings, parts, async move {
-                    let _ = stop_rx.await;
+        let run_settings = settings.clone();
+        let task = match pipeline {
+            Pipeline::Dedupd => {
+                let (parts, m) = parts_in(state.path());
+                metrics = Some(m);
+                tokio::spawn(async move {
+                    let _ = run(settings, parts, async move {
+                        let _ = stop_rx.await;
+                    })
+                    .await;
                 })
-                .await;
-            })
-        } else {
-            let s = stop.clone();
-            tokio::spawn(passthrough(settings, s, pipeline == Pipeline::PassthroughWithHeaders))
+            }
+            Pipeline::Router => {
+                let m = Arc::new(dedupd::metrics::Metrics::new());
+                tokio::spawn(async move {
+                    let routed = route(RouteSettings { run: settings }, validator(), m, async move {
+                        let _ = stop_rx.await;
+                    })
+                    .await;
+                    routed.expect("router");
+                })
+            }
+            _ => {
+                let s = stop.clone();
+                tokio::spawn(passthrough(settings, s, pipeline == Pipeline::PassthroughWithHeaders))
+            }
         };
         if phase == "latency" {
             let per_tick = (rate / 100).max(1) as usize;
@@ -235,12 +257,57 @@ async fn measure(broker: &Tansu, name: &str, pipeline: Pipeline) -> Figures {
         if phase == "throughput" {
             figures.events_per_s = n as f64 / last.duration_since(started).as_secs_f64();
             figures.steady_per_s = (n - 1) as f64 / last.duration_since(first).as_secs_f64().max(1e-3);
+            if pipeline == Pipeline::Dedupd {
+                figures.repair_per_s = measure_repair(run_settings, n as u64).await;
+            }
         } else {
             figures.p50_ms = percentile(&lat, 0.50);
             figures.p99_ms = percentile(&lat, 0.99);
         }
     }
     figures
+}
+
+/// Starts a worker with an empty state directory on topics whose output
+/// holds `records` records, and times its repair until every record is
+/// applied: records per second, group join included.
+async fn measure_repair(settings: RunSettings, records: u64) -> f64 {
+    let state = tempfile::tempdir().expect("state dir");
+    let (parts, m) = parts_in(state.path());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let started = Instant::now();
+    let task = tokio::spawn(run(settings, parts, async move {
+        let _ = stop_rx.await;
+    }));
+    let done = wait_until(Duration::from_secs(600), || m.repair_records() >= records).await;
+    let took = started.elapsed();
+    let _ = stop_tx.send(());
+    let _ = task.await;
+    assert!(done, "repair applied {} of {records} records", m.repair_records());
+    eprintln!("repair: {records} records in {took:?}");
+    records as f64 / took.as_secs_f64()
+}
+
+fn print_table(rows: &[(&str, Figures)]) {
+    println!("pipeline      events/s (with start)   events/s (steady)   p50 ms   p99 ms");
+    for (name, f) in rows {
+        println!("{name:<12} {:>21.0} {:>19.0} {:>8} {:>8}", f.events_per_s, f.steady_per_s, f.p50_ms, f.p99_ms);
+    }
+}
+
+/// `scripts/bench router`: the router beside the plain passthrough.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: run by scripts/bench router"]
+async fn bench_router_against_passthrough_on_tansu() {
+    let broker = Tansu::start();
+    let pass = measure(&broker, "passthrough", Pipeline::Passthrough).await;
+    let router = measure(&broker, "router", Pipeline::Router).await;
+    print_table(&[("passthrough", pass), ("router", router)]);
+    println!(
+        "ratio router / passthrough: {:.2} with start, {:.2} steady",
+        router.events_per_s / pass.events_per_s.max(1.0),
+        router.steady_per_s / pass.steady_per_s.max(1.0)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -250,10 +317,8 @@ async fn bench_worker_against_passthrough_on_tansu() {
     let pass = measure(&broker, "passthrough", Pipeline::Passthrough).await;
     let headers = measure(&broker, "headers", Pipeline::PassthroughWithHeaders).await;
     let dedupd = measure(&broker, "dedupd", Pipeline::Dedupd).await;
-    println!("pipeline      events/s (with start)   events/s (steady)   p50 ms   p99 ms");
-    for (name, f) in [("passthrough", pass), ("+ headers", headers), ("dedupd", dedupd)] {
-        println!("{name:<12} {:>21.0} {:>19.0} {:>8} {:>8}", f.events_per_s, f.steady_per_s, f.p50_ms, f.p99_ms);
-    }
+    print_table(&[("passthrough", pass), ("+ headers", headers), ("dedupd", dedupd)]);
+    println!("repair from the output topic, empty state directory: {:.0} records/s", dedupd.repair_per_s);
     println!(
         "ratio dedupd / passthrough: {:.2} with start, {:.2} steady",
         dedupd.events_per_s / pass.events_per_s.max(1.0),
