@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use dedupd::storage::testutil::sample_event;
+use dedupd::storage::testutil::{sample_event, sample_event_at};
 use dedupd::storage::{FsyncPolicy, NoopObserver, StorageObserver, StoreOptions, StoredEvent, UsageStore};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -166,5 +166,56 @@ fn recovery(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, ingest, recovery);
+/// A conflict's original: the lookup by first-seen time the hot path makes
+/// (one segment) against the full scan of every sidecar `inspect` makes, in
+/// a store of `DEDUPD_BENCH_SEGMENTS` (default 200) segments of 1,000 events
+/// written a minute apart. Originals are drawn from the oldest fifth, where
+/// the scan is at its cheapest.
+fn conflict_original(c: &mut Criterion) {
+    let segments: u64 = std::env::var("DEDUPD_BENCH_SEGMENTS").ok().and_then(|s| s.parse().ok()).unwrap_or(200);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let opts = StoreOptions {
+        fsync: FsyncPolicy::Interval(Duration::from_secs(1)),
+        memtable_max_events: BATCH,
+        compaction_min_segments: usize::MAX,
+        retention_ms: i64::MAX / 4,
+        ..StoreOptions::default()
+    };
+    let (mut store, _) = UsageStore::open(dir.path(), opts, Arc::new(NoopObserver)).expect("open");
+    let mut keys = Vec::new();
+    for s in 0..segments {
+        let events: Vec<StoredEvent> = (0..BATCH as u64)
+            .map(|i| {
+                let n = s * BATCH as u64 + i;
+                sample_event_at(n, 0, n as i64, 1_700_000_000_000 + s as i64 * 60_000 + i as i64)
+            })
+            .collect();
+        store.append(&events).expect("append");
+        store.flush().expect("flush");
+        if s < segments / 5 {
+            keys.extend(events.iter().step_by(97).map(|e| e.key));
+        }
+    }
+    let mut group = c.benchmark_group("conflict_original");
+    group.sample_size(10).warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(5));
+    group.throughput(Throughput::Elements(1));
+    let mut i = 0usize;
+    group.bench_function(format!("by_first_seen_{segments}_segments"), |b| {
+        b.iter(|| {
+            let k = keys[i % keys.len()];
+            i += 1;
+            store.get_first_seen(0, &k.id_hash, k.first_seen_ms).expect("lookup").expect("found")
+        })
+    });
+    group.bench_function(format!("scan_{segments}_segments"), |b| {
+        b.iter(|| {
+            let k = keys[i % keys.len()];
+            i += 1;
+            store.get(Some(0), &k.id_hash).expect("lookup").expect("found")
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, ingest, recovery, conflict_original);
 criterion_main!(benches);

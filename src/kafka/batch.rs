@@ -89,7 +89,7 @@ pub fn classify_batch(
                 let original = if tier == Tier::Batch {
                     in_batch.get(&id_hash).cloned()
                 } else {
-                    engine.original(partition, &id_hash)
+                    engine.original(partition, &id_hash, first.first_seen_ms)
                 };
                 records.push(conflict_record(
                     &event,

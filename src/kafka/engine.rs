@@ -69,8 +69,9 @@ pub trait Engine: Send + 'static {
     /// Remembers published events. Idempotent by output offset: events at or
     /// below the checkpoint are skipped.
     fn apply_published(&mut self, partition: i32, events: &[StoredEvent], now_ms: i64) -> Result<(), EngineError>;
-    /// The accepted event with this id, if local state still holds it.
-    fn original(&self, partition: i32, id: &IdHash) -> Option<UsageEvent>;
+    /// The accepted event with this id, first seen at `first_seen_ms`, if
+    /// local state still holds it (one segment read, never a history scan).
+    fn original(&self, partition: i32, id: &IdHash, first_seen_ms: i64) -> Option<UsageEvent>;
     fn stats(&self, now_ms: i64) -> EngineStats;
     /// Periodic upkeep (expiry, compaction).
     fn maintain(&mut self, now_ms: i64) -> Result<(), EngineError>;
@@ -159,8 +160,8 @@ impl Engine for StateEngine {
             .map_err(state_error("apply", partition))
     }
 
-    fn original(&self, partition: i32, id: &IdHash) -> Option<UsageEvent> {
-        match self.state.as_ref().map(|s| s.original(partition, id)) {
+    fn original(&self, partition: i32, id: &IdHash, first_seen_ms: i64) -> Option<UsageEvent> {
+        match self.state.as_ref().map(|s| s.original_seen_at(partition, id, first_seen_ms)) {
             Some(Ok(e)) => e,
             Some(Err(e)) => {
                 // The diff is a courtesy on the conflicts topic; the conflict

@@ -293,7 +293,7 @@ pub fn run_dedupe_with_progress(
                     if let Some(w) = conflicts.as_mut() {
                         let original: Option<UsageEvent> = match first.batch_index {
                             Some(j) => accepted_in_batch[j].map(|k| published[k].event.clone()),
-                            None => state.original(OFFLINE_PARTITION, id_hash)?,
+                            None => state.original_seen_at(OFFLINE_PARTITION, id_hash, first.first_seen_ms)?,
                         };
                         let differs = original.as_ref().map(|orig| orig.differing_fields(event));
                         w.conflict(line_no, event, id_hash, payload_hash, *tier, first, differs.as_deref(), &batch[i])?;

@@ -368,6 +368,21 @@ impl LocalState {
         }
     }
 
+    /// The accepted event with this id, first seen at `first_seen_ms` (as
+    /// the classifier's tiers remember it): one segment read, never a scan
+    /// of the history. A conflict's original on the hot path.
+    pub fn original_seen_at(
+        &self,
+        partition: i32,
+        id: &IdHash,
+        first_seen_ms: i64,
+    ) -> Result<Option<UsageEvent>, StateError> {
+        match &self.durable {
+            None => Ok(None),
+            Some(d) => Ok(d.usage.get_first_seen(partition, id, first_seen_ms)?.map(|s| s.event)),
+        }
+    }
+
     /// Periodic upkeep between batches: expire hot keys, flush and compact
     /// the usage store, age out the key store.
     pub fn maintain(&mut self, now_ms: i64) -> Result<(), StateError> {

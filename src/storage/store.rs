@@ -453,28 +453,61 @@ impl UsageStore {
     pub fn get(&self, partition: Option<i32>, id: &IdHash) -> Result<Option<StoredEvent>, StorageError> {
         self.check_poison()?;
         for meta in &self.manifest.segments {
-            let seg_path = segment::segment_path(&self.seg_dir, meta.id);
-            let entries = match sidecar::read(self.fs.as_ref(), &sidecar::sidecar_path(&self.seg_dir, meta.id), meta.id)
-            {
-                Ok(entries) => entries,
-                Err(_) => {
-                    let keys = SegmentFile::open(self.fs.as_ref(), &seg_path)?.read_keys()?;
-                    keys.into_iter().enumerate().map(|(row, key)| SidecarEntry { key, row: row as u32 }).collect()
-                }
-            };
-            // A linear pass over 68-byte entries: `get` serves `inspect` and
-            // conflict details, not the hot path.
-            let hit =
-                entries.iter().find(|e| e.key.id_hash == *id && partition.is_none_or(|p| e.key.output.partition == p));
-            if let Some(hit) = hit {
-                let rows = SegmentFile::open(self.fs.as_ref(), &seg_path)?.read_all()?;
-                let row = rows.into_iter().nth(hit.row as usize).ok_or_else(|| {
-                    StorageError::corrupt(&seg_path, 0, format!("sidecar names row {} beyond the segment", hit.row))
-                })?;
-                return Ok(Some(row));
+            if let Some(hit) = self.find_in_segment(meta, partition, id)? {
+                return Ok(Some(hit));
             }
         }
         Ok(self.memtable.get(partition, id).cloned())
+    }
+
+    /// The event with this id, first seen at `first_seen_ms` (what the hot
+    /// cache and the key store remember): only segments whose first-seen
+    /// range holds that instant are read, usually one, so a conflict's
+    /// original costs one segment whatever the length of the history
+    /// (issue #14). `None` when no such segment holds it (aged out).
+    pub fn get_first_seen(
+        &self,
+        partition: i32,
+        id: &IdHash,
+        first_seen_ms: i64,
+    ) -> Result<Option<StoredEvent>, StorageError> {
+        self.check_poison()?;
+        for meta in &self.manifest.segments {
+            if !(meta.min_first_seen_ms..=meta.max_first_seen_ms).contains(&first_seen_ms) {
+                continue;
+            }
+            if let Some(hit) = self.find_in_segment(meta, Some(partition), id)? {
+                return Ok(Some(hit));
+            }
+        }
+        Ok(self.memtable.get(Some(partition), id).cloned())
+    }
+
+    /// Looks `id` up in one segment: its sidecar (or, when the sidecar
+    /// cannot be read, the segment's key columns), then the one row.
+    fn find_in_segment(
+        &self,
+        meta: &SegmentMeta,
+        partition: Option<i32>,
+        id: &IdHash,
+    ) -> Result<Option<StoredEvent>, StorageError> {
+        let seg_path = segment::segment_path(&self.seg_dir, meta.id);
+        let entries = match sidecar::read(self.fs.as_ref(), &sidecar::sidecar_path(&self.seg_dir, meta.id), meta.id) {
+            Ok(entries) => entries,
+            Err(_) => {
+                let keys = SegmentFile::open(self.fs.as_ref(), &seg_path)?.read_keys()?;
+                keys.into_iter().enumerate().map(|(row, key)| SidecarEntry { key, row: row as u32 }).collect()
+            }
+        };
+        // A linear pass over 68-byte entries of one segment.
+        let hit =
+            entries.iter().find(|e| e.key.id_hash == *id && partition.is_none_or(|p| e.key.output.partition == p));
+        let Some(hit) = hit else { return Ok(None) };
+        let rows = SegmentFile::open(self.fs.as_ref(), &seg_path)?.read_all()?;
+        let row = rows.into_iter().nth(hit.row as usize).ok_or_else(|| {
+            StorageError::corrupt(&seg_path, 0, format!("sidecar names row {} beyond the segment", hit.row))
+        })?;
+        Ok(Some(row))
     }
 
     /// Calls `f` on every stored event: segments in order (oldest first), then
@@ -733,5 +766,105 @@ mod tests {
     fn the_store_can_move_to_a_blocking_thread() {
         fn is_send<T: Send>() {}
         is_send::<UsageStore>();
+    }
+
+    /// The real filesystem, counting whole-file reads.
+    #[derive(Debug, Default)]
+    struct CountingFs {
+        reads: std::sync::atomic::AtomicUsize,
+    }
+
+    impl FileSystem for CountingFs {
+        fn create_dir_all(&self, dir: &Path) -> std::io::Result<()> {
+            RealFs.create_dir_all(dir)
+        }
+        fn is_dir(&self, path: &Path) -> bool {
+            RealFs.is_dir(path)
+        }
+        fn is_file(&self, path: &Path) -> bool {
+            RealFs.is_file(path)
+        }
+        fn list_dir(&self, dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+            RealFs.list_dir(dir)
+        }
+        fn file_len(&self, path: &Path) -> std::io::Result<u64> {
+            RealFs.file_len(path)
+        }
+        fn read(&self, path: &Path) -> std::io::Result<Vec<u8>> {
+            self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            RealFs.read(path)
+        }
+        fn write_file(&self, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+            RealFs.write_file(path, bytes)
+        }
+        fn write_file_synced(&self, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+            RealFs.write_file_synced(path, bytes)
+        }
+        fn create_append(&self, path: &Path) -> std::io::Result<Box<dyn super::super::fs::AppendFile>> {
+            RealFs.create_append(path)
+        }
+        fn truncate(&self, path: &Path, len: u64) -> std::io::Result<()> {
+            RealFs.truncate(path, len)
+        }
+        fn sync_file(&self, path: &Path) -> std::io::Result<()> {
+            RealFs.sync_file(path)
+        }
+        fn sync_dir(&self, dir: &Path) -> std::io::Result<()> {
+            RealFs.sync_dir(dir)
+        }
+        fn rename(&self, from: &Path, to: &Path) -> std::io::Result<()> {
+            RealFs.rename(from, to)
+        }
+        fn remove_file(&self, path: &Path) -> std::io::Result<()> {
+            RealFs.remove_file(path)
+        }
+    }
+
+    #[test]
+    fn a_conflicts_original_is_read_from_the_one_segment_of_its_first_seen_time() {
+        use crate::storage::testutil::sample_event_at;
+        let dir = tempfile::tempdir().expect("tmp");
+        let fs = Arc::new(CountingFs::default());
+        // Twenty segments of ten events, each segment a minute apart.
+        let opts = StoreOptions {
+            memtable_max_events: 10,
+            compaction_min_segments: usize::MAX,
+            retention_ms: i64::MAX / 4,
+            ..StoreOptions::default()
+        };
+        let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
+        let (mut store, _) = UsageStore::open_on(fs.clone(), dir.path(), opts, observer).expect("open");
+        let minute = 60_000;
+        let mut events = Vec::new();
+        for seg in 0..20u64 {
+            let batch: Vec<StoredEvent> = (0..10u64)
+                .map(|i| {
+                    let n = seg * 10 + i;
+                    sample_event_at(n, 0, n as i64, 1_700_000_000_000 + seg as i64 * minute + i as i64)
+                })
+                .collect();
+            store.append(&batch).expect("append");
+            store.flush().expect("flush");
+            events.extend(batch);
+        }
+        assert_eq!(store.segments().len(), 20);
+        let late = &events[187];
+        let reads = |f: &dyn Fn() -> Option<StoredEvent>| {
+            let before = fs.reads.load(std::sync::atomic::Ordering::SeqCst);
+            let found = f();
+            (found, fs.reads.load(std::sync::atomic::Ordering::SeqCst) - before)
+        };
+        let (found, n) = reads(&|| store.get_first_seen(0, &late.key.id_hash, late.key.first_seen_ms).expect("lookup"));
+        assert_eq!(found.as_ref().map(|e| &e.event), Some(&late.event));
+        assert_eq!(n, 2, "one sidecar and one segment, not a scan of the history");
+        // The full scan `inspect` uses reads every sidecar up to the hit.
+        let (scanned, n) = reads(&|| store.get(Some(0), &late.key.id_hash).expect("lookup"));
+        assert_eq!(scanned.map(|e| e.event), Some(late.event.clone()));
+        assert!(n > 10, "{n}");
+        // Another partition, or a time no segment covers: nothing, cheaply.
+        assert!(store.get_first_seen(1, &late.key.id_hash, late.key.first_seen_ms).expect("lookup").is_none());
+        let (none, n) = reads(&|| store.get_first_seen(0, &late.key.id_hash, 1).expect("lookup"));
+        assert!(none.is_none());
+        assert_eq!(n, 0);
     }
 }
