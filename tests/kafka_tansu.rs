@@ -663,8 +663,11 @@ async fn through_the_router_any_keying_is_billed_once_across_sigkills_and_withou
 
     let state = tempfile::tempdir().expect("state dir");
     let worker_args = ["--on-misrouted", "reject"];
+    // Dynamic members, like the router: a SIGKILLed static member restarted
+    // on Tansu 0.6 can be left without partitions (the crash-loop test runs
+    // the StatefulSet's static membership on its own).
     let spawn_w =
-        || spawn_worker_with_args(&brokers, "routed", &routed, "w1", Membership::Static, state.path(), &worker_args);
+        || spawn_worker_with_args(&brokers, "routed", &routed, "w1", Membership::Dynamic, state.path(), &worker_args);
     let mut router = spawn_router(&brokers, "router-grp", raw, &routed, "r1");
     let mut worker = spawn_w();
     wait_topic_done(&mut router, &brokers, "router-grp", raw, RAW_PARTITIONS, Duration::from_secs(300)).await;
@@ -703,7 +706,7 @@ async fn through_the_router_any_keying_is_billed_once_across_sigkills_and_withou
     produce_wave(&producer, &unrouted.input, &later).await;
     let state2 = tempfile::tempdir().expect("state dir");
     let mut w2 =
-        spawn_worker_with_args(&brokers, "unrouted", &unrouted, "w2", Membership::Static, state2.path(), &worker_args);
+        spawn_worker_with_args(&brokers, "unrouted", &unrouted, "w2", Membership::Dynamic, state2.path(), &worker_args);
     w2.wait_input_done(&brokers, "unrouted", &unrouted.input, Duration::from_secs(600)).await;
     let counted = metric(w2.metrics, "dedupd_misrouted_records_total").expect("metrics answer");
     w2.stop().await;

@@ -345,14 +345,18 @@ impl WorkerContext {
             Some((c, why)) if code == RDKafkaErrorCode::Fatal => (c, why),
             _ => (code, format!("{error} ({reason})")),
         };
-        let hint = if code == RDKafkaErrorCode::FencedInstanceId {
-            format!(
+        let hint = match code {
+            RDKafkaErrorCode::FencedInstanceId => format!(
                 "; another process joined group `{}` with the same --instance-id {:?}: give each worker its own",
                 self.shared.settings.group,
                 self.shared.settings.instance_id.as_deref().unwrap_or("")
-            )
-        } else {
-            String::new()
+            ),
+            RDKafkaErrorCode::InconsistentGroupProtocol => format!(
+                "; group `{}` has members with another partition.assignment.strategy: give every member the \
+                 same one (dedupd's default is cooperative-sticky)",
+                self.shared.settings.group
+            ),
+            _ => String::new(),
         };
         Some(format!("{code:?}: {why}{hint}"))
     }
@@ -370,6 +374,10 @@ pub(crate) fn fatal_consumer_code(code: RDKafkaErrorCode) -> bool {
             | C::GroupAuthorizationFailed
             | C::TopicAuthorizationFailed
             | C::ClusterAuthorizationFailed
+            // Members of one group with assignors that cannot work together
+            // (a `partition.assignment.strategy` override on some of them):
+            // this member would never join.
+            | C::InconsistentGroupProtocol
     )
 }
 
