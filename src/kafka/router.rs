@@ -35,7 +35,6 @@ use futures::future::join_all;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::error::KafkaError as RdError;
 use rdkafka::message::{Headers, Message, OwnedMessage};
-use rdkafka::producer::Producer;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
 use crate::event::{id_hash, identity_key, Position, Rejection, Validator};
@@ -44,7 +43,7 @@ use crate::kafka::error::KafkaError;
 use crate::kafka::publisher::Publisher;
 use crate::kafka::records::{rejected_record, Destination, OutRecord};
 use crate::kafka::settings::{DeliveryMode, RunSettings, Topics};
-use crate::kafka::worker::{fatal_consumer_code, live_group_metadata, start_publisher};
+use crate::kafka::worker::{fatal_consumer_code, flush_and_leave, live_group_metadata, start_publisher};
 use crate::metrics::{Metrics, MetricsServer, PublishRetried, Rebalanced, RouteBatchPublished};
 
 /// The settings of `dedupd route`: a [`RunSettings`] whose topics are read
@@ -210,16 +209,7 @@ pub async fn route(
     let mut report = RouteReport::default();
     let result = router.run_loop(&consumer, shutdown, &mut report).await;
 
-    let p = producer.clone();
-    if let Err(e) = blocking(move || p.flush(timeout)).await? {
-        tracing::warn!(error = %e, "producer flush at shutdown failed");
-    }
-    let c = consumer;
-    blocking(move || {
-        c.unsubscribe();
-        drop(c);
-    })
-    .await?;
+    flush_and_leave(&producer, consumer, timeout).await?;
     if let Some(t) = publisher_task {
         t.abort();
     }

@@ -730,19 +730,8 @@ pub async fn run(
     let ctx_consumer = consumer.clone();
     blocking(move || ctx_consumer.context().revoke(&owned, false)).await?;
 
-    let p = producer.clone();
-    if let Err(e) = blocking(move || p.flush(timeout)).await? {
-        tracing::warn!(error = %e, "producer flush at shutdown failed");
-    }
     drop(shared.publisher.clone());
-    // Closing the consumer leaves the group (or, with static membership,
-    // keeps the slot until the session times out). Blocking: off the runtime.
-    let c = consumer;
-    blocking(move || {
-        c.unsubscribe();
-        drop(c);
-    })
-    .await?;
+    flush_and_leave(&producer, consumer, timeout).await?;
     if let Some(t) = publisher_task {
         t.abort();
     }
@@ -772,6 +761,26 @@ pub async fn run(
         batches_abandoned: shared.batches_abandoned.load(Ordering::Relaxed),
         assignments_lost: shared.assignments_lost.load(Ordering::Relaxed),
     })
+}
+
+/// The last steps of an orderly stop: flush what the producer still holds,
+/// then close the consumer, which leaves the group (or, with static
+/// membership, keeps the slot until the session times out). Blocking calls,
+/// off the runtime.
+pub(crate) async fn flush_and_leave<C: ConsumerContext + 'static>(
+    producer: &FutureProducer,
+    consumer: Arc<StreamConsumer<C>>,
+    timeout: Duration,
+) -> Result<(), KafkaError> {
+    let p = producer.clone();
+    if let Err(e) = blocking(move || p.flush(timeout)).await? {
+        tracing::warn!(error = %e, "producer flush at shutdown failed");
+    }
+    blocking(move || {
+        consumer.unsubscribe();
+        drop(consumer);
+    })
+    .await
 }
 
 /// Completes on SIGTERM or SIGINT: the shutdown future for [`run`] in the
