@@ -347,10 +347,11 @@ impl Router<'_> {
         report.batches += 1;
         tracing::debug!(records = batch.len(), partitions = groups.len(), failed = failed.len(), "routed a batch");
         if self.s.delivery == DeliveryMode::AtLeastOnce && commit.count() > 0 {
-            let c = consumer.clone();
-            if let Err(e) = blocking(move || c.commit(&commit, CommitMode::Sync)).await? {
-                // The batch is published; routing it again only makes
-                // duplicates the dedupe stage recognises.
+            // Asynchronous: the batch is published and acknowledged, so a
+            // commit that fails or is lost only routes it again, which the
+            // dedupe stage recognises as duplicates; waiting for the broker's
+            // answer would cost a round trip per batch.
+            if let Err(e) = consumer.commit(&commit, CommitMode::Async) {
                 tracing::warn!(error = %e, "committing raw offsets failed");
             }
         }
