@@ -170,8 +170,8 @@ fn recovery(c: &mut Criterion) {
 /// (one segment) against the full scan of every sidecar `inspect` makes, in
 /// a store of `DEDUPD_BENCH_SEGMENTS` (default 200) segments of 1,000 events
 /// written a minute apart. Originals are drawn evenly from the whole history.
-/// Both decode the whole segment that holds the row: what remains of the
-/// cost, and it grows with `memtable_max_events` (1,000 rows here).
+/// Both decode only the row, but decompress whole columns of its segment:
+/// what remains of the cost grows with the segment's size (1,000 rows here).
 fn conflict_original(c: &mut Criterion) {
     let segments: u64 = std::env::var("DEDUPD_BENCH_SEGMENTS").ok().and_then(|s| s.parse().ok()).unwrap_or(200);
     let dir = tempfile::tempdir().expect("tempdir");

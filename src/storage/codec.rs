@@ -136,6 +136,23 @@ impl<'a> Reader<'a> {
         self.utf8(len)
     }
 
+    /// Passes over one [`str`](Self::str) entry without building it.
+    pub(crate) fn skip_str(&mut self) -> Result<(), DecodeError> {
+        let len = usize::try_from(self.varint()?).map_err(|_| DecodeError("string length overflow".into()))?;
+        self.bytes(len).map(|_| ())
+    }
+
+    /// Passes over one [`opt_str`](Self::opt_str) entry without building it.
+    pub(crate) fn skip_opt_str(&mut self) -> Result<(), DecodeError> {
+        match self.varint()? {
+            0 => Ok(()),
+            n => {
+                let len = usize::try_from(n - 1).map_err(|_| DecodeError("string length overflow".into()))?;
+                self.bytes(len).map(|_| ())
+            }
+        }
+    }
+
     pub(crate) fn opt_str(&mut self) -> Result<Option<String>, DecodeError> {
         match self.varint()? {
             0 => Ok(None),

@@ -503,11 +503,15 @@ impl UsageStore {
         let hit =
             entries.iter().find(|e| e.key.id_hash == *id && partition.is_none_or(|p| e.key.output.partition == p));
         let Some(hit) = hit else { return Ok(None) };
-        let rows = SegmentFile::open(self.fs.as_ref(), &seg_path)?.read_all()?;
-        let row = rows.into_iter().nth(hit.row as usize).ok_or_else(|| {
-            StorageError::corrupt(&seg_path, 0, format!("sidecar names row {} beyond the segment", hit.row))
-        })?;
-        Ok(Some(row))
+        let segment = SegmentFile::open(self.fs.as_ref(), &seg_path)?;
+        if hit.row as usize >= segment.rows() {
+            return Err(StorageError::corrupt(
+                &seg_path,
+                0,
+                format!("sidecar names row {} beyond the segment", hit.row),
+            ));
+        }
+        Ok(Some(segment.read_row(hit.row as usize)?))
     }
 
     /// Calls `f` on every stored event: segments in order (oldest first), then
@@ -861,6 +865,12 @@ mod tests {
         let (scanned, n) = reads(&|| store.get(Some(0), &late.key.id_hash).expect("lookup"));
         assert_eq!(scanned.map(|e| e.event), Some(late.event.clone()));
         assert!(n > 10, "{n}");
+        // Every row reads back whole from its segment alone (optional fields,
+        // corrections, dimensions before and at the row all vary).
+        for e in &events {
+            let got = store.get_first_seen(0, &e.key.id_hash, e.key.first_seen_ms).expect("lookup");
+            assert_eq!(got.as_ref(), Some(e));
+        }
         // Another partition, or a time no segment covers: nothing, cheaply.
         assert!(store.get_first_seen(1, &late.key.id_hash, late.key.first_seen_ms).expect("lookup").is_none());
         let (none, n) = reads(&|| store.get_first_seen(0, &late.key.id_hash, 1).expect("lookup"));
