@@ -106,7 +106,6 @@ pub struct RouteReport {
 #[derive(Default)]
 pub struct RouterContext {
     revoked: AtomicBool,
-    lost: Arc<AtomicBool>,
     metrics: OnceLock<Arc<Metrics>>,
 }
 
@@ -123,9 +122,6 @@ impl ConsumerContext for RouterContext {
             tracing::info!(revoked = ?partitions(tpl), "raw partitions revoked");
             self.revoked.store(true, Ordering::SeqCst);
             let lost = base.assignment_lost();
-            if lost {
-                self.lost.store(true, Ordering::SeqCst);
-            }
             if let Some(m) = self.metrics.get() {
                 if lost { Rebalanced::Lost } else { Rebalanced::Revoked }.emit(m);
             }
@@ -272,7 +268,6 @@ impl Router<'_> {
                 report.batches_rewound += 1;
                 continue;
             }
-            context.lost.store(false, Ordering::SeqCst);
             self.publish_batch(consumer, &batch, report).await?;
         }
     }
@@ -299,7 +294,12 @@ impl Router<'_> {
     ) -> Result<(), KafkaError> {
         let now_ms = wall_ms();
         let groups = by_partition(batch);
-        let lost = consumer.context().lost.clone();
+        // Rebalance callbacks run only inside `recv`, never while a batch is
+        // published, so no assignment can be lost mid-publish from the
+        // router's point of view; a session that expires meanwhile is caught
+        // by the transaction's group metadata (a member without an id
+        // cannot commit offsets) or, at-least-once, only re-routes a batch.
+        let lost = Arc::new(AtomicBool::new(false));
         let mut counts = Vec::with_capacity(groups.len());
         let mut publishes = Vec::with_capacity(groups.len());
         for (&partition, messages) in &groups {

@@ -359,15 +359,6 @@ impl LocalState {
         Ok(fresh.len())
     }
 
-    /// The first accepted payload of an id, when the usage store still has it
-    /// (to name the fields that differ in a conflict).
-    pub fn original(&self, partition: i32, id: &IdHash) -> Result<Option<UsageEvent>, StateError> {
-        match &self.durable {
-            None => Ok(None),
-            Some(d) => Ok(d.usage.get(Some(partition), id)?.map(|s| s.event)),
-        }
-    }
-
     /// The accepted event with this id, first seen at `first_seen_ms` (as
     /// the classifier's tiers remember it): one segment read, never a scan
     /// of the history. A conflict's original on the hot path.
