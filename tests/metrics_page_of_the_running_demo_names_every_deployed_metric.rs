@@ -20,6 +20,23 @@ fn scrape(addr: SocketAddr) -> Option<String> {
     head.starts_with("HTTP/1.1 200").then(|| body.to_owned())
 }
 
+/// A page split into its families: each `# HELP` line starts one, and its
+/// `# TYPE` line and samples follow.
+fn families(page: &str) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    for line in page.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let name = rest.split_whitespace().next().unwrap_or_default().to_owned();
+            out.push((name, String::new()));
+        }
+        if let Some((_, block)) = out.last_mut() {
+            block.push_str(line);
+            block.push('\n');
+        }
+    }
+    out
+}
+
 /// The family names a page declares (`# TYPE name kind`), with the suffix a
 /// query uses: counters as `name_total` when the page names them so.
 fn declared(page: &str) -> Vec<String> {
@@ -41,15 +58,22 @@ fn metrics_page_of_the_running_demo_names_every_deployed_metric() {
         .spawn()
         .expect("spawn demo");
     let started = Instant::now();
-    let mut best: Option<String> = None;
+    // Families labelled by partition exist only while a partition is owned
+    // and observed (lag from the first statistics tick, gone at revoke;
+    // repair figures from the first repair), so no single scrape is sure to
+    // hold every family at once. Keep each family's latest block from every
+    // scrape of this one process: the page checked is the union, every block
+    // of it printed by the binary.
+    let mut seen: Vec<(String, String)> = Vec::new();
+    let mut scraped = false;
     while started.elapsed() < Duration::from_secs(120) {
         if let Some(page) = scrape(addr) {
-            // Families labelled by partition exist while a partition is
-            // owned and observed (lag from the first statistics tick, gone
-            // at revoke), so keep the scrape that declares the most.
-            let richer = best.as_ref().is_none_or(|b| declared(&page).len() >= declared(b).len());
-            if richer {
-                best = Some(page);
+            scraped = true;
+            for (name, block) in families(&page) {
+                match seen.iter_mut().find(|(n, _)| *n == name) {
+                    Some(slot) => slot.1 = block,
+                    None => seen.push((name, block)),
+                }
             }
         }
         if child.try_wait().expect("try_wait").is_some() {
@@ -59,7 +83,8 @@ fn metrics_page_of_the_running_demo_names_every_deployed_metric() {
     }
     let status = child.wait().expect("demo exits");
     assert!(status.success(), "demo failed");
-    let page = best.expect("scraped /metrics at least once while the demo ran");
+    assert!(scraped, "scraped /metrics at least once while the demo ran");
+    let page: String = seen.into_iter().map(|(_, block)| block).collect();
     let accepted = page
         .lines()
         .find_map(|l| l.strip_prefix("dedupd_events_total{bucket=\"accepted\"} "))

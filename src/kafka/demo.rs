@@ -374,14 +374,19 @@ pub async fn demo(settings: DemoSettings, parts: WorkerParts) -> Result<DemoRepo
         tokio::time::sleep(Duration::from_millis(100)).await;
         waited += Duration::from_millis(100);
     }
-    // Then until the worker's own lag gauge says every partition is caught
-    // up (librdkafka statistics tick every second), so the demo's metrics
-    // page ends showing what an operator would check: lag 0 everywhere.
+    // Then until the worker's own lag gauge has said every partition is
+    // caught up across a whole statistics interval (librdkafka ticks every
+    // second, and one tick can carry an end offset older than the last
+    // record produced), so the demo's metrics page shows what an operator
+    // would check, lag 0 everywhere, for at least that long before the
+    // worker leaves and its partitions' gauges go with them.
     let caught_up = || (0..settings.partitions).all(|p| metrics.consumer_lag(p) == Some(0));
     let mut waited = Duration::ZERO;
-    while !caught_up() && !worker.is_finished() && waited < Duration::from_secs(10) {
+    let mut held = Duration::ZERO;
+    while held < Duration::from_millis(1200) && !worker.is_finished() && waited < Duration::from_secs(10) {
         tokio::time::sleep(Duration::from_millis(100)).await;
         waited += Duration::from_millis(100);
+        held = if caught_up() { held + Duration::from_millis(100) } else { Duration::ZERO };
     }
     let _ = stop_tx.send(());
     let run = worker.await.map_err(|e| KafkaError::Task { detail: e.to_string() })??;
