@@ -7,6 +7,7 @@
 //! it wherever it was set. All of it happens in [`EngineSettings::resolve`]
 //! before any file or socket is opened.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -109,6 +110,16 @@ pub struct TuningArgs {
     /// or `ignore` the field (kept out of the payload hash) [default: reject].
     #[arg(long, env = "DEDUPD_UNKNOWN_FIELDS", value_name = "reject|ignore")]
     pub unknown_fields: Option<String>,
+    /// How far behind its counter's watermark an event may be and still
+    /// update its hour in the usage ledger; a later event becomes an
+    /// adjustment (reason `late`). Per-meter overrides: `[meters.NAME]
+    /// lateness = "6h"` in the config file [default: 48h].
+    #[arg(long, env = "DEDUPD_LATENESS", value_name = "DURATION")]
+    pub lateness: Option<String>,
+    /// Keep the usage ledger (hourly rollups per customer and meter) in
+    /// local state [default: true].
+    #[arg(long, env = "DEDUPD_LEDGER", value_name = "BOOL")]
+    pub ledger: Option<String>,
     /// A (tenant, month) closed for usage, `tenant:YYYY-MM`; repeatable.
     #[arg(long = "closed-period", env = "DEDUPD_CLOSED_PERIODS", value_delimiter = ',', value_name = "TENANT:YYYY-MM")]
     pub closed_periods: Vec<String>,
@@ -165,6 +176,12 @@ pub struct FileConfig {
     pub unknown_fields: Option<String>,
     /// See `--closed-period`.
     pub closed_periods: Option<Vec<String>>,
+    /// See `--lateness`.
+    pub lateness: Option<String>,
+    /// See `--ledger`.
+    pub ledger: Option<bool>,
+    /// Per-meter settings: `[meters.api_calls] lateness = "6h"`.
+    pub meters: Option<BTreeMap<String, MeterConfig>>,
     // Keys only `dedupd run` reads; see `dedupd run --help`. They live in
     // this one struct because serde cannot combine `flatten` with
     // `deny_unknown_fields`.
@@ -191,6 +208,15 @@ pub struct FileConfig {
     /// `dedupd route` only: the topic of raw records it places.
     pub raw_topic: Option<String>,
     pub on_misrouted: Option<String>,
+}
+
+/// Settings of one meter in the config file. Unknown keys are an error,
+/// like everywhere in the file.
+#[derive(Deserialize, Debug, Default, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct MeterConfig {
+    /// This meter's lateness window; see `--lateness`.
+    pub lateness: Option<String>,
 }
 
 impl FileConfig {
@@ -227,6 +253,12 @@ pub struct EngineSettings {
     pub derive_salt: String,
     pub closed_periods: Vec<ClosedPeriod>,
     pub unknown_fields: UnknownFields,
+    /// How late an event may be behind its counter's watermark and still
+    /// update its hour (`--lateness`, per-meter overrides in the file).
+    pub lateness: crate::ledger::Lateness,
+    /// Keep the usage ledger (rollups, watermarks, adjustments) as a tier
+    /// of local state.
+    pub ledger: bool,
 }
 
 impl Default for EngineSettings {
@@ -249,6 +281,8 @@ impl Default for EngineSettings {
             derive_salt: "dedupd".to_owned(),
             closed_periods: Vec::new(),
             unknown_fields: UnknownFields::Reject,
+            lateness: crate::ledger::Lateness::default(),
+            ledger: true,
         }
     }
 }
@@ -517,6 +551,20 @@ impl EngineSettings {
         )?
         .unwrap_or(d.unknown_fields);
 
+        let lateness_default = pick("lateness", &args.lateness, file_dur("lateness", &file.lateness)?, parse_duration)?;
+        let mut lateness = crate::ledger::Lateness {
+            default_ms: lateness_default.map_or(d.lateness.default_ms, ms),
+            per_meter: BTreeMap::new(),
+        };
+        for (meter, m) in file.meters.iter().flatten() {
+            if let Some(text) = &m.lateness {
+                let window = parse_duration(text)
+                    .map_err(|why| invalid("meters", format!("[meters.{meter}] lateness {text:?}: {why}")))?;
+                lateness.per_meter.insert(meter.clone(), ms(window));
+            }
+        }
+        let ledger = pick("ledger", &args.ledger, file.ledger, parse_bool)?.unwrap_or(d.ledger);
+
         let dl = Limits::default();
         let limits = Limits {
             max_record_bytes: max_record_bytes.map_or(dl.max_record_bytes, |v| v as usize),
@@ -546,6 +594,8 @@ impl EngineSettings {
             derive_salt,
             closed_periods,
             unknown_fields,
+            lateness,
+            ledger,
         };
         s.validate()?;
         Ok(s)

@@ -18,6 +18,9 @@
 //! - [`storage`]: the durable usage store: WAL, columnar segments, sidecar
 //!   index, manifest, recovery (sync, no async runtime).
 //! - [`keystore`]: the long-horizon key store on RocksDB (sync).
+//! - [`ledger`]: the usage ledger: hourly rollups per customer and meter,
+//!   watermarks, late events as adjustments, periods and queries; a tier of
+//!   local state, pure fold with a RocksDB store (sync).
 //! - [`offline`]: `dedupd dedupe`, the engine over NDJSON files (sync).
 //! - [`pipeline`]: the sans-I/O core of the worker: every decision of a
 //!   partition's life (repair, batch order, revoke and lost assignments,
@@ -40,6 +43,7 @@ pub mod config;
 pub mod event;
 pub mod kafka;
 pub mod keystore;
+pub mod ledger;
 pub mod metrics;
 pub mod offline;
 pub mod pipeline;

@@ -98,6 +98,31 @@ enum Command {
         #[arg(long, env = "DEDUPD_STATE_DIR")]
         state_dir: PathBuf,
     },
+    /// Usage totals from the ledger of a state directory: rollups summed over
+    /// the partitions it holds, grouped, with the late events that became
+    /// adjustments. Read-only; works beside a running worker.
+    Usage {
+        #[arg(long, env = "DEDUPD_STATE_DIR")]
+        state_dir: PathBuf,
+        #[arg(long)]
+        tenant: String,
+        #[arg(long)]
+        customer: Option<String>,
+        #[arg(long)]
+        meter: Option<String>,
+        /// Start, inclusive: YYYY-MM, YYYY-MM-DD (UTC) or RFC 3339.
+        #[arg(long)]
+        from: String,
+        /// End, exclusive: YYYY-MM, YYYY-MM-DD (UTC) or RFC 3339.
+        #[arg(long)]
+        to: String,
+        /// hour, day, period, customer or meter (default: one total row).
+        #[arg(long)]
+        group_by: Option<String>,
+        /// table or json.
+        #[arg(long, default_value = "table")]
+        format: String,
+    },
     /// Where and when an event was seen.
     Inspect {
         #[arg(long, env = "DEDUPD_STATE_DIR")]
@@ -433,6 +458,33 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let (report, clean) = dedupd::state::verify_state_dir(&state_dir)?;
             print!("{report}");
             Ok(if clean { ExitCode::SUCCESS } else { ExitCode::from(1) })
+        }
+        Command::Usage { state_dir, tenant, customer, meter, from, to, group_by, format } => {
+            let bound =
+                |flag: &str, s: &str| dedupd::ledger::parse_bound(s).map_err(|why| anyhow::anyhow!("--{flag}: {why}"));
+            let query = dedupd::ledger::UsageQuery {
+                tenant_id: tenant,
+                customer_id: customer,
+                meter,
+                from_ms: bound("from", &from)?,
+                to_ms: bound("to", &to)?,
+                group_by: group_by
+                    .as_deref()
+                    .map(dedupd::ledger::GroupBy::parse)
+                    .transpose()
+                    .map_err(|why| anyhow::anyhow!(why))?,
+            };
+            query.check().map_err(|why| anyhow::anyhow!(why))?;
+            if format != "table" && format != "json" {
+                anyhow::bail!("--format {format:?}: expected table or json");
+            }
+            let answer = dedupd::state::usage(&state_dir, &query)?;
+            if format == "json" {
+                println!("{}", serde_json::to_string_pretty(&answer.to_json())?);
+            } else {
+                print!("{}", answer.to_table());
+            }
+            Ok(ExitCode::SUCCESS)
         }
         Command::Inspect { state_dir, tenant, event_id, tuning } => {
             let (settings, _) = engine_settings(&tuning)?;

@@ -26,12 +26,13 @@ use crate::classify::{
 use crate::config::EngineSettings;
 use crate::event::{IdHash, UsageEvent, Validator};
 use crate::keystore::{KeyStore, KeyStoreOptions, KeyTier, KeystoreError};
+use crate::ledger::{Ledger, LedgerError, LedgerStore, Preview};
 use crate::storage::{
     FileSystem, NoopObserver, RecoveryReport, StateDirLock, StorageError, StorageObserver, StoreOptions, UsageStore,
 };
 
 pub use crate::storage::StoredEvent;
-pub use tools::{inspect, verify_state_dir};
+pub use tools::{inspect, usage, verify_state_dir};
 
 /// Failure of a state tier. Any of these stops the batch: guessing would
 /// risk a double count or a lost event.
@@ -43,6 +44,8 @@ pub enum StateError {
     Storage(#[from] StorageError),
     #[error("key store: {0}")]
     Keystore(#[from] KeystoreError),
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
     #[error("cannot create state directory {dir}: {source}")]
     CreateDir { dir: PathBuf, source: std::io::Error },
     #[error("partition {partition} is not assigned to this process")]
@@ -90,6 +93,9 @@ pub struct LocalState {
     durable: Option<Durable>,
     /// In-memory mode only: last output offset applied, per partition.
     memory_checkpoints: BTreeMap<i32, i64>,
+    /// The usage ledger tier; `None` when the ledger is off (and on the
+    /// simulator's disk, which models the usage store and key store only).
+    ledger: Option<Ledger>,
     last_age_out_ms: i64,
     /// Evictions of hot caches already dropped (revoked partitions), so the
     /// process-wide count never goes back.
@@ -136,6 +142,7 @@ impl LocalState {
     /// State kept in memory only: lost at exit, rebuilt by repair.
     pub fn in_memory(settings: EngineSettings, detect_replays: bool) -> LocalState {
         LocalState {
+            ledger: settings.ledger.then(Ledger::in_memory),
             settings,
             detect_replays,
             partitions: BTreeMap::new(),
@@ -174,7 +181,10 @@ impl LocalState {
         let lock = StateDirLock::acquire(dir)?;
         let (usage, recovery) = UsageStore::open(&dir.join("usage"), store_options(&settings), observer)?;
         let keys = KeyStore::open(&dir.join("keystore"), keystore_options(&settings))?;
+        let ledger =
+            if settings.ledger { Some(Ledger::Durable(LedgerStore::open(&dir.join("ledger"))?)) } else { None };
         let mut state = LocalState::in_memory(settings, detect_replays);
+        state.ledger = ledger;
         state.durable = Some(Durable { dir: dir.to_owned(), usage, keys: Box::new(keys), recovery, _lock: Some(lock) });
         Ok(state)
     }
@@ -192,6 +202,7 @@ impl LocalState {
     ) -> Result<LocalState, StateError> {
         let (usage, recovery) = UsageStore::open_on(fs, &dir.join("usage"), store, Arc::new(NoopObserver))?;
         let mut state = LocalState::in_memory(settings, detect_replays);
+        state.ledger = None;
         state.durable = Some(Durable { dir: dir.to_owned(), usage, keys, recovery, _lock: None });
         Ok(state)
     }
@@ -278,7 +289,11 @@ impl LocalState {
                 // A key store that cannot answer is treated as empty: repair
                 // then replays everything, which is always safe.
                 let keys = d.keys.checkpoint(partition).ok().flatten()?;
-                Some(usage.min(keys))
+                let mut min = usage.min(keys);
+                if let Some(ledger) = &self.ledger {
+                    min = min.min(ledger.checkpoint(partition).ok().flatten()?);
+                }
+                Some(min)
             }
         }
     }
@@ -292,7 +307,8 @@ impl LocalState {
             Some(d) => {
                 let usage = d.usage.checkpoint(partition);
                 let keys = d.keys.checkpoint(partition).ok().flatten();
-                usage.max(keys)
+                let ledger = self.ledger.as_ref().and_then(|l| l.checkpoint(partition).ok().flatten());
+                usage.max(keys).max(ledger)
             }
         }
     }
@@ -353,6 +369,10 @@ impl LocalState {
                 d.keys.apply_batch(partition, &keys, last)?;
             }
         }
+        if let Some(ledger) = &mut self.ledger {
+            let accepted: Vec<(&UsageEvent, i64)> = fresh.iter().map(|e| (&e.event, e.key.output.offset)).collect();
+            ledger.apply(partition, &self.settings.lateness, &accepted)?;
+        }
         if let Some(classifier) = self.partitions.get_mut(&partition) {
             classifier.commit(fresh.iter().map(|e| &e.key), now_ms);
         }
@@ -372,6 +392,25 @@ impl LocalState {
             None => Ok(None),
             Some(d) => Ok(d.usage.get_first_seen(partition, id, first_seen_ms)?.map(|s| s.event)),
         }
+    }
+
+    /// The ledger's changes if `accepted` (in output order, with the output
+    /// offsets they will have) were applied now: the rollups and adjustments
+    /// a batch publishes in its own transaction. `None` with the ledger off.
+    pub fn ledger_preview(
+        &self,
+        partition: i32,
+        accepted: &[(&UsageEvent, i64)],
+    ) -> Result<Option<Preview>, StateError> {
+        match &self.ledger {
+            None => Ok(None),
+            Some(l) => Ok(Some(l.preview(partition, &self.settings.lateness, accepted)?)),
+        }
+    }
+
+    /// The ledger tier, when kept.
+    pub fn ledger(&self) -> Option<&Ledger> {
+        self.ledger.as_ref()
     }
 
     /// Periodic upkeep between batches: expire hot keys, flush and compact
@@ -411,6 +450,9 @@ impl LocalState {
 
     /// Flushes and closes every tier.
     pub fn close(self) -> Result<(), StateError> {
+        if let Some(l) = &self.ledger {
+            l.flush()?;
+        }
         if let Some(d) = self.durable {
             d.keys.flush()?;
             d.usage.close()?;

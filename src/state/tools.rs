@@ -1,17 +1,19 @@
-//! The operator commands on a state directory: `dedupd verify` and
-//! `dedupd inspect`.
+//! The operator commands on a state directory: `dedupd verify`,
+//! `dedupd inspect` and `dedupd usage`.
 
 use std::fmt::Write as _;
 use std::path::Path;
 
 use crate::config::EngineSettings;
 use crate::event::{format_timestamp_ms, id_hash, to_canonical_json};
+use crate::ledger::{LedgerStore, UsageAnswer, UsageQuery};
 use crate::storage::FileStatus;
 
 use super::{LocalState, StateError};
 
 /// `dedupd verify`: every checksum of the usage store (WAL frames, segment
-/// footers, sidecars, manifests) and every block of the key store. Changes
+/// footers, sidecars, manifests), every block of the key store, and every
+/// entry of the ledger. Changes
 /// nothing, and may run beside the worker (what it is writing right now may
 /// show as a torn WAL tail, which is not corruption). Returns the report and
 /// whether everything is intact.
@@ -53,6 +55,20 @@ pub fn verify_state_dir(state_dir: &Path) -> Result<(String, bool), StateError> 
         }
     } else {
         let _ = writeln!(out, "key store {}: absent", keys_dir.display());
+    }
+    let ledger_dir = state_dir.join("ledger");
+    if ledger_dir.exists() {
+        match LedgerStore::open_read_only(&ledger_dir).and_then(|l| l.verify()) {
+            Ok(n) => {
+                let _ = writeln!(out, "ledger {}: {n} entries decoded, checksums ok", ledger_dir.display());
+            }
+            Err(e) => {
+                let _ = writeln!(out, "ledger {}: CORRUPT: {e}", ledger_dir.display());
+                clean = false;
+            }
+        }
+    } else {
+        let _ = writeln!(out, "ledger {}: absent", ledger_dir.display());
     }
     let _ = writeln!(out, "{}", if clean { "verify: ok" } else { "verify: CORRUPTION FOUND" });
     Ok((out, clean))
@@ -111,4 +127,16 @@ pub fn inspect(
     }
     state.close()?;
     Ok(answer)
+}
+
+/// Answers a usage query from the ledger of a state directory. Read-only
+/// and without the directory's lock, so it works beside a running worker
+/// (seeing the ledger as of the moment it opens). A worker holds only its
+/// partitions' share: the whole deployment's totals are on the rollups topic.
+pub fn usage(state_dir: &Path, query: &UsageQuery) -> Result<UsageAnswer, StateError> {
+    let store = LedgerStore::open_read_only(&state_dir.join("ledger"))?;
+    let mut rollups = Vec::new();
+    store.rollups(&query.tenant_id, query.customer_id.as_deref(), |k, _, r| rollups.push((k, r)))?;
+    let adjustments = store.adjustments(&query.tenant_id)?;
+    Ok(UsageAnswer::of(query, rollups.iter().map(|(k, r)| (k, r)), adjustments))
 }

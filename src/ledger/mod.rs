@@ -1,0 +1,170 @@
+//! The usage ledger: what billing asks of the accepted events.
+//!
+//! Accepted events (never duplicates, conflicts or rejects) fold into hourly
+//! rollups per (tenant, customer, meter, hour, partition) with `sum`,
+//! `count`, `max`, `last` and the hour's latest event time. Each counter
+//! (tenant, customer, meter) has a watermark per partition, the largest event
+//! time folded in; an event more than the lateness window `L` behind it does
+//! not rewrite its hour but becomes an explicit [`Adjustment`] (reason
+//! `late`) against its period.
+//!
+//! Partitioned on purpose: one customer's events are spread over every input
+//! partition (they are placed by event identity), so each partition's ledger
+//! holds that partition's share, and a total is a sum over partitions. Each
+//! partition's ledger is a pure function of its output partition in offset
+//! order, so it is a tier of local state like the others: checkpointed by
+//! output offset, idempotent, rebuilt by repair.
+//!
+//! - [`rollup`]: the fold (pure).
+//! - [`period`]: calendar months in UTC (pure).
+//! - [`query`]: filtering and grouping rollups (pure).
+//! - [`store`]: the durable tier in `<state-dir>/ledger` (sync, RocksDB).
+
+#[cfg(test)]
+mod model_tests;
+mod period;
+mod query;
+mod rollup;
+mod store;
+
+use std::collections::BTreeMap;
+
+pub use period::Period;
+pub use query::{parse_bound, GroupBy, UsageAnswer, UsageQuery};
+pub use rollup::{
+    hour_of, Adjustment, AdjustmentReason, CounterKey, FoldError, Folded, HourKey, Lateness, LedgerMaps, Rollup,
+    DEFAULT_LATENESS_MS, HOUR_MS,
+};
+pub use store::{LedgerError, LedgerStore, Preview};
+
+use crate::event::UsageEvent;
+
+/// One partition's ledger kept in memory (state without a directory).
+#[derive(Clone, Default)]
+pub struct MemoryPartition {
+    maps: LedgerMaps,
+    adjustments: Vec<Adjustment>,
+    checkpoint: Option<i64>,
+}
+
+/// The ledger tier of local state: in memory, or durable in a state
+/// directory. Both fold the same way; see the module doc.
+#[derive(Debug)]
+pub enum Ledger {
+    Memory(BTreeMap<i32, MemoryPartition>),
+    Durable(LedgerStore),
+}
+
+impl std::fmt::Debug for MemoryPartition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryPartition").field("hours", &self.maps.hours.len()).finish()
+    }
+}
+
+impl Ledger {
+    pub fn in_memory() -> Ledger {
+        Ledger::Memory(BTreeMap::new())
+    }
+
+    pub fn checkpoint(&self, partition: i32) -> Result<Option<i64>, LedgerError> {
+        match self {
+            Ledger::Memory(parts) => Ok(parts.get(&partition).and_then(|p| p.checkpoint)),
+            Ledger::Durable(store) => store.checkpoint(partition),
+        }
+    }
+
+    /// What folding `events` would change, read-only: the rollups a batch
+    /// publishes in its own transaction.
+    pub fn preview(
+        &self,
+        partition: i32,
+        lateness: &Lateness,
+        events: &[(&UsageEvent, i64)],
+    ) -> Result<Preview, LedgerError> {
+        match self {
+            Ledger::Durable(store) => store.preview(partition, lateness, events),
+            Ledger::Memory(parts) => {
+                let mut maps = LedgerMaps::default();
+                if let Some(held) = parts.get(&partition) {
+                    for (e, _) in events {
+                        let counter = CounterKey::of(e);
+                        let hour = HourKey { counter: counter.clone(), hour_ms: hour_of(e.timestamp_ms) };
+                        if let Some(r) = held.maps.hours.get(&hour) {
+                            maps.hours.insert(hour, r.clone());
+                        }
+                        if let Some(w) = held.maps.watermarks.get(&counter) {
+                            maps.watermarks.insert(counter, *w);
+                        }
+                    }
+                }
+                let folded = maps.fold(lateness, events.iter().copied())?;
+                Ok(Preview { maps, folded })
+            }
+        }
+    }
+
+    /// Folds `events` in; those at or below the checkpoint are skipped.
+    pub fn apply(
+        &mut self,
+        partition: i32,
+        lateness: &Lateness,
+        events: &[(&UsageEvent, i64)],
+    ) -> Result<Folded, LedgerError> {
+        match self {
+            Ledger::Durable(store) => store.apply(partition, lateness, events),
+            Ledger::Memory(parts) => {
+                let held = parts.entry(partition).or_default();
+                let checkpoint = held.checkpoint;
+                let fresh = events.iter().copied().filter(|(_, o)| checkpoint.is_none_or(|c| *o > c));
+                let folded = held.maps.fold(lateness, fresh)?;
+                held.adjustments.extend(folded.adjustments.iter().cloned());
+                if let Some((_, last)) = events.last() {
+                    held.checkpoint = Some(checkpoint.map_or(*last, |c| c.max(*last)));
+                }
+                Ok(folded)
+            }
+        }
+    }
+
+    /// Every rollup of `tenant` (and `customer`), with its partition.
+    pub fn rollups(
+        &self,
+        tenant_id: &str,
+        customer_id: Option<&str>,
+        mut f: impl FnMut(HourKey, i32, Rollup),
+    ) -> Result<(), LedgerError> {
+        match self {
+            Ledger::Durable(store) => store.rollups(tenant_id, customer_id, f),
+            Ledger::Memory(parts) => {
+                for (p, held) in parts {
+                    for (k, r) in &held.maps.hours {
+                        if k.counter.tenant_id == tenant_id && customer_id.is_none_or(|c| c == k.counter.customer_id) {
+                            f(k.clone(), *p, r.clone());
+                        }
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Every adjustment of `tenant`.
+    pub fn adjustments(&self, tenant_id: &str) -> Result<Vec<Adjustment>, LedgerError> {
+        match self {
+            Ledger::Durable(store) => store.adjustments(tenant_id),
+            Ledger::Memory(parts) => Ok(parts
+                .values()
+                .flat_map(|p| p.adjustments.iter())
+                .filter(|a| a.counter.tenant_id == tenant_id)
+                .cloned()
+                .collect()),
+        }
+    }
+
+    pub fn flush(&self) -> Result<(), LedgerError> {
+        match self {
+            Ledger::Durable(store) => store.flush(),
+            Ledger::Memory(_) => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,286 @@
+//! Usage queries over rollups (pure): filter by tenant, customer, meter and
+//! time range, group, and sum across partitions.
+
+use std::collections::BTreeMap;
+
+use super::period::civil_from_days;
+use super::rollup::{HourKey, Rollup, HOUR_MS};
+use super::Period;
+
+/// How a query's rows are grouped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GroupBy {
+    Hour,
+    Day,
+    Period,
+    Customer,
+    Meter,
+}
+
+impl GroupBy {
+    pub fn parse(s: &str) -> Result<GroupBy, String> {
+        match s {
+            "hour" => Ok(GroupBy::Hour),
+            "day" => Ok(GroupBy::Day),
+            "period" => Ok(GroupBy::Period),
+            "customer" => Ok(GroupBy::Customer),
+            "meter" => Ok(GroupBy::Meter),
+            other if other.starts_with("dimension:") => Err(format!(
+                "--group-by {other}: rollups are kept per customer, meter and hour, not per dimension value"
+            )),
+            other => Err(format!("--group-by {other:?}: expected hour, day, period, customer or meter")),
+        }
+    }
+}
+
+/// What to total.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UsageQuery {
+    pub tenant_id: String,
+    pub customer_id: Option<String>,
+    pub meter: Option<String>,
+    /// Inclusive, epoch milliseconds; rounded down to its hour.
+    pub from_ms: i64,
+    /// Exclusive, epoch milliseconds; an hour that starts before it counts.
+    pub to_ms: i64,
+    pub group_by: Option<GroupBy>,
+}
+
+impl UsageQuery {
+    /// Refuses a range that selects nothing by construction.
+    pub fn check(&self) -> Result<(), String> {
+        if self.to_ms <= self.from_ms {
+            return Err(format!(
+                "the range is backwards or empty: --from {} is not before --to {}",
+                crate::event::format_timestamp_ms(self.from_ms),
+                crate::event::format_timestamp_ms(self.to_ms)
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether a rollup's counter-hour is selected. Hours are the unit: an
+    /// hour is in when it starts inside `[hour_of(from), to)`.
+    pub fn selects(&self, key: &HourKey) -> bool {
+        key.counter.tenant_id == self.tenant_id
+            && self.customer_id.as_ref().is_none_or(|c| *c == key.counter.customer_id)
+            && self.meter.as_ref().is_none_or(|m| *m == key.counter.meter)
+            && key.hour_ms >= super::hour_of(self.from_ms)
+            && key.hour_ms < self.to_ms
+    }
+
+    /// The row label of a selected counter-hour.
+    pub fn label(&self, key: &HourKey) -> String {
+        match self.group_by {
+            None => "total".to_owned(),
+            Some(GroupBy::Hour) => crate::event::format_timestamp_ms(key.hour_ms),
+            Some(GroupBy::Day) => {
+                let (y, m, d) = civil_from_days(key.hour_ms.div_euclid(24 * HOUR_MS));
+                format!("{y:04}-{m:02}-{d:02}")
+            }
+            Some(GroupBy::Period) => Period::of_ms(key.hour_ms).to_string(),
+            Some(GroupBy::Customer) => key.counter.customer_id.clone(),
+            Some(GroupBy::Meter) => key.counter.meter.clone(),
+        }
+    }
+
+    /// Sums the selected rollups (of any partitions) into rows by label.
+    pub fn total<'a>(&self, rollups: impl IntoIterator<Item = (&'a HourKey, &'a Rollup)>) -> BTreeMap<String, Rollup> {
+        let mut rows: BTreeMap<String, Rollup> = BTreeMap::new();
+        for (key, rollup) in rollups {
+            if self.selects(key) {
+                rows.entry(self.label(key)).or_default().merge(rollup);
+            }
+        }
+        rows
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ledger::CounterKey;
+    use rust_decimal::Decimal;
+
+    fn key(customer: &str, hour_ms: i64) -> HourKey {
+        HourKey {
+            counter: CounterKey { tenant_id: "t".into(), customer_id: customer.into(), meter: "m".into() },
+            hour_ms,
+        }
+    }
+
+    fn rollup(sum: i64) -> Rollup {
+        Rollup { sum: Decimal::from(sum), count: 1, ..Rollup::default() }
+    }
+
+    #[test]
+    fn rows_group_by_day_and_sum_partitions() {
+        let day = 1_700_006_400_000; // 2023-11-15T00:00Z
+        let data = [(key("a", day), rollup(1)), (key("a", day), rollup(2)), (key("b", day + 25 * HOUR_MS), rollup(4))];
+        let q = UsageQuery {
+            tenant_id: "t".into(),
+            customer_id: None,
+            meter: None,
+            from_ms: day,
+            to_ms: day + 48 * HOUR_MS,
+            group_by: Some(GroupBy::Day),
+        };
+        let rows = q.total(data.iter().map(|(k, r)| (k, r)));
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows["2023-11-15"].sum, Decimal::from(3));
+        assert_eq!(rows["2023-11-16"].sum, Decimal::from(4));
+        let only_b = UsageQuery { customer_id: Some("b".into()), group_by: None, ..q.clone() };
+        assert_eq!(only_b.total(data.iter().map(|(k, r)| (k, r)))["total"].sum, Decimal::from(4));
+        let backwards = UsageQuery { to_ms: day, ..q };
+        assert!(backwards.check().unwrap_err().contains("backwards"));
+    }
+}
+
+/// A query's answer: rows of summed rollups, and the adjustments (events
+/// too late to rewrite their hour) of the selected counters whose event time
+/// falls in the range, which billing applies on top.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UsageAnswer {
+    pub rows: BTreeMap<String, Rollup>,
+    pub adjustments: Vec<super::Adjustment>,
+}
+
+impl UsageAnswer {
+    /// Answers `query` from rollups and adjustments of any partitions.
+    pub fn of<'a>(
+        query: &UsageQuery,
+        rollups: impl IntoIterator<Item = (&'a HourKey, &'a Rollup)>,
+        adjustments: impl IntoIterator<Item = super::Adjustment>,
+    ) -> UsageAnswer {
+        let mut adjustments: Vec<super::Adjustment> = adjustments
+            .into_iter()
+            .filter(|a| query.selects(&HourKey { counter: a.counter.clone(), hour_ms: super::hour_of(a.event_ms) }))
+            .collect();
+        adjustments.sort_by(|a, b| (a.event_ms, &a.event_id).cmp(&(b.event_ms, &b.event_id)));
+        UsageAnswer { rows: query.total(rollups), adjustments }
+    }
+
+    /// Sum of every row.
+    pub fn rolled_up(&self) -> rust_decimal::Decimal {
+        self.rows.values().map(|r| r.sum).sum()
+    }
+
+    /// Sum of the adjustments.
+    pub fn adjusted(&self) -> rust_decimal::Decimal {
+        self.adjustments.iter().map(|a| a.amount).sum()
+    }
+
+    pub fn to_json(&self) -> serde_json::Value {
+        let dec = |d: rust_decimal::Decimal| d.normalize().to_string();
+        let rows: Vec<serde_json::Value> = self
+            .rows
+            .iter()
+            .map(|(group, r)| {
+                serde_json::json!({
+                    "group": group,
+                    "sum": dec(r.sum),
+                    "count": r.count,
+                    "corrections": r.corrections,
+                    "max": r.max.map(dec),
+                    "last": r.last.map(|(_, q)| dec(q)),
+                    "latest_event": (r.latest_event_ms != i64::MIN)
+                        .then(|| crate::event::format_timestamp_ms(r.latest_event_ms)),
+                })
+            })
+            .collect();
+        let adjustments: Vec<serde_json::Value> = self
+            .adjustments
+            .iter()
+            .map(|a| {
+                serde_json::json!({
+                    "period": a.period.to_string(),
+                    "customer_id": a.counter.customer_id,
+                    "meter": a.counter.meter,
+                    "event_id": a.event_id,
+                    "kind": a.kind.as_str(),
+                    "amount": dec(a.amount),
+                    "timestamp": crate::event::format_timestamp_ms(a.event_ms),
+                    "reason": a.reason.as_str(),
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "rows": rows,
+            "rolled_up": dec(self.rolled_up()),
+            "adjustments": adjustments,
+            "adjusted": dec(self.adjusted()),
+            "net": dec(self.rolled_up() + self.adjusted()),
+        })
+    }
+
+    /// A fixed-width table for a terminal.
+    pub fn to_table(&self) -> String {
+        use std::fmt::Write;
+        let dec = |d: rust_decimal::Decimal| d.normalize().to_string();
+        let mut out = String::new();
+        let width = self.rows.keys().map(String::len).max().unwrap_or(5).max(5);
+        let _ =
+            writeln!(out, "{:<width$}  {:>20}  {:>10}  {:>11}  {:>14}", "group", "sum", "count", "corrections", "max");
+        for (group, r) in &self.rows {
+            let _ = writeln!(
+                out,
+                "{group:<width$}  {:>20}  {:>10}  {:>11}  {:>14}",
+                dec(r.sum),
+                r.count,
+                r.corrections,
+                r.max.map(dec).unwrap_or_else(|| "-".into())
+            );
+        }
+        let _ = writeln!(out, "rolled up {}", dec(self.rolled_up()));
+        for a in &self.adjustments {
+            let _ = writeln!(
+                out,
+                "adjustment {} {} {} {} {} ({}, {})",
+                a.period,
+                a.counter.customer_id,
+                a.counter.meter,
+                a.event_id,
+                dec(a.amount),
+                a.reason.as_str(),
+                crate::event::format_timestamp_ms(a.event_ms)
+            );
+        }
+        let _ = writeln!(out, "adjusted {}  net {}", dec(self.adjusted()), dec(self.rolled_up() + self.adjusted()));
+        out
+    }
+}
+
+/// Parses a query bound: `YYYY-MM` (the month's first instant), `YYYY-MM-DD`
+/// (midnight UTC) or an RFC 3339 timestamp.
+pub fn parse_bound(s: &str) -> Result<i64, String> {
+    if let Ok(p) = Period::parse(s) {
+        return Ok(p.start_ms());
+    }
+    if s.len() == 10 {
+        if let Some((ym, d)) = s.rsplit_once('-') {
+            if let (Ok(p), Ok(day)) = (Period::parse(ym), d.parse::<u8>()) {
+                if d.len() == 2 && day >= 1 && i64::from(day) <= (p.end_ms() - p.start_ms()) / (24 * HOUR_MS) {
+                    return Ok(p.start_ms() + i64::from(day - 1) * 24 * HOUR_MS);
+                }
+            }
+        }
+    }
+    let t = time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339)
+        .map_err(|_| format!("{s:?} is not a time: expected YYYY-MM, YYYY-MM-DD or an RFC 3339 timestamp"))?;
+    i64::try_from(t.unix_timestamp_nanos() / 1_000_000).map_err(|_| format!("{s:?} is out of range"))
+}
+
+#[cfg(test)]
+mod bound_tests {
+    use super::*;
+
+    #[test]
+    fn bounds_read_months_days_and_timestamps() {
+        assert_eq!(parse_bound("2023-11"), Ok(1_698_796_800_000));
+        assert_eq!(parse_bound("2023-11-15"), Ok(1_700_006_400_000));
+        assert_eq!(parse_bound("2023-11-15T01:00:00Z"), Ok(1_700_010_000_000));
+        for bad in ["2023-11-31", "2023-13", "yesterday", "2023-11-15 01:00"] {
+            assert!(parse_bound(bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,315 @@
+//! Hourly rollups, counter watermarks and the lateness rule (pure, no I/O).
+//!
+//! A partition's ledger is a function of the accepted events of its output
+//! partition, in output-offset order: the same records folded again give the
+//! same rollups, watermarks and adjustments. That is what lets repair rebuild
+//! the ledger from the output topic like every other tier, and what makes a
+//! rollup published in a batch's transaction equal to what local state holds
+//! after the batch is applied.
+
+use std::collections::BTreeMap;
+
+use rust_decimal::Decimal;
+
+use crate::event::{EventKind, UsageEvent};
+
+/// One hour in epoch milliseconds.
+pub const HOUR_MS: i64 = 3_600_000;
+
+/// The counter an event adds to: one customer's usage of one meter.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct CounterKey {
+    pub tenant_id: String,
+    pub customer_id: String,
+    pub meter: String,
+}
+
+impl CounterKey {
+    pub fn of(event: &UsageEvent) -> CounterKey {
+        CounterKey {
+            tenant_id: event.tenant_id.clone(),
+            customer_id: event.customer_id.clone(),
+            meter: event.meter.clone(),
+        }
+    }
+}
+
+/// A counter's hour: the unit rollups are kept and published in (per
+/// partition; a reader sums partitions).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct HourKey {
+    pub counter: CounterKey,
+    /// Start of the hour, epoch milliseconds UTC.
+    pub hour_ms: i64,
+}
+
+/// The start of the hour `ms` falls in.
+pub fn hour_of(ms: i64) -> i64 {
+    ms.div_euclid(HOUR_MS) * HOUR_MS
+}
+
+/// What one counter-hour of one partition holds.
+///
+/// `sum` is the billed quantity: usage plus corrections and retractions,
+/// which carry signed deltas (a retraction of 5 units is sent as `-5`).
+/// `count`, `max` and `last` describe usage events only, so a correction
+/// never shows as the hour's largest or latest reading.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rollup {
+    pub sum: Decimal,
+    /// Usage events folded in.
+    pub count: u64,
+    /// Corrections and retractions folded in.
+    pub corrections: u64,
+    /// Largest usage quantity.
+    pub max: Option<Decimal>,
+    /// The usage event with the latest event time: (event time, quantity).
+    /// On equal times the one later in output order wins.
+    pub last: Option<(i64, Decimal)>,
+    /// Largest event time folded into this hour.
+    pub latest_event_ms: i64,
+}
+
+impl Default for Rollup {
+    fn default() -> Rollup {
+        Rollup { sum: Decimal::ZERO, count: 0, corrections: 0, max: None, last: None, latest_event_ms: i64::MIN }
+    }
+}
+
+impl Rollup {
+    /// Folds one accepted event in. Exact: `Decimal` addition, and a sum
+    /// that would overflow 96 bits saturates nothing, it is an error the
+    /// caller reports (see [`FoldError`]).
+    pub fn fold(&mut self, event: &UsageEvent) -> Result<(), FoldError> {
+        self.sum = self.sum.checked_add(event.quantity).ok_or_else(|| FoldError::Overflow {
+            counter: CounterKey::of(event),
+            hour_ms: hour_of(event.timestamp_ms),
+        })?;
+        self.latest_event_ms = self.latest_event_ms.max(event.timestamp_ms);
+        if event.kind == EventKind::Usage {
+            self.count += 1;
+            self.max = Some(self.max.map_or(event.quantity, |m| m.max(event.quantity)));
+            if self.last.is_none_or(|(t, _)| event.timestamp_ms >= t) {
+                self.last = Some((event.timestamp_ms, event.quantity));
+            }
+        } else {
+            self.corrections += 1;
+        }
+        Ok(())
+    }
+
+    /// Adds another partition's rollup of the same counter-hour (or another
+    /// hour, for coarser groups): what a reader does across partitions.
+    pub fn merge(&mut self, other: &Rollup) {
+        self.sum += other.sum;
+        self.count += other.count;
+        self.corrections += other.corrections;
+        self.max = match (self.max, other.max) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        self.last = match (self.last, other.last) {
+            (Some(a), Some(b)) => Some(if b.0 > a.0 { b } else { a }),
+            (a, b) => a.or(b),
+        };
+        self.latest_event_ms = self.latest_event_ms.max(other.latest_event_ms);
+    }
+}
+
+/// A fold that cannot be exact.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FoldError {
+    #[error("the sum of {counter:?} in hour {hour_ms} overflows an exact decimal")]
+    Overflow { counter: CounterKey, hour_ms: i64 },
+}
+
+/// How far behind its counter's watermark an event may be and still update
+/// its hour: `L` of the stripemeter ADR, 48 hours unless a meter says
+/// otherwise.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lateness {
+    pub default_ms: i64,
+    pub per_meter: BTreeMap<String, i64>,
+}
+
+/// `L` when nothing is configured.
+pub const DEFAULT_LATENESS_MS: i64 = 48 * HOUR_MS;
+
+impl Default for Lateness {
+    fn default() -> Lateness {
+        Lateness { default_ms: DEFAULT_LATENESS_MS, per_meter: BTreeMap::new() }
+    }
+}
+
+impl Lateness {
+    pub fn window_ms(&self, meter: &str) -> i64 {
+        self.per_meter.get(meter).copied().unwrap_or(self.default_ms)
+    }
+
+    /// An event is late when its time is more than `L` behind the largest
+    /// event time its counter has folded in on this partition.
+    pub fn is_late(&self, event: &UsageEvent, watermark_ms: Option<i64>) -> bool {
+        watermark_ms.is_some_and(|w| event.timestamp_ms < w.saturating_sub(self.window_ms(&event.meter)))
+    }
+}
+
+/// Why an accepted event became an adjustment instead of updating its hour.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum AdjustmentReason {
+    /// Later than the lateness window behind its counter's watermark.
+    Late,
+}
+
+impl AdjustmentReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AdjustmentReason::Late => "late",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<AdjustmentReason> {
+        match s {
+            "late" => Some(AdjustmentReason::Late),
+            _ => None,
+        }
+    }
+}
+
+/// An accepted event that does not rewrite history: billing applies it as
+/// an explicit line against its period.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Adjustment {
+    pub counter: CounterKey,
+    /// The calendar month (UTC) of the event's time.
+    pub period: super::Period,
+    pub event_id: String,
+    pub kind: EventKind,
+    pub amount: Decimal,
+    pub event_ms: i64,
+    pub reason: AdjustmentReason,
+    /// Where the accepted event sits in the output: its identity in the log.
+    pub output_offset: i64,
+}
+
+/// A partition's ledger held in maps: what the durable store loads for a
+/// batch (the counters and hours it touches), and the whole ledger in
+/// memory-only state and in the reference model of the tests.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LedgerMaps {
+    pub hours: BTreeMap<HourKey, Rollup>,
+    /// Largest event time folded in per counter (late events excluded).
+    pub watermarks: BTreeMap<CounterKey, i64>,
+}
+
+/// What folding a batch changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Folded {
+    /// Hours whose rollup changed, each once, in key order.
+    pub hours: Vec<HourKey>,
+    /// Counters whose watermark moved.
+    pub counters: Vec<CounterKey>,
+    pub adjustments: Vec<Adjustment>,
+}
+
+impl LedgerMaps {
+    /// Folds accepted events, in output order, each with its output offset.
+    /// Late events become adjustments and leave hours and watermarks alone.
+    pub fn fold<'a>(
+        &mut self,
+        lateness: &Lateness,
+        events: impl IntoIterator<Item = (&'a UsageEvent, i64)>,
+    ) -> Result<Folded, FoldError> {
+        let mut hours = std::collections::BTreeSet::new();
+        let mut counters = std::collections::BTreeSet::new();
+        let mut adjustments = Vec::new();
+        for (event, offset) in events {
+            let counter = CounterKey::of(event);
+            let watermark = self.watermarks.get(&counter).copied();
+            if lateness.is_late(event, watermark) {
+                adjustments.push(Adjustment {
+                    period: super::Period::of_ms(event.timestamp_ms),
+                    counter,
+                    event_id: event.event_id.clone(),
+                    kind: event.kind,
+                    amount: event.quantity,
+                    event_ms: event.timestamp_ms,
+                    reason: AdjustmentReason::Late,
+                    output_offset: offset,
+                });
+                continue;
+            }
+            let key = HourKey { counter: counter.clone(), hour_ms: hour_of(event.timestamp_ms) };
+            self.hours.entry(key.clone()).or_default().fold(event)?;
+            hours.insert(key);
+            if watermark.is_none_or(|w| event.timestamp_ms > w) {
+                self.watermarks.insert(counter.clone(), event.timestamp_ms);
+                counters.insert(counter);
+            }
+        }
+        Ok(Folded { hours: hours.into_iter().collect(), counters: counters.into_iter().collect(), adjustments })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::testutil::sample_event_at;
+
+    fn usage(customer: &str, ts: i64, qty: i64) -> UsageEvent {
+        let mut e = sample_event_at(0, 0, 0, ts).event;
+        e.customer_id = customer.to_owned();
+        e.timestamp_ms = ts;
+        e.quantity = Decimal::from(qty);
+        e.kind = EventKind::Usage;
+        e.correction_ref = None;
+        e
+    }
+
+    #[test]
+    fn an_hour_keeps_sum_count_max_and_last_by_event_time() {
+        let t = 1_700_000_000_000 - 1_700_000_000_000 % HOUR_MS;
+        let mut maps = LedgerMaps::default();
+        let events = [usage("c", t + 50, 3), usage("c", t + 10, 7), usage("c", t + 50, 2)];
+        let folded = maps.fold(&Lateness::default(), events.iter().zip(0..)).expect("fold");
+        assert_eq!(folded.hours.len(), 1);
+        let r = &maps.hours[&folded.hours[0]];
+        assert_eq!((r.sum, r.count, r.max), (Decimal::from(12), 3, Some(Decimal::from(7))));
+        // Equal event times: the one later in output order is the last.
+        assert_eq!(r.last, Some((t + 50, Decimal::from(2))));
+        assert_eq!(maps.watermarks[&CounterKey::of(&events[0])], t + 50);
+    }
+
+    #[test]
+    fn an_event_later_than_the_window_becomes_an_adjustment_and_moves_nothing() {
+        let t = 1_700_000_000_000;
+        let lateness = Lateness { default_ms: 10 * HOUR_MS, per_meter: BTreeMap::new() };
+        let mut maps = LedgerMaps::default();
+        maps.fold(&lateness, [(&usage("c", t, 1), 0)]).expect("fold");
+        let before = maps.clone();
+        // Exactly L behind is still on time; one millisecond more is late.
+        let on_time = usage("c", t - 10 * HOUR_MS, 4);
+        let late = usage("c", t - 10 * HOUR_MS - 1, 5);
+        let folded = maps.fold(&lateness, [(&late, 1)]).expect("fold");
+        assert_eq!(maps, before, "a late event rewrites no hour and no watermark");
+        assert_eq!(folded.adjustments.len(), 1);
+        let a = &folded.adjustments[0];
+        assert_eq!((a.amount, a.reason, a.output_offset), (Decimal::from(5), AdjustmentReason::Late, 1));
+        let folded = maps.fold(&lateness, [(&on_time, 2)]).expect("fold");
+        assert!(folded.adjustments.is_empty());
+        // A per-meter window overrides the default.
+        let strict = Lateness { default_ms: 10 * HOUR_MS, per_meter: [(on_time.meter.clone(), HOUR_MS)].into() };
+        assert!(strict.is_late(&on_time, Some(t)));
+    }
+
+    #[test]
+    fn corrections_move_the_sum_but_not_the_usage_figures() {
+        let t = 1_700_000_000_000;
+        let mut maps = LedgerMaps::default();
+        let mut fix = usage("c", t + 5, -2);
+        fix.kind = EventKind::Correction;
+        maps.fold(&Lateness::default(), [(&usage("c", t, 5), 0), (&fix, 1)]).expect("fold");
+        let r = maps.hours.values().next().expect("one hour");
+        assert_eq!((r.sum, r.count, r.corrections), (Decimal::from(3), 1, 1));
+        assert_eq!((r.max, r.last), (Some(Decimal::from(5)), Some((t, Decimal::from(5)))));
+    }
+}
