@@ -191,6 +191,7 @@ pub struct FileConfig {
     pub output_topic: Option<String>,
     pub conflicts_topic: Option<String>,
     pub rejected_topic: Option<String>,
+    pub rollups_topic: Option<String>,
     pub state_dir: Option<PathBuf>,
     pub metrics_addr: Option<String>,
     pub delivery: Option<String>,

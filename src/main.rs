@@ -171,6 +171,11 @@ struct RunArgs {
     conflicts_topic: Option<String>,
     #[arg(long, env = "DEDUPD_REJECTED_TOPIC")]
     rejected_topic: Option<String>,
+    /// Publish the usage ledger's hourly rollups and late-event adjustments
+    /// here, in the same transaction as the accepted events. Create it
+    /// compacted (`cleanup.policy=compact`): each key holds its latest total.
+    #[arg(long, env = "DEDUPD_ROLLUPS_TOPIC")]
+    rollups_topic: Option<String>,
     /// Durable local state; without it state lives in memory and is rebuilt
     /// from the output topic at every start.
     #[arg(long, env = "DEDUPD_STATE_DIR")]
@@ -252,6 +257,7 @@ impl RunArgs {
             output: need("output_topic", self.output_topic.as_ref(), file.output_topic.as_ref())?,
             conflicts: need("conflicts_topic", self.conflicts_topic.as_ref(), file.conflicts_topic.as_ref())?,
             rejected: need("rejected_topic", self.rejected_topic.as_ref(), file.rejected_topic.as_ref())?,
+            rollups: self.rollups_topic.clone().or_else(|| file.rollups_topic.clone()),
         };
         let mut s = RunSettings::new(
             need("brokers", self.brokers.as_ref(), file.brokers.as_ref())?,
@@ -363,6 +369,8 @@ impl RunArgs {
         args.output_topic = Some(input);
         args.conflicts_topic = Some(rejected.clone());
         args.rejected_topic = Some(rejected);
+        // The router places records; the ledger is the workers'.
+        args.rollups_topic = None;
         let (run, _) = args.resolve(file, env)?;
         Ok(dedupd::kafka::router::RouteSettings { run })
     }

@@ -145,6 +145,7 @@ pub struct Metrics {
     assigned_partitions: IntGauge,
     unkeyed_records: IntCounter,
     misrouted_records: IntCounter,
+    late_events: IntCounter,
     routed_records: IntCounterVec,
     publish_retries: IntCounterVec,
     transactions: IntCounterVec,
@@ -265,6 +266,11 @@ impl Metrics {
             "dedupd_misrouted_records_total",
             "Valid input records on a partition other than the one --partitioner assigns their identity",
         );
+        let late_events = b.counter(
+            "dedupd_late_events_total",
+            "Accepted events later than the lateness window behind their counter's watermark: \
+             published as adjustments (reason late), their hours left as they were",
+        );
         let routed_records = b.counters(
             "dedupd_routed_records_total",
             "Raw records `dedupd route` keyed and placed by identity (routed) or sent to the rejected topic",
@@ -372,6 +378,7 @@ impl Metrics {
             assigned_partitions,
             unkeyed_records,
             misrouted_records,
+            late_events,
             routed_records,
             publish_retries,
             transactions,
@@ -420,6 +427,10 @@ impl Metrics {
 
     pub fn misrouted_records(&self) -> u64 {
         self.misrouted_records.get()
+    }
+
+    pub fn late_events(&self) -> u64 {
+        self.late_events.get()
     }
 
     /// Raw records the router handled, `result` one of routed, rejected.
@@ -524,6 +535,8 @@ pub struct BatchClassified {
     /// Valid records whose identity belongs on another partition (rejected
     /// with `misrouted` or not, as `--on-misrouted` says).
     pub misrouted: u64,
+    /// Accepted events the ledger made adjustments (reason `late`).
+    pub late: u64,
     /// Rejections by reason.
     pub rejected_by_reason: Vec<(RejectReason, u64)>,
     /// Conflicts by tenant.
@@ -555,6 +568,9 @@ impl BatchClassified {
         }
         if self.misrouted > 0 {
             m.misrouted_records.inc_by(self.misrouted);
+        }
+        if self.late > 0 {
+            m.late_events.inc_by(self.late);
         }
         if self.conflict > 0 || self.rejected > 0 || self.misrouted > 0 {
             tracing::info!(
@@ -1022,6 +1038,7 @@ mod tests {
             "dedupd_assigned_partitions",
             "dedupd_unkeyed_records_total",
             "dedupd_misrouted_records_total",
+            "dedupd_late_events_total",
         ] {
             assert!(page.contains(&format!("# TYPE {name} ")), "{name} missing from\n{page}");
         }

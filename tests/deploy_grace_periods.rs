@@ -14,7 +14,8 @@ fn required(budget: Duration) -> Duration {
 }
 
 fn default_budget() -> Duration {
-    let topics = Topics { input: "i".into(), output: "o".into(), conflicts: "c".into(), rejected: "r".into() };
+    let topics =
+        Topics { input: "i".into(), output: "o".into(), conflicts: "c".into(), rejected: "r".into(), rollups: None };
     RunSettings::new("b", "g", topics).shutdown_budget()
 }
 

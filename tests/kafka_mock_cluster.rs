@@ -24,6 +24,9 @@ fn cluster(topics: &Topics, output_partitions: i32) -> MockCluster<'static, rdka
     mock.create_topic(&topics.output, output_partitions, 1).expect("topic");
     mock.create_topic(&topics.conflicts, 1, 1).expect("topic");
     mock.create_topic(&topics.rejected, 2, 1).expect("topic");
+    if let Some(rollups) = &topics.rollups {
+        mock.create_topic(rollups, 2, 1).expect("topic");
+    }
     mock
 }
 
@@ -178,7 +181,8 @@ async fn at_least_once_survives_a_broker_outage_and_a_coordinator_move() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_crashed_worker_is_repaired_from_the_output_topic_by_its_successor() {
     for delivery in [DeliveryMode::AtLeastOnce, DeliveryMode::ExactlyOnce] {
-        let topics = topics(&format!("crash-{delivery}"));
+        let mut topics = topics(&format!("crash-{delivery}"));
+        topics.rollups = Some(format!("crash-{delivery}-rollups"));
         let group = format!("crash-{delivery}");
         let mock = cluster(&topics, PARTITIONS);
         let brokers = mock.bootstrap_servers();
@@ -224,6 +228,13 @@ async fn a_crashed_worker_is_repaired_from_the_output_topic_by_its_successor() {
             assert!(report.repaired_records > 0, "the successor must rebuild state from the output topic");
         }
         check_outcome(&brokers, &topics, &group, &s, delivery);
+        // The successor's ledger was rebuilt from the output, so the totals
+        // on the rollups topic (latest per key, summed over partitions) are
+        // the output's, hour by hour.
+        let output = read_topic(&brokers, &topics.output);
+        let (rollups, late) = rollup_totals(&read_topic(&brokers, topics.rollups.as_deref().expect("rollups")));
+        assert_eq!(rollups, output_totals(&output), "rollups topic against the accepted events ({delivery})");
+        assert!(late.is_empty(), "no event of the scenario is later than 48 hours: {late:?}");
     }
 }
 

@@ -9,7 +9,9 @@ use hashbrown::HashMap;
 use crate::classify::{SeenKey, Tier};
 use crate::event::{IdHash, Position, RejectReason, UsageEvent};
 use crate::kafka::engine::{Engine, EngineError, InputRecord, Outcome, Placement, StoredEvent};
-use crate::kafka::records::{accepted_record, conflict_record, rejected_record, OutRecord};
+use crate::kafka::records::{
+    accepted_record, adjustment_record, conflict_record, rejected_record, rollup_record, OutRecord,
+};
 use crate::metrics::BatchClassified;
 
 /// One input record of a batch.
@@ -29,6 +31,9 @@ pub struct BatchLayout {
     pub conflicts_partitions: usize,
     pub rejected_partitions: usize,
     pub max_rejected_raw_bytes: usize,
+    /// Partitions of the rollups topic; `None`: the ledger's changes are
+    /// not published.
+    pub rollups_partitions: Option<usize>,
 }
 
 /// A classified batch, ready to publish.
@@ -115,6 +120,23 @@ pub fn classify_batch(
                     layout.max_rejected_raw_bytes,
                     layout.rejected_partitions,
                 ));
+            }
+        }
+    }
+    // The ledger's new totals for the hours this batch touches, and its
+    // late events as adjustments, go out in the same unit as the events (one
+    // transaction in exactly-once mode): billing never sees a total that
+    // disagrees with the output. Offsets are not known yet and the records
+    // do not need them.
+    let events: Vec<(&UsageEvent, i64)> = accepted.iter().map(|(_, s)| (&s.event, -1)).collect();
+    if let Some(preview) = engine.ledger_preview(partition, &events)? {
+        summary.late = preview.folded.adjustments.len() as u64;
+        if let Some(rollups_partitions) = layout.rollups_partitions {
+            for (key, rollup) in preview.rollups() {
+                records.push(rollup_record(key, rollup, partition, rollups_partitions, now_ms));
+            }
+            for a in &preview.folded.adjustments {
+                records.push(adjustment_record(a, partition, rollups_partitions, now_ms));
             }
         }
     }

@@ -123,6 +123,8 @@ pub struct TopicLayout {
     pub partitions: usize,
     pub conflicts_partitions: usize,
     pub rejected_partitions: usize,
+    /// Of `--rollups-topic`, when set.
+    pub rollups_partitions: Option<usize>,
 }
 
 /// Checks that every topic exists and input and output are co-partitioned.
@@ -144,6 +146,7 @@ pub fn check_topics(settings: &RunSettings, timeout: Duration) -> Result<TopicLa
         partitions: input,
         conflicts_partitions: count(&t.conflicts)?,
         rejected_partitions: count(&t.rejected)?,
+        rollups_partitions: t.rollups.as_deref().map(&count).transpose()?,
     })
 }
 
@@ -259,7 +262,13 @@ mod tests {
         let mut s = RunSettings::new(
             "127.0.0.1:9",
             "g",
-            crate::kafka::Topics { input: "i".into(), output: "o".into(), conflicts: "c".into(), rejected: "r".into() },
+            crate::kafka::Topics {
+                input: "i".into(),
+                output: "o".into(),
+                conflicts: "c".into(),
+                rejected: "r".into(),
+                rollups: None,
+            },
         );
         s.kafka_properties = vec![
             ("consumer.fetch.wait.max.ms".into(), "77".into()),

@@ -207,6 +207,9 @@ fn start_mock_cluster(partitions: i32, topics: &Topics) -> Result<(String, std::
                 mock.create_topic(&topics.output, partitions, 1)?;
                 mock.create_topic(&topics.conflicts, 1, 1)?;
                 mock.create_topic(&topics.rejected, 1, 1)?;
+                if let Some(rollups) = &topics.rollups {
+                    mock.create_topic(rollups, partitions, 1)?;
+                }
                 Ok::<_, rdkafka::error::KafkaError>(mock)
             })();
             match started {
@@ -322,6 +325,7 @@ pub async fn demo(settings: DemoSettings, parts: WorkerParts) -> Result<DemoRepo
         output: "usage-events-deduped".into(),
         conflicts: "usage-conflicts".into(),
         rejected: "usage-rejected".into(),
+        rollups: Some("usage-rollups".into()),
     };
     let (brokers, _mock_guard) = start_mock_cluster(settings.partitions, &topics)?;
     let clock: Arc<dyn Clock> = parts.clock.clone();

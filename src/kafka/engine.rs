@@ -72,6 +72,14 @@ pub trait Engine: Send + 'static {
     /// The accepted event with this id, first seen at `first_seen_ms`, if
     /// local state still holds it (one segment read, never a history scan).
     fn original(&self, partition: i32, id: &IdHash, first_seen_ms: i64) -> Option<UsageEvent>;
+    /// What applying `accepted` (in output order) would change in the
+    /// usage ledger, read-only: the rollups and adjustments a batch
+    /// publishes with its events. `None` when no ledger is kept.
+    fn ledger_preview(
+        &self,
+        partition: i32,
+        accepted: &[(&UsageEvent, i64)],
+    ) -> Result<Option<crate::ledger::Preview>, EngineError>;
     fn stats(&self, now_ms: i64) -> EngineStats;
     /// Periodic upkeep (expiry, compaction).
     fn maintain(&mut self, now_ms: i64) -> Result<(), EngineError>;
@@ -151,6 +159,14 @@ impl Engine for StateEngine {
         self.state("classify", partition)?
             .classify(partition, &self.validator, records, now_ms, placement)
             .map_err(state_error("classify", partition))
+    }
+
+    fn ledger_preview(
+        &self,
+        partition: i32,
+        accepted: &[(&UsageEvent, i64)],
+    ) -> Result<Option<crate::ledger::Preview>, EngineError> {
+        self.state("ledger", partition)?.ledger_preview(partition, accepted).map_err(state_error("ledger", partition))
     }
 
     fn apply_published(&mut self, partition: i32, events: &[StoredEvent], now_ms: i64) -> Result<(), EngineError> {

@@ -149,11 +149,14 @@ impl Publisher {
     }
 }
 
-fn topic(topics: &Topics, d: Destination) -> &str {
+/// The topic of a destination; `None` for rollups without `--rollups-topic`
+/// (rollup records are built only when it is set).
+fn topic(topics: &Topics, d: Destination) -> Option<&str> {
     match d {
-        Destination::Output => &topics.output,
-        Destination::Conflicts => &topics.conflicts,
-        Destination::Rejected => &topics.rejected,
+        Destination::Output => Some(&topics.output),
+        Destination::Conflicts => Some(&topics.conflicts),
+        Destination::Rejected => Some(&topics.rejected),
+        Destination::Rollups => topics.rollups.as_deref(),
     }
 }
 
@@ -182,6 +185,7 @@ pub fn classify_error(e: RdError) -> PublishError {
         Some(C::UnknownPartition) => {
             Some("a partition dedupd writes to does not exist (was a topic recreated smaller?)")
         }
+        Some(C::UnknownTopic) => Some("a topic dedupd writes to does not exist or is not configured"),
         _ => None,
     };
     if let Some(hint) = hint {
@@ -205,11 +209,13 @@ async fn produce_all(
     let mut pending = Vec::with_capacity(records.len());
     let mut enqueue_error = None;
     for r in records {
+        let Some(to) = topic(topics, r.destination) else {
+            enqueue_error = Some(RdError::MessageProduction(RDKafkaErrorCode::UnknownTopic));
+            break;
+        };
         let headers = r.owned_headers();
-        let mut fr: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic(topics, r.destination))
-            .partition(r.partition)
-            .timestamp(r.timestamp_ms)
-            .headers(headers);
+        let mut fr: FutureRecord<'_, [u8], [u8]> =
+            FutureRecord::to(to).partition(r.partition).timestamp(r.timestamp_ms).headers(headers);
         if let Some(k) = &r.key {
             fr = fr.key(k.as_slice());
         }

@@ -42,9 +42,11 @@ use serde_json::value::RawValue;
 
 use crate::classify::{FirstSeen, SeenKey, Tier};
 use crate::event::{
-    id_hash, payload_hash, to_canonical_json, IdHash, PayloadHash, Position, Rejection, UsageEvent, Validator,
+    format_timestamp_ms, id_hash, payload_hash, to_canonical_json, IdHash, PayloadHash, Position, Rejection,
+    UsageEvent, Validator,
 };
 use crate::kafka::engine::StoredEvent;
+use crate::ledger::{Adjustment, HourKey, Rollup};
 
 pub const H_SOURCE_PARTITION: &str = "dedupd.source.partition";
 pub const H_SOURCE_OFFSET: &str = "dedupd.source.offset";
@@ -75,6 +77,8 @@ pub enum Destination {
     Output,
     Conflicts,
     Rejected,
+    /// The usage ledger's rollups and adjustments (`--rollups-topic`).
+    Rollups,
 }
 
 /// One record to produce.
@@ -129,6 +133,75 @@ pub fn accepted_record(e: &UsageEvent, id: IdHash, ph: PayloadHash, source: Posi
         headers,
         passthrough_headers: Vec::new(),
         timestamp_ms: ingest_ms,
+    }
+}
+
+/// The rollups-topic key of a counter-hour of one partition:
+/// `rollup \0 tenant \0 customer \0 meter \0 hour_ms \0 partition`. Compaction
+/// keeps its latest total; a reader sums the partitions of an hour.
+pub fn rollup_key(k: &HourKey, partition: i32) -> Vec<u8> {
+    format!(
+        "rollup\0{}\0{}\0{}\0{}\0{partition}",
+        k.counter.tenant_id, k.counter.customer_id, k.counter.meter, k.hour_ms
+    )
+    .into_bytes()
+}
+
+/// The rollups-topic record of a counter-hour's new total on `partition`.
+pub fn rollup_record(k: &HourKey, r: &Rollup, partition: i32, rollups_partitions: usize, now_ms: i64) -> OutRecord {
+    let dec = |d: rust_decimal::Decimal| d.normalize().to_string();
+    let value = serde_json::json!({
+        "type": "rollup",
+        "tenant_id": k.counter.tenant_id,
+        "customer_id": k.counter.customer_id,
+        "meter": k.counter.meter,
+        "hour": format_timestamp_ms(k.hour_ms),
+        "partition": partition,
+        "sum": dec(r.sum),
+        "count": r.count,
+        "corrections": r.corrections,
+        "max": r.max.map(dec),
+        "last": r.last.map(|(_, q)| dec(q)),
+        "last_event_time": r.last.map(|(t, _)| format_timestamp_ms(t)),
+        "latest_event_time": (r.latest_event_ms != i64::MIN).then(|| format_timestamp_ms(r.latest_event_ms)),
+    });
+    OutRecord {
+        destination: Destination::Rollups,
+        partition: side_partition(partition, rollups_partitions),
+        key: Some(rollup_key(k, partition)),
+        value: Some(value.to_string().into_bytes()),
+        headers: Vec::new(),
+        passthrough_headers: Vec::new(),
+        timestamp_ms: now_ms,
+    }
+}
+
+/// The rollups-topic record of an accepted event that became an adjustment
+/// (keyed by its identity: one record per event, kept by compaction).
+pub fn adjustment_record(a: &Adjustment, partition: i32, rollups_partitions: usize, now_ms: i64) -> OutRecord {
+    let value = serde_json::json!({
+        "type": "adjustment",
+        "tenant_id": a.counter.tenant_id,
+        "customer_id": a.counter.customer_id,
+        "meter": a.counter.meter,
+        "period": a.period.to_string(),
+        "event_id": a.event_id,
+        "kind": a.kind.as_str(),
+        "amount": a.amount.normalize().to_string(),
+        "timestamp": format_timestamp_ms(a.event_ms),
+        "reason": a.reason.as_str(),
+        "partition": partition,
+    });
+    let mut key = b"adjustment\0".to_vec();
+    key.extend_from_slice(&crate::event::identity_key(&a.counter.tenant_id, &a.event_id));
+    OutRecord {
+        destination: Destination::Rollups,
+        partition: side_partition(partition, rollups_partitions),
+        key: Some(key),
+        value: Some(value.to_string().into_bytes()),
+        headers: Vec::new(),
+        passthrough_headers: Vec::new(),
+        timestamp_ms: now_ms,
     }
 }
 

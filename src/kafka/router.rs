@@ -71,6 +71,7 @@ impl RouteSettings {
             // Never written: the router has no conflicts.
             conflicts: rejected.clone(),
             rejected,
+            rollups: None,
         };
         RouteSettings { run: RunSettings::new(brokers, group, topics) }
     }

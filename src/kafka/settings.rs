@@ -16,6 +16,9 @@ pub struct Topics {
     pub output: String,
     pub conflicts: String,
     pub rejected: String,
+    /// Hourly rollups and adjustments of the usage ledger (`--rollups-topic`),
+    /// compacted; none published when `None`.
+    pub rollups: Option<String>,
 }
 
 /// Bounds on one batch of one partition.

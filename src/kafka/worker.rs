@@ -118,6 +118,7 @@ impl Shared {
             conflicts_partitions: self.layout.conflicts_partitions,
             rejected_partitions: self.layout.rejected_partitions,
             max_rejected_raw_bytes: self.settings.max_rejected_raw_bytes,
+            rollups_partitions: self.layout.rollups_partitions,
         }
     }
 

@@ -39,6 +39,7 @@ pub fn topics(prefix: &str) -> Topics {
         output: format!("{prefix}-out"),
         conflicts: format!("{prefix}-conflicts"),
         rejected: format!("{prefix}-rejected"),
+        rollups: None,
     }
 }
 
@@ -87,10 +88,12 @@ pub fn settings(brokers: &str, group: &str, topics: &Topics, delivery: DeliveryM
     s
 }
 
-/// One valid event as a producer would send it.
+/// One valid event as a producer would send it. Seven customers share the
+/// events, so their hourly totals gather many events from many batches.
 pub fn event(tenant: &str, id: &str, qty: &str, ts_ms: i64) -> TrafficRecord {
+    let customer = id.bytes().map(u64::from).sum::<u64>() % 7;
     let value = format!(
-        r#"{{"event_id":"{id}","tenant_id":"{tenant}","customer_id":"cus-{id}","meter":"api_calls","quantity":"{qty}","timestamp":{ts_ms}}}"#
+        r#"{{"event_id":"{id}","tenant_id":"{tenant}","customer_id":"cus-{customer}","meter":"api_calls","quantity":"{qty}","timestamp":{ts_ms}}}"#
     );
     let mut key = tenant.as_bytes().to_vec();
     key.push(0);
@@ -372,4 +375,48 @@ pub fn raw_waves(s: &Scenario, raw_partitions: i32) -> (Placed, Placed) {
         }
     }
     (first, later)
+}
+
+/// Totals per (tenant, customer, meter, hour as RFC 3339).
+pub type HourTotals = std::collections::BTreeMap<(String, String, String, String), rust_decimal::Decimal>;
+
+/// The rollups topic read as a compacted topic is: the latest record of
+/// each key. Returns each counter-hour's total summed over partitions, as
+/// `(tenant, customer, meter, hour) -> sum`, and the adjustments' event ids.
+pub fn rollup_totals(records: &[ReadRecord]) -> (HourTotals, Vec<String>) {
+    let mut latest: std::collections::BTreeMap<Vec<u8>, &ReadRecord> = std::collections::BTreeMap::new();
+    let mut ordered: Vec<&ReadRecord> = records.iter().collect();
+    ordered.sort_by_key(|r| (r.partition, r.offset));
+    for r in ordered {
+        latest.insert(r.key.clone().expect("rollup records are keyed"), r);
+    }
+    let mut totals = std::collections::BTreeMap::new();
+    let mut adjustments = Vec::new();
+    for r in latest.values() {
+        let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().expect("value")).expect("rollup JSON");
+        let s = |k: &str| v[k].as_str().unwrap_or_default().to_owned();
+        match v["type"].as_str() {
+            Some("rollup") => {
+                let sum: rust_decimal::Decimal = s("sum").parse().expect("sum");
+                *totals.entry((s("tenant_id"), s("customer_id"), s("meter"), s("hour"))).or_default() += sum;
+            }
+            Some("adjustment") => adjustments.push(s("event_id")),
+            other => panic!("unknown rollups record type {other:?}"),
+        }
+    }
+    (totals, adjustments)
+}
+
+/// The same totals computed from the accepted events of the output topic.
+pub fn output_totals(output: &[ReadRecord]) -> HourTotals {
+    let mut totals = std::collections::BTreeMap::new();
+    for r in output {
+        let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().expect("value")).expect("output JSON");
+        let s = |k: &str| v[k].as_str().unwrap_or_default().to_owned();
+        let ms = dedupd::ledger::parse_bound(&s("timestamp")).expect("timestamp");
+        let hour = dedupd::event::format_timestamp_ms(dedupd::ledger::hour_of(ms));
+        let qty: rust_decimal::Decimal = s("quantity").parse().expect("quantity");
+        *totals.entry((s("tenant_id"), s("customer_id"), s("meter"), hour)).or_default() += qty;
+    }
+    totals
 }

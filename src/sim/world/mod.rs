@@ -47,6 +47,10 @@ pub const INPUT: &str = "in";
 pub const OUTPUT: &str = "out";
 pub const CONFLICTS: &str = "conflicts";
 pub const REJECTED: &str = "rejected";
+/// The usage ledger's topic. The simulated workers keep no ledger (it lives
+/// in RocksDB, which the simulated disk does not model), so nothing is
+/// published to it yet.
+pub const ROLLUPS: &str = "rollups";
 pub const GROUP: &str = "dedupd";
 const PARTITIONS: i32 = 2;
 const WORKERS: usize = 2;
@@ -262,7 +266,7 @@ impl World {
         faults.draw_disk(&mut disk_rng);
         let broker_config = BrokerConfig { marker_delay_ms: faults.marker_delay_ms, ..BrokerConfig::default() };
         let mut broker = Broker::new(broker_config);
-        for (topic, n) in [(INPUT, PARTITIONS), (OUTPUT, PARTITIONS), (CONFLICTS, 1), (REJECTED, 1)] {
+        for (topic, n) in [(INPUT, PARTITIONS), (OUTPUT, PARTITIONS), (CONFLICTS, 1), (REJECTED, 1), (ROLLUPS, 1)] {
             broker.create_topic(topic, n).expect("topic");
         }
         let mut net = Network::new(broker, faults.net.clone(), rng.next_u64());

@@ -24,7 +24,7 @@ use crate::sim::error::ErrorCode;
 use crate::sim::net::{Delivery, Outcome};
 use crate::sim::world::check::{self, Violation};
 use crate::sim::world::engine::{held_by_state, SimState};
-use crate::sim::world::{Faults, World, CONFLICTS, EPOCH_MS, GROUP, INPUT, OUTPUT, REJECTED};
+use crate::sim::world::{Faults, World, CONFLICTS, EPOCH_MS, GROUP, INPUT, OUTPUT, REJECTED, ROLLUPS};
 
 const SESSION_MS: i64 = 6_000;
 const HEARTBEAT_MS: i64 = 500;
@@ -743,6 +743,7 @@ fn perform(w: &mut World, worker: usize, partition: i32) {
                 conflicts_partitions: 1,
                 rejected_partitions: 1,
                 max_rejected_raw_bytes: 1 << 16,
+                rollups_partitions: None,
             };
             let engine = wk.engine.as_ref().expect("engine");
             match classify_batch(engine, partition, &inputs, now, &layout) {
@@ -1006,6 +1007,7 @@ fn producer_next(w: &mut World, worker: usize) {
             Destination::Output => OUTPUT,
             Destination::Conflicts => CONFLICTS,
             Destination::Rejected => REJECTED,
+            Destination::Rollups => ROLLUPS,
         };
         let tp = TopicPartition::new(topic, r.partition);
         match groups.iter_mut().find(|(t, _)| *t == tp) {
