@@ -101,27 +101,12 @@ enum Command {
     /// Usage totals from the ledger of a state directory: rollups summed over
     /// the partitions it holds, grouped, with the late events that became
     /// adjustments. Read-only; works beside a running worker.
+    #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
     Usage {
-        #[arg(long, env = "DEDUPD_STATE_DIR")]
-        state_dir: PathBuf,
-        #[arg(long)]
-        tenant: String,
-        #[arg(long)]
-        customer: Option<String>,
-        #[arg(long)]
-        meter: Option<String>,
-        /// Start, inclusive: YYYY-MM, YYYY-MM-DD (UTC) or RFC 3339.
-        #[arg(long)]
-        from: String,
-        /// End, exclusive: YYYY-MM, YYYY-MM-DD (UTC) or RFC 3339.
-        #[arg(long)]
-        to: String,
-        /// hour, day, period, customer or meter (default: one total row).
-        #[arg(long)]
-        group_by: Option<String>,
-        /// table or json.
-        #[arg(long, default_value = "table")]
-        format: String,
+        #[command(subcommand)]
+        check: Option<UsageCheck>,
+        #[command(flatten)]
+        query: UsageArgs,
     },
     /// Where and when an event was seen.
     Inspect {
@@ -149,6 +134,45 @@ enum Command {
         /// Run the offline engine on files instead of the in-process Kafka.
         #[arg(long)]
         offline: bool,
+    },
+}
+
+/// `dedupd usage`'s query.
+#[derive(clap::Args, Clone, Debug)]
+struct UsageArgs {
+    #[arg(long, env = "DEDUPD_STATE_DIR", required = true)]
+    state_dir: Option<PathBuf>,
+    #[arg(long, required = true)]
+    tenant: Option<String>,
+    #[arg(long)]
+    customer: Option<String>,
+    #[arg(long)]
+    meter: Option<String>,
+    /// Start, inclusive: YYYY-MM, YYYY-MM-DD (UTC) or RFC 3339.
+    #[arg(long, required = true)]
+    from: Option<String>,
+    /// End, exclusive: YYYY-MM, YYYY-MM-DD (UTC) or RFC 3339.
+    #[arg(long, required = true)]
+    to: Option<String>,
+    /// hour, day, period, customer or meter (default: one total row).
+    #[arg(long)]
+    group_by: Option<String>,
+    /// table or json.
+    #[arg(long, default_value = "table")]
+    format: String,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum UsageCheck {
+    /// Refolds the accepted events of a state directory's usage store and
+    /// compares every rollup and adjustment with its ledger; exits 1 on any
+    /// drift. Opens (and locks) the directory: run it on a stopped worker or
+    /// a copy, with the worker's `--lateness` and `--config`.
+    Verify {
+        #[arg(long, env = "DEDUPD_STATE_DIR")]
+        state_dir: PathBuf,
+        #[command(flatten)]
+        tuning: TuningArgs,
     },
 }
 
@@ -467,15 +491,34 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             print!("{report}");
             Ok(if clean { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
-        Command::Usage { state_dir, tenant, customer, meter, from, to, group_by, format } => {
-            let bound =
-                |flag: &str, s: &str| dedupd::ledger::parse_bound(s).map_err(|why| anyhow::anyhow!("--{flag}: {why}"));
+        Command::Usage { check: Some(UsageCheck::Verify { state_dir, tuning }), .. } => {
+            let (settings, _) = engine_settings(&tuning)?;
+            let check = dedupd::state::verify_ledger(&state_dir, settings)?;
+            for line in &check.drift {
+                println!("DRIFT {line}");
+            }
+            println!(
+                "usage verify: {} accepted events refolded, {} hours and {} adjustments compared, {} drifting",
+                check.events,
+                check.hours,
+                check.adjustments,
+                check.drift.len()
+            );
+            Ok(if check.drift.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+        }
+        Command::Usage { check: None, query: q } => {
+            let UsageArgs { state_dir, tenant, customer, meter, from, to, group_by, format } = q;
+            let need = |flag: &str, v: Option<String>| v.ok_or_else(|| anyhow::anyhow!("--{flag} is required"));
+            let state_dir = state_dir.ok_or_else(|| anyhow::anyhow!("--state-dir is required"))?;
+            let bound = |flag: &str, s: String| {
+                dedupd::ledger::parse_bound(&s).map_err(|why| anyhow::anyhow!("--{flag}: {why}"))
+            };
             let query = dedupd::ledger::UsageQuery {
-                tenant_id: tenant,
+                tenant_id: need("tenant", tenant)?,
                 customer_id: customer,
                 meter,
-                from_ms: bound("from", &from)?,
-                to_ms: bound("to", &to)?,
+                from_ms: bound("from", need("from", from)?)?,
+                to_ms: bound("to", need("to", to)?)?,
                 group_by: group_by
                     .as_deref()
                     .map(dedupd::ledger::GroupBy::parse)

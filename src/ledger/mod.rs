@@ -15,10 +15,10 @@
 //! order, so it is a tier of local state like the others: checkpointed by
 //! output offset, idempotent, rebuilt by repair.
 //!
-//! - [`rollup`]: the fold (pure).
-//! - [`period`]: calendar months in UTC (pure).
-//! - [`query`]: filtering and grouping rollups (pure).
-//! - [`store`]: the durable tier in `<state-dir>/ledger` (sync, RocksDB).
+//! - `rollup`: the fold (pure).
+//! - `period`: calendar months in UTC (pure).
+//! - `query`: filtering and grouping rollups (pure).
+//! - `store`: the durable tier in `<state-dir>/ledger` (sync, RocksDB).
 
 #[cfg(test)]
 mod model_tests;

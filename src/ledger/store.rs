@@ -185,16 +185,25 @@ impl LedgerStore {
         &self,
         tenant_id: &str,
         customer_id: Option<&str>,
-        mut f: impl FnMut(HourKey, i32, Rollup),
+        f: impl FnMut(HourKey, i32, Rollup),
     ) -> Result<(), LedgerError> {
         let mut prefix = vec![b'H'];
         push_str(&mut prefix, tenant_id);
         if let Some(c) = customer_id {
             push_str(&mut prefix, c);
         }
-        for item in self.db.iterator(IteratorMode::From(&prefix, Direction::Forward)) {
+        self.rollups_under(&prefix, f)
+    }
+
+    /// Every rollup of every tenant and partition.
+    pub fn all_rollups(&self, f: impl FnMut(HourKey, i32, Rollup)) -> Result<(), LedgerError> {
+        self.rollups_under(b"H", f)
+    }
+
+    fn rollups_under(&self, prefix: &[u8], mut f: impl FnMut(HourKey, i32, Rollup)) -> Result<(), LedgerError> {
+        for item in self.db.iterator(IteratorMode::From(prefix, Direction::Forward)) {
             let (k, v) = item.map_err(self.rocks())?;
-            if !k.starts_with(&prefix) {
+            if !k.starts_with(prefix) {
                 break;
             }
             let (key, partition) = decode_hour_key(&k)?;
@@ -207,13 +216,23 @@ impl LedgerStore {
     pub fn adjustments(&self, tenant_id: &str) -> Result<Vec<Adjustment>, LedgerError> {
         let mut prefix = vec![b'A'];
         push_str(&mut prefix, tenant_id);
+        Ok(self.adjustments_under(&prefix)?.into_iter().map(|(_, a)| a).collect())
+    }
+
+    /// Every adjustment of every tenant, with its partition.
+    pub fn all_adjustments(&self) -> Result<Vec<(i32, Adjustment)>, LedgerError> {
+        self.adjustments_under(b"A")
+    }
+
+    fn adjustments_under(&self, prefix: &[u8]) -> Result<Vec<(i32, Adjustment)>, LedgerError> {
         let mut out = Vec::new();
-        for item in self.db.iterator(IteratorMode::From(&prefix, Direction::Forward)) {
+        for item in self.db.iterator(IteratorMode::From(prefix, Direction::Forward)) {
             let (k, v) = item.map_err(self.rocks())?;
-            if !k.starts_with(&prefix) {
+            if !k.starts_with(prefix) {
                 break;
             }
-            out.push(decode_adjustment(&v)?);
+            let partition = decode_adjustment_partition(&k)?;
+            out.push((partition, decode_adjustment(&v)?));
         }
         Ok(out)
     }
@@ -232,6 +251,7 @@ impl LedgerStore {
                     decode_rollup(&v)?;
                 }
                 Some(b'A') => {
+                    decode_adjustment_partition(&k)?;
                     decode_adjustment(&v)?;
                 }
                 Some(b'W') => {
@@ -370,6 +390,18 @@ fn decode_hour_key(k: &[u8]) -> Result<(HourKey, i32), LedgerError> {
     let partition = r.i32()?;
     r.end()?;
     Ok((HourKey { counter, hour_ms }, partition))
+}
+
+fn decode_adjustment_partition(k: &[u8]) -> Result<i32, LedgerError> {
+    let mut r = Reader { bytes: k, what: "adjustment key" };
+    r.u8()?;
+    r.str()?;
+    r.i32()?;
+    r.u8()?;
+    let partition = r.i32()?;
+    r.i64()?;
+    r.end()?;
+    Ok(partition)
 }
 
 // ---- values ----

@@ -32,7 +32,7 @@ use crate::storage::{
 };
 
 pub use crate::storage::StoredEvent;
-pub use tools::{inspect, usage, verify_state_dir};
+pub use tools::{inspect, usage, verify_ledger, verify_state_dir, LedgerCheck};
 
 /// Failure of a state tier. Any of these stops the batch: guessing would
 /// risk a double count or a lost event.

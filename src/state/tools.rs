@@ -6,10 +6,10 @@ use std::path::Path;
 
 use crate::config::EngineSettings;
 use crate::event::{format_timestamp_ms, id_hash, to_canonical_json};
-use crate::ledger::{LedgerStore, UsageAnswer, UsageQuery};
+use crate::ledger::{Adjustment, HourKey, LedgerMaps, LedgerStore, Rollup, UsageAnswer, UsageQuery};
 use crate::storage::FileStatus;
 
-use super::{LocalState, StateError};
+use super::{LocalState, StateError, StoredEvent};
 
 /// `dedupd verify`: every checksum of the usage store (WAL frames, segment
 /// footers, sidecars, manifests), every block of the key store, and every
@@ -139,4 +139,117 @@ pub fn usage(state_dir: &Path, query: &UsageQuery) -> Result<UsageAnswer, StateE
     store.rollups(&query.tenant_id, query.customer_id.as_deref(), |k, _, r| rollups.push((k, r)))?;
     let adjustments = store.adjustments(&query.tenant_id)?;
     Ok(UsageAnswer::of(query, rollups.iter().map(|(k, r)| (k, r)), adjustments))
+}
+
+/// What `dedupd usage verify` found: the ledger refolded from the accepted
+/// events of the usage store, against the ledger as stored.
+#[derive(Debug, Default)]
+pub struct LedgerCheck {
+    /// Accepted events refolded.
+    pub events: u64,
+    /// Counter-hours compared.
+    pub hours: usize,
+    /// Adjustments compared.
+    pub adjustments: usize,
+    /// One line per difference; empty when the ledger holds what the
+    /// events say.
+    pub drift: Vec<String>,
+}
+
+/// `dedupd usage verify --state-dir`: refolds every partition's accepted
+/// events from the usage store, in output order up to the ledger's
+/// checkpoint, and compares every rollup and adjustment with the ledger.
+/// Opens (and locks) the directory, like `inspect`. Hours whose events the
+/// usage store has already aged out (`--retention`) are reported as drift:
+/// keep retention at least as long as the periods still being billed.
+pub fn verify_ledger(state_dir: &Path, settings: EngineSettings) -> Result<LedgerCheck, StateError> {
+    use std::collections::BTreeMap;
+
+    let lateness = settings.lateness.clone();
+    let state = LocalState::open(Some(state_dir), settings, false)?;
+    let Some(crate::ledger::Ledger::Durable(ledger)) = state.ledger() else {
+        return Err(StateError::Ledger(crate::ledger::LedgerError::Missing {
+            dir: state_dir.join("ledger").display().to_string(),
+        }));
+    };
+    let mut check = LedgerCheck::default();
+    let mut stored: BTreeMap<(HourKey, i32), Rollup> = BTreeMap::new();
+    ledger.all_rollups(|k, p, r| {
+        stored.insert((k, p), r);
+    })?;
+    let mut stored_adjustments: BTreeMap<(i32, i64), Adjustment> =
+        ledger.all_adjustments()?.into_iter().map(|(p, a)| ((p, a.output_offset), a)).collect();
+    let Some(d) = &state.durable else { return Ok(check) };
+    let mut partitions = d.usage.partitions();
+    for (k, p) in stored.keys() {
+        let _ = k;
+        partitions.push(*p);
+    }
+    partitions.sort_unstable();
+    partitions.dedup();
+    for p in partitions {
+        let upto = ledger.checkpoint(p)?;
+        let mut events: Vec<StoredEvent> = Vec::new();
+        state.for_each_stored(p, |e| {
+            if upto.is_some_and(|c| e.key.output.offset <= c) {
+                events.push(e.clone());
+            }
+        })?;
+        events.sort_by_key(|e| e.key.output.offset);
+        check.events += events.len() as u64;
+        let mut maps = LedgerMaps::default();
+        let folded = maps
+            .fold(&lateness, events.iter().map(|e| (&e.event, e.key.output.offset)))
+            .map_err(crate::ledger::LedgerError::from)?;
+        for (key, want) in maps.hours {
+            check.hours += 1;
+            match stored.remove(&(key.clone(), p)) {
+                Some(got) if got == want => {}
+                Some(got) => check.drift.push(format!(
+                    "partition {p} {:?} hour {}: ledger sum {} count {}, events say sum {} count {}",
+                    key.counter,
+                    format_timestamp_ms(key.hour_ms),
+                    got.sum,
+                    got.count,
+                    want.sum,
+                    want.count
+                )),
+                None => check.drift.push(format!(
+                    "partition {p} {:?} hour {}: missing from the ledger (events say sum {})",
+                    key.counter,
+                    format_timestamp_ms(key.hour_ms),
+                    want.sum
+                )),
+            }
+        }
+        for want in folded.adjustments {
+            check.adjustments += 1;
+            match stored_adjustments.remove(&(p, want.output_offset)) {
+                Some(got) if got == want => {}
+                Some(got) => check.drift.push(format!(
+                    "partition {p} adjustment at output offset {}: ledger has {} {}, events say {} {}",
+                    want.output_offset, got.event_id, got.amount, want.event_id, want.amount
+                )),
+                None => check.drift.push(format!(
+                    "partition {p} adjustment of event {} ({}) missing from the ledger",
+                    want.event_id, want.amount
+                )),
+            }
+        }
+    }
+    for ((key, p), got) in stored {
+        check.drift.push(format!(
+            "partition {p} {:?} hour {}: ledger sum {} has no accepted events behind it",
+            key.counter,
+            format_timestamp_ms(key.hour_ms),
+            got.sum
+        ));
+    }
+    for ((p, offset), a) in stored_adjustments {
+        check.drift.push(format!(
+            "partition {p} adjustment of event {} at output offset {offset} has no accepted event behind it",
+            a.event_id
+        ));
+    }
+    Ok(check)
 }

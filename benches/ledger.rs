@@ -1,0 +1,142 @@
+//! Usage ledger benchmarks.
+//!
+//! - `ingest/*`: local state applying batches of 1,000 accepted events with
+//!   the ledger on and off (the target: on ≥ 0.9× off), under both
+//!   fsync policies; "on" includes the read-only preview a worker computes
+//!   to publish each batch's rollups.
+//! - `month_total`: one customer's month answered from a ledger holding
+//!   rollups for `DEDUPD_BENCH_LEDGER_EVENTS` events (default 100,000,000)
+//!   of 2,000 customers × 5 meters over 30 days on 4 partitions, written
+//!   directly as rollups (folding 100M events first would take an hour of a
+//!   2-core machine and measure nothing more).
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use dedupd::config::EngineSettings;
+use dedupd::event::UsageEvent;
+use dedupd::ledger::{GroupBy, LedgerStore, UsageAnswer, UsageQuery, HOUR_MS};
+use dedupd::state::{LocalState, StoredEvent};
+use dedupd::storage::testutil::sample_event_at;
+use dedupd::storage::FsyncPolicy;
+
+const BATCH: usize = 1000;
+const NOW: i64 = 1_700_000_000_000;
+
+fn batch(base: u64, offset: i64) -> Vec<StoredEvent> {
+    (0..BATCH as u64)
+        .map(|i| {
+            let mut s = sample_event_at(base + i, 0, offset + i as i64, NOW);
+            // A realistic spread: 2,000 customers of one tenant, events of
+            // the last hours.
+            s.event.tenant_id = "acme".into();
+            s.event.customer_id = format!("cus_{}", (base + i) % 2000);
+            s.event.timestamp_ms = NOW - ((base + i) % 7200) as i64 * 1000;
+            s.key.id_hash = dedupd::event::id_hash(&s.event.tenant_id, &s.event.event_id);
+            s
+        })
+        .collect()
+}
+
+fn ingest(c: &mut Criterion) {
+    let mut group = c.benchmark_group("ingest");
+    group.sample_size(10).warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(8));
+    group.throughput(Throughput::Elements(BATCH as u64));
+    for (fsync_name, fsync) in [
+        ("fsync_always", FsyncPolicy::Always),
+        ("fsync_interval_250ms", FsyncPolicy::Interval(Duration::from_millis(250))),
+    ] {
+        for ledger in [false, true] {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let settings = EngineSettings { ledger, fsync: fsync.clone(), ..EngineSettings::default() };
+            let mut state = LocalState::open(Some(dir.path()), settings, true).expect("open");
+            state.assign(0, NOW).expect("assign");
+            let mut next = 0u64;
+            let name = format!("{fsync_name}/ledger_{}", if ledger { "on" } else { "off" });
+            group.bench_function(name, |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        let events = batch(next, next as i64);
+                        next += BATCH as u64;
+                        let started = Instant::now();
+                        let accepted: Vec<(&UsageEvent, i64)> =
+                            events.iter().map(|e| (&e.event, e.key.output.offset)).collect();
+                        let preview = state.ledger_preview(0, &accepted).expect("preview");
+                        assert_eq!(preview.is_some(), ledger);
+                        state.apply_published(0, &events, NOW).expect("apply");
+                        total += started.elapsed();
+                    }
+                    total
+                })
+            });
+            state.close().expect("close");
+        }
+    }
+    group.finish();
+}
+
+fn month_total(c: &mut Criterion) {
+    let events: u64 =
+        std::env::var("DEDUPD_BENCH_LEDGER_EVENTS").ok().and_then(|v| v.parse().ok()).unwrap_or(100_000_000);
+    let (customers, meters, partitions, hours) = (2000u64, 5u64, 4i32, 30 * 24i64);
+    let rollups = customers * meters * partitions as u64 * hours as u64;
+    let per_rollup = (events / rollups).max(1);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = LedgerStore::open(dir.path()).expect("open");
+    let start = dedupd::ledger::Period::parse("2026-11").expect("period").start_ms();
+    let built = Instant::now();
+    // One hour of every counter per write: what a busy partition's batches
+    // write, in the order time passes.
+    for h in 0..hours {
+        for p in 0..partitions {
+            let mut evs: Vec<UsageEvent> = Vec::with_capacity((customers * meters) as usize);
+            for cu in 0..customers {
+                for m in 0..meters {
+                    let mut e = sample_event_at(cu * meters + m, p, 0, NOW).event;
+                    e.tenant_id = "acme".into();
+                    e.customer_id = format!("cus_{cu:05}");
+                    e.meter = format!("meter_{m}");
+                    e.kind = dedupd::event::EventKind::Usage;
+                    e.quantity = rust_decimal::Decimal::from(per_rollup);
+                    e.timestamp_ms = start + h * HOUR_MS + 1;
+                    evs.push(e);
+                }
+            }
+            let offset0 = h * (customers * meters) as i64;
+            let with_offsets: Vec<(&UsageEvent, i64)> = evs.iter().zip(offset0..).collect();
+            store.apply(p, &dedupd::ledger::Lateness::default(), &with_offsets).expect("apply");
+        }
+    }
+    store.flush().expect("flush");
+    eprintln!(
+        "month_total: {rollups} rollups standing for {} events written in {:.1} s",
+        rollups * per_rollup,
+        built.elapsed().as_secs_f64()
+    );
+    let query = UsageQuery {
+        tenant_id: "acme".into(),
+        customer_id: Some("cus_01234".into()),
+        meter: None,
+        from_ms: start,
+        to_ms: start + hours * HOUR_MS,
+        group_by: Some(GroupBy::Meter),
+    };
+    let mut group = c.benchmark_group("query");
+    group.sample_size(20);
+    group.bench_function("one_customer_month_by_meter", |b| {
+        b.iter(|| {
+            let mut rows = Vec::new();
+            store.rollups(&query.tenant_id, query.customer_id.as_deref(), |k, _, r| rows.push((k, r))).expect("scan");
+            let answer = UsageAnswer::of(&query, rows.iter().map(|(k, r)| (k, r)), Vec::new());
+            let counts: BTreeMap<&String, u64> = answer.rows.iter().map(|(g, r)| (g, r.count)).collect();
+            assert_eq!(counts.len(), meters as usize);
+            answer
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, ingest, month_total);
+criterion_main!(benches);
