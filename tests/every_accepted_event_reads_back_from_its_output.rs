@@ -98,6 +98,8 @@ struct Input {
     unit: Option<String>,
     epoch_ms_timestamp: bool,
     quantity: &'static str,
+    /// A correction of this original (placed by it), or usage.
+    corrects: Option<String>,
 }
 
 fn input() -> impl Strategy<Value = Input> {
@@ -109,14 +111,16 @@ fn input() -> impl Strategy<Value = Input> {
         prop::option::of(adversarial(l.max_field_bytes)),
         any::<bool>(),
         prop_oneof![Just("1e27"), Just("\"0.000001\""), Just("12.50"), Just("\"79228162514264337593543950335\"")],
+        prop::option::of(adversarial(l.max_id_bytes)),
     )
-        .prop_map(|(event_id, customer, dims, unit, epoch_ms_timestamp, quantity)| Input {
+        .prop_map(|(event_id, customer, dims, unit, epoch_ms_timestamp, quantity, corrects)| Input {
             event_id,
             customer,
             dims,
             unit,
             epoch_ms_timestamp,
             quantity,
+            corrects,
         })
 }
 
@@ -138,6 +142,11 @@ fn render(i: &Input) -> String {
     if let Some(u) = &i.unit {
         s.push_str(",\"unit\":");
         json_str(u, &mut s);
+    }
+    if let Some(original) = &i.corrects {
+        s.push_str(",\"kind\":\"correction\",\"correction_ref\":{\"original_event_id\":");
+        json_str(original, &mut s);
+        s.push('}');
     }
     if !i.dims.is_empty() {
         s.push_str(",\"dimensions\":{");
@@ -180,6 +189,10 @@ fn assert_reads_back(raw: &str, now: i64) -> Result<(), TestCaseError> {
     // the rest; it must be the identity the dedupe stage then checks.
     let routed = validator.identity_of(raw.as_bytes()).map_err(|r| TestCaseError::fail(r.to_string()))?;
     prop_assert_eq!(routed, (event.tenant_id.clone(), event.event_id.clone()));
+    // And it places it where the dedupe stage looks for it: by its own id,
+    // or a correction by its original's.
+    let placed = validator.placement_of(raw.as_bytes()).map_err(|r| TestCaseError::fail(r.to_string()))?;
+    prop_assert_eq!(placed, (event.tenant_id.clone(), event.placement_id().to_owned()));
 
     // Repair's path: the Kafka output record and its headers.
     let record = accepted_record(&event, id, ph, Position::new(3, 17), now);

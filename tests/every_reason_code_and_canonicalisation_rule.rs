@@ -264,7 +264,9 @@ fn every_reason_code_has_its_exact_string() {
             "closed_period",
             "record_too_large",
             // Issue #13: `--on-misrouted reject` (README's list).
-            "misrouted"
+            "misrouted",
+            // Issue #12: a correction of an event dedupd does not know.
+            "unknown_original"
         ]
     );
 }

@@ -5,9 +5,11 @@
 //! can never disagree about a record.
 
 use crate::classify::{Candidate, FirstSeen, HorizonError, LongHorizon, PartitionClassifier, Tier, Verdict};
+use hashbrown::HashSet;
+
 use crate::event::{
-    id_hash, payload_hash_with, IdHash, Partitioner, PayloadHash, Position, RejectReason, Rejection, UsageEvent,
-    Validator,
+    id_hash, payload_hash_with, EventKind, IdHash, Partitioner, PayloadHash, Position, RejectReason, Rejection,
+    UsageEvent, Validator,
 };
 
 /// One input record: where it came from and its value bytes. `None` is a
@@ -87,9 +89,19 @@ pub struct Placement {
 }
 
 impl Placement {
-    /// `Some(expected partition)` when `event` does not belong on `partition`.
+    /// `Some(expected partition)` when `event` does not belong on
+    /// `partition`: the partition of its placement identity, its own id
+    /// (`id`, already hashed) or, for a correction, its original's.
     pub fn misplaced(&self, event: &UsageEvent, id: &IdHash, partition: i32) -> Option<i32> {
-        let expected = self.partitioner.partition_of(id, &event.tenant_id, &event.event_id, self.partitions);
+        let placed_by = event.placement_id();
+        let placement_hash;
+        let hash = if placed_by == event.event_id {
+            id
+        } else {
+            placement_hash = id_hash(&event.tenant_id, placed_by);
+            &placement_hash
+        };
+        let expected = self.partitioner.partition_of(hash, &event.tenant_id, placed_by, self.partitions);
         (expected != partition).then_some(expected)
     }
 }
@@ -143,10 +155,38 @@ pub fn classify_records(
                 }
             }
             let payload = payload_hash_with(&event, &mut scratch);
-            candidates.push(Candidate { id_hash: id, payload_hash: payload, source: r.source });
             Ok((event, id, payload))
         });
         validated.push(v);
+    }
+    // A correction or retraction must refer to an event this partition
+    // knows (placement puts it beside its original): remembered by the hot
+    // cache or the key store, or a valid event earlier in the batch. One
+    // that does not is rejected before classification, so neither it nor a
+    // retry of it can stand as a first delivery.
+    let originals: Vec<IdHash> =
+        validated.iter().filter_map(|v| v.as_ref().ok()).filter_map(|(e, _, _)| original_of(e)).collect();
+    if !originals.is_empty() {
+        let hot = classifier.hot_cache();
+        let mut known: HashSet<IdHash> = originals.iter().filter(|id| hot.get(id, now_ms).is_some()).copied().collect();
+        let cold: Vec<IdHash> = originals.iter().filter(|id| !known.contains(*id)).copied().collect();
+        let mut answers = Vec::with_capacity(cold.len());
+        long.lookup_many(classifier.partition(), &cold, &mut answers)?;
+        known.extend(cold.iter().zip(&answers).filter(|(_, a)| a.is_some()).map(|(id, _)| *id));
+        for v in &mut validated {
+            let Ok((event, id, _)) = v else { continue };
+            match original_of(event) {
+                Some(original) if !known.contains(&original) => *v = Err(unknown_original(event)),
+                _ => {
+                    known.insert(*id);
+                }
+            }
+        }
+    }
+    for (v, r) in validated.iter().zip(records) {
+        if let Ok((_, id, payload)) = v {
+            candidates.push(Candidate { id_hash: *id, payload_hash: *payload, source: r.source });
+        }
     }
     let mut verdicts = classifier.classify(&candidates, long, now_ms)?.into_iter();
     let mut out = Vec::with_capacity(records.len());
@@ -170,10 +210,29 @@ pub fn classify_records(
     Ok(Classified { outcomes: out, misrouted })
 }
 
+/// The identity of the event a correction or retraction refers to.
+fn original_of(event: &UsageEvent) -> Option<IdHash> {
+    let r = event.correction_ref.as_ref().filter(|_| event.kind != EventKind::Usage)?;
+    Some(id_hash(&event.tenant_id, &r.original_event_id))
+}
+
+/// Why a correction or retraction of an unknown event is not billed.
+fn unknown_original(event: &UsageEvent) -> Rejection {
+    let original = event.correction_ref.as_ref().map_or("", |r| r.original_event_id.as_str());
+    Rejection::new(
+        RejectReason::UnknownOriginal,
+        format!(
+            "this {} refers to event {original:?}, which this partition has not accepted within its horizon \
+             (a correction is placed by its original's identity: key it tenant_id \\0 original_event_id)",
+            event.kind.as_str()
+        ),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::classify::{ClassifierSettings, NoLongHorizon};
+    use crate::classify::{ClassifierSettings, NoLongHorizon, SeenKey};
     use crate::event::Limits;
 
     const NOW: i64 = 1_790_000_000_000;
@@ -242,5 +301,89 @@ mod tests {
         let c = classify_records(&validator, &classifier, &NoLongHorizon, &records, NOW, Some(&placement)).expect("ok");
         assert_eq!(c.misrouted, 0);
         assert!(matches!(&c.outcomes[0], Outcome::Rejected(r) if r.reason == RejectReason::MissingField));
+    }
+
+    fn correction(id: &str, of: &str) -> Vec<u8> {
+        format!(
+            r#"{{"event_id":"{id}","tenant_id":"acme","customer_id":"c","meter":"m","quantity":"-1","timestamp":{NOW},"kind":"correction","correction_ref":{{"original_event_id":"{of}"}}}}"#
+        )
+        .into_bytes()
+    }
+
+    /// A key store that remembers the listed ids.
+    struct Remembers(Vec<IdHash>);
+
+    impl LongHorizon for Remembers {
+        fn lookup_many(&self, _: i32, ids: &[IdHash], out: &mut Vec<Option<SeenKey>>) -> Result<(), HorizonError> {
+            out.clear();
+            out.extend(ids.iter().map(|id| {
+                self.0.contains(id).then(|| SeenKey {
+                    id_hash: *id,
+                    payload_hash: crate::event::PayloadHash([0; 16]),
+                    first_seen_ms: NOW,
+                    source: Position::new(0, 0),
+                    output: Position::new(0, 0),
+                })
+            }));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_correction_is_accepted_only_when_its_partition_knows_the_original() {
+        let validator = Validator::new(Limits::default(), Vec::new(), "salt");
+        let settings =
+            ClassifierSettings { hot_ttl_ms: 1 << 40, hot_capacity: 100, horizon_ms: 1 << 40, detect_replays: true };
+        let mut classifier = PartitionClassifier::new(0, settings);
+        // In the hot cache: evt-hot. In the key store: evt-cold.
+        let hot = SeenKey {
+            id_hash: id_hash("acme", "evt-hot"),
+            payload_hash: crate::event::PayloadHash([1; 16]),
+            first_seen_ms: NOW,
+            source: Position::new(0, 0),
+            output: Position::new(0, 0),
+        };
+        classifier.commit([&hot], NOW);
+        let cold = Remembers(vec![id_hash("acme", "evt-cold")]);
+        let batch = [
+            correction("fix-1", "evt-hot"),
+            correction("fix-2", "evt-cold"),
+            correction("fix-3", "evt-nowhere"),
+            event("evt-new"),
+            correction("fix-4", "evt-new"),
+            correction("fix-3", "evt-nowhere"),
+        ];
+        let records: Vec<InputRecord<'_>> = batch
+            .iter()
+            .enumerate()
+            .map(|(o, b)| InputRecord { source: Position::new(0, o as i64 + 10), payload: Some(b) })
+            .collect();
+        let c = classify_records(&validator, &classifier, &cold, &records, NOW, None).expect("classify");
+        let buckets: Vec<&str> = c.outcomes.iter().map(Outcome::bucket).collect();
+        // The retry of the unknown correction is rejected too, not taken for
+        // a duplicate of something billed.
+        assert_eq!(buckets, ["accepted", "accepted", "rejected", "accepted", "accepted", "rejected"]);
+        let Outcome::Rejected(r) = &c.outcomes[2] else { unreachable!() };
+        assert_eq!(r.reason, RejectReason::UnknownOriginal);
+        assert!(r.detail.contains("evt-nowhere"), "{}", r.detail);
+    }
+
+    #[test]
+    fn a_correction_belongs_on_its_originals_partition() {
+        let original = (0..40).find(|&i| home(i) == 1).expect("an id at home on 1");
+        let fix = (0..40)
+            .map(|i| format!("fix-{i}"))
+            .find(|f| Partitioner::Dedupd.partition_of(&id_hash("acme", f), "", "", 4) != 1);
+        let fix = fix.expect("a correction id whose own home is elsewhere");
+        let validator = Validator::new(Limits::default(), Vec::new(), "salt");
+        let event = validator.validate(&correction(&fix, &format!("evt-{original}")), NOW).expect("valid");
+        let placement =
+            Placement { partitioner: Partitioner::Dedupd, partitions: 4, on_misrouted: OnMisrouted::Reject };
+        let own = id_hash("acme", &fix);
+        assert_eq!(placement.misplaced(&event, &own, 1), None, "placed by the original's identity");
+        assert_eq!(
+            validator.placement_of(&correction(&fix, &format!("evt-{original}"))),
+            Ok(("acme".to_owned(), format!("evt-{original}")))
+        );
     }
 }

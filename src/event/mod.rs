@@ -8,8 +8,9 @@
 //! ```
 //!
 //! [`Partitioner`] says which input partition an identity belongs on, and
-//! [`Validator::identity_of`] finds a record's identity without judging the
-//! rest of it (what `dedupd route` needs).
+//! [`Validator::placement_of`] finds the identity a record is placed by (its
+//! own, or a correction's original's) without judging the rest of it (what
+//! `dedupd route` needs).
 
 mod canonical;
 mod identity;

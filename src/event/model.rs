@@ -90,6 +90,17 @@ pub struct UsageEvent {
 }
 
 impl UsageEvent {
+    /// The event id this event is *placed* by: its own, except for a
+    /// correction or retraction, which is placed by the event it corrects,
+    /// so it lands on the partition whose state knows that event (its own
+    /// retries carry the same reference, so they land there too).
+    pub fn placement_id(&self) -> &str {
+        match (&self.kind, &self.correction_ref) {
+            (EventKind::Correction | EventKind::Retraction, Some(r)) => &r.original_event_id,
+            _ => &self.event_id,
+        }
+    }
+
     /// Names of the payload fields whose values differ between two events
     /// of the same id, in schema order: what a conflict report shows.
     pub fn differing_fields(&self, other: &UsageEvent) -> Vec<&'static str> {

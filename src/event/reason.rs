@@ -23,11 +23,15 @@ pub enum RejectReason {
     /// On an input partition other than the one its identity belongs on
     /// (`--on-misrouted reject`): its retries may be classified elsewhere.
     Misrouted,
+    /// A correction or retraction of an event dedupd does not know within
+    /// its horizon (never accepted, or forgotten): billing it would adjust
+    /// usage that was never billed, or was billed under another id.
+    UnknownOriginal,
 }
 
 impl RejectReason {
     /// Every reason, for metrics pre-registration and documentation tests.
-    pub const ALL: [RejectReason; 15] = [
+    pub const ALL: [RejectReason; 16] = [
         RejectReason::MalformedJson,
         RejectReason::UnknownField,
         RejectReason::MissingField,
@@ -43,6 +47,7 @@ impl RejectReason {
         RejectReason::ClosedPeriod,
         RejectReason::RecordTooLarge,
         RejectReason::Misrouted,
+        RejectReason::UnknownOriginal,
     ];
 
     /// The exact reason code.
@@ -63,6 +68,7 @@ impl RejectReason {
             RejectReason::ClosedPeriod => "closed_period",
             RejectReason::RecordTooLarge => "record_too_large",
             RejectReason::Misrouted => "misrouted",
+            RejectReason::UnknownOriginal => "unknown_original",
         }
     }
 }

@@ -177,7 +177,32 @@ impl Validator {
     /// [`validate`]: Validator::validate
     pub fn identity_of(&self, bytes: &[u8]) -> Result<(String, String), Rejection> {
         let w = wire::decode(bytes, false).map_err(|e| Rejection::new(RejectReason::MalformedJson, e.0))?;
-        check_types(&w)?;
+        self.identity_of_wire(&w)
+    }
+
+    /// The `(tenant_id, event_id)` a record is placed by: its identity, or
+    /// for a correction or retraction with `correction_ref.original_event_id`,
+    /// the original's ([`UsageEvent::placement_id`]). What `dedupd route`
+    /// keys and partitions by; for every record [`validate`] accepts, the
+    /// accepted event's `(tenant_id, placement_id())`.
+    ///
+    /// [`validate`]: Validator::validate
+    pub fn placement_of(&self, bytes: &[u8]) -> Result<(String, String), Rejection> {
+        let w = wire::decode(bytes, false).map_err(|e| Rejection::new(RejectReason::MalformedJson, e.0))?;
+        let (tenant_id, event_id) = self.identity_of_wire(&w)?;
+        let corrects = matches!(optional_str(&w.kind).and_then(EventKind::parse), Some(k) if k != EventKind::Usage);
+        let original = match &w.correction_ref {
+            WireField::Value(c) => optional_str(&c.original_event_id).filter(|o| !o.is_empty()),
+            _ => None,
+        };
+        match original {
+            Some(o) if corrects => Ok((tenant_id, o.to_owned())),
+            _ => Ok((tenant_id, event_id)),
+        }
+    }
+
+    fn identity_of_wire(&self, w: &wire::WireEvent) -> Result<(String, String), Rejection> {
+        check_types(w)?;
         let tenant_id = required_str(&w.tenant_id, "tenant_id")?;
         let event_id = optional_str(&w.event_id);
         if tenant_id.is_empty() {

@@ -4,11 +4,12 @@
 //! partition whose state saw the first one. Producers keyed any way, or with
 //! another client's default partitioner, break that. The router consumes a
 //! raw topic with any keys and any partitioning, reads each record just far
-//! enough to know its identity ([`Validator::identity_of`], the same
-//! derivation the classifier uses for events without `event_id`), and
-//! produces it unchanged (value, headers, timestamp) to the input topic, keyed
-//! `tenant_id \0 event_id`, on the partition [`Partitioner`] gives that
-//! identity. A record without an identity (not JSON, no tenant) goes to the
+//! enough to know where it belongs ([`Validator::placement_of`]: its
+//! identity, derived like the classifier derives it for events without
+//! `event_id`, or for a correction its original's), and produces it
+//! unchanged (value, headers, timestamp) to the input topic, keyed
+//! `tenant_id \0 event_id` (the original's for a correction), on the
+//! partition [`Partitioner`] gives that identity. A record without an identity (not JSON, no tenant) goes to the
 //! rejected topic with its reason.
 //!
 //! Stateless. Exactly-once by default: each batch's records and the raw
@@ -369,7 +370,7 @@ impl Router<'_> {
     fn route_record(&self, m: &OwnedMessage, now_ms: i64) -> OutRecord {
         let source = Position::new(m.partition(), m.offset());
         let identity = match m.payload() {
-            Some(bytes) => self.validator.identity_of(bytes),
+            Some(bytes) => self.validator.placement_of(bytes),
             None => Err(Rejection::new(
                 crate::event::RejectReason::MalformedJson,
                 "null value (tombstone); an event is a JSON object",
