@@ -52,7 +52,7 @@ pub struct MemoryPartition {
 #[derive(Debug)]
 pub enum Ledger {
     Memory(BTreeMap<i32, MemoryPartition>),
-    Durable(LedgerStore),
+    Durable(Box<LedgerStore>),
 }
 
 impl std::fmt::Debug for MemoryPartition {
@@ -87,7 +87,7 @@ impl Ledger {
                 let mut maps = LedgerMaps::default();
                 if let Some(held) = parts.get(&partition) {
                     for (e, _) in events {
-                        let counter = CounterKey::of(e);
+                        let counter = std::sync::Arc::new(CounterKey::of(e));
                         let hour = HourKey { counter: counter.clone(), hour_ms: hour_of(e.timestamp_ms) };
                         if let Some(r) = held.maps.hours.get(&hour) {
                             maps.hours.insert(hour, r.clone());
@@ -98,7 +98,7 @@ impl Ledger {
                     }
                 }
                 let folded = maps.fold(lateness, events.iter().copied())?;
-                Ok(Preview { maps, folded })
+                Ok(Preview { maps: std::sync::Arc::new(maps), folded })
             }
         }
     }
@@ -158,6 +158,14 @@ impl Ledger {
                 .filter(|a| a.counter.tenant_id == tenant_id)
                 .cloned()
                 .collect()),
+        }
+    }
+
+    /// Writes folded changes not yet written (durable tier only).
+    pub fn write_pending(&self) -> Result<(), LedgerError> {
+        match self {
+            Ledger::Durable(store) => store.write_pending(),
+            Ledger::Memory(_) => Ok(()),
         }
     }
 

@@ -25,6 +25,9 @@ enum Step {
     Replay(i32),
     /// Close and reopen the state directory.
     Restart,
+    /// Drop the state without closing it (what was not written is lost),
+    /// reopen, repair.
+    Crash,
     /// Lose the ledger (a replaced disk) and rebuild it from the output.
     Repair,
 }
@@ -35,6 +38,7 @@ fn step() -> impl Strategy<Value = Step> {
         6 => (0..PARTITIONS, prop::collection::vec(event, 1..12)).prop_map(|(p, e)| Step::Batch(p, e)),
         1 => (0..PARTITIONS).prop_map(Step::Replay),
         1 => Just(Step::Restart),
+        1 => Just(Step::Crash),
         1 => Just(Step::Repair),
     ]
 }
@@ -166,6 +170,11 @@ proptest! {
                 }
                 Step::Restart => {
                     state.close().expect("close");
+                    state = open(dir.path());
+                    repair(&mut state, &model);
+                }
+                Step::Crash => {
+                    drop(state);
                     state = open(dir.path());
                     repair(&mut state, &model);
                 }

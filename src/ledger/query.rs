@@ -104,7 +104,11 @@ mod tests {
 
     fn key(customer: &str, hour_ms: i64) -> HourKey {
         HourKey {
-            counter: CounterKey { tenant_id: "t".into(), customer_id: customer.into(), meter: "m".into() },
+            counter: std::sync::Arc::new(CounterKey {
+                tenant_id: "t".into(),
+                customer_id: customer.into(),
+                meter: "m".into(),
+            }),
             hour_ms,
         }
     }
@@ -154,7 +158,12 @@ impl UsageAnswer {
     ) -> UsageAnswer {
         let mut adjustments: Vec<super::Adjustment> = adjustments
             .into_iter()
-            .filter(|a| query.selects(&HourKey { counter: a.counter.clone(), hour_ms: super::hour_of(a.event_ms) }))
+            .filter(|a| {
+                query.selects(&HourKey {
+                    counter: std::sync::Arc::new(a.counter.clone()),
+                    hour_ms: super::hour_of(a.event_ms),
+                })
+            })
             .collect();
         adjustments.sort_by(|a, b| (a.event_ms, &a.event_id).cmp(&(b.event_ms, &b.event_id)));
         UsageAnswer { rows: query.total(rollups), adjustments }

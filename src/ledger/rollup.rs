@@ -8,6 +8,7 @@
 //! after the batch is applied.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use rust_decimal::Decimal;
 
@@ -35,10 +36,12 @@ impl CounterKey {
 }
 
 /// A counter's hour: the unit rollups are kept and published in (per
-/// partition; a reader sums partitions).
+/// partition; a reader sums partitions). The counter is shared: one batch
+/// builds each event's counter once, and every map it lands in holds a
+/// reference, not a copy of three strings.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct HourKey {
-    pub counter: CounterKey,
+    pub counter: Arc<CounterKey>,
     /// Start of the hour, epoch milliseconds UTC.
     pub hour_ms: i64,
 }
@@ -198,7 +201,7 @@ pub struct Adjustment {
 pub struct LedgerMaps {
     pub hours: BTreeMap<HourKey, Rollup>,
     /// Largest event time folded in per counter (late events excluded).
-    pub watermarks: BTreeMap<CounterKey, i64>,
+    pub watermarks: BTreeMap<Arc<CounterKey>, i64>,
 }
 
 /// What folding a batch changed.
@@ -207,7 +210,7 @@ pub struct Folded {
     /// Hours whose rollup changed, each once, in key order.
     pub hours: Vec<HourKey>,
     /// Counters whose watermark moved.
-    pub counters: Vec<CounterKey>,
+    pub counters: Vec<Arc<CounterKey>>,
     pub adjustments: Vec<Adjustment>,
 }
 
@@ -223,12 +226,12 @@ impl LedgerMaps {
         let mut counters = std::collections::BTreeSet::new();
         let mut adjustments = Vec::new();
         for (event, offset) in events {
-            let counter = CounterKey::of(event);
+            let counter = Arc::new(CounterKey::of(event));
             let watermark = self.watermarks.get(&counter).copied();
             if lateness.is_late(event, watermark) {
                 adjustments.push(Adjustment {
                     period: super::Period::of_ms(event.timestamp_ms),
-                    counter,
+                    counter: CounterKey::clone(&counter),
                     event_id: event.event_id.clone(),
                     kind: event.kind,
                     amount: event.quantity,

@@ -20,6 +20,9 @@
 //! ```
 
 use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use hashbrown::{HashMap, HashSet};
 
 use rocksdb::{Direction, IteratorMode, Options, WriteBatch, DB};
 use rust_decimal::Decimal;
@@ -48,10 +51,75 @@ pub enum LedgerError {
 const ROLLUP_VERSION: u8 = 1;
 const ADJUSTMENT_VERSION: u8 = 1;
 
+/// Accepted events folded in memory before the changes are written: one
+/// write then carries every hour those events touched, each once.
+const WRITE_EVERY_EVENTS: usize = 20_000;
+
+/// Cached hours and watermarks past which clean entries are dropped.
+const CACHE_MAX_ENTRIES: usize = 1_000_000;
+
+/// A batch folded by [`LedgerStore::preview`], kept for its apply.
+struct Previewed {
+    partition: i32,
+    /// The partition's checkpoint when it was folded.
+    checkpoint: Option<i64>,
+    /// Which events, in which order (see [`fingerprint`]).
+    fingerprint: [u8; 32],
+    maps: std::sync::Arc<LedgerMaps>,
+    folded: Folded,
+}
+
+/// Names a sequence of events by identity and order: blake3 over each
+/// event's length-prefixed tenant and id. Equal fingerprints are the same
+/// events in the same order (an event's fields are fixed by its identity
+/// once accepted).
+fn fingerprint(events: &[(&UsageEvent, i64)]) -> [u8; 32] {
+    let mut h = blake3::Hasher::new();
+    h.update(&(events.len() as u64).to_le_bytes());
+    for (e, _) in events {
+        for s in [&e.tenant_id, &e.event_id] {
+            h.update(&(s.len() as u64).to_le_bytes());
+            h.update(s.as_bytes());
+        }
+    }
+    *h.finalize().as_bytes()
+}
+
 /// The durable ledger of every partition this state directory has seen.
+///
+/// Write-behind: [`apply`](Self::apply) folds into an in-memory cache and
+/// writes every [`WRITE_EVERY_EVENTS`] events, at [`write_pending`]
+/// (`maintain`, about every second) and at [`flush`](Self::flush), each time
+/// in one write batch with the checkpoints. A crash loses what was not
+/// written *and its checkpoint with it*, so local state's checkpoint (the
+/// minimum of its tiers') sends repair back far enough to fold it again.
+/// Reads go to the cache first: the hours a batch touches are mostly the
+/// hours the batch before touched.
+///
+/// [`write_pending`]: Self::write_pending
 pub struct LedgerStore {
     db: DB,
     dir: String,
+    cache: Mutex<Cache>,
+}
+
+/// What the store holds (clean) and what waits to be written (dirty). A
+/// known absence is cached as `None`.
+#[derive(Default)]
+struct Cache {
+    /// By partition, then key (looked up by reference, no key built).
+    hours: HashMap<i32, HashMap<HourKey, Option<Rollup>>>,
+    watermarks: HashMap<i32, HashMap<Arc<CounterKey>, Option<i64>>>,
+    dirty_hours: HashMap<i32, HashSet<HourKey>>,
+    dirty_watermarks: HashMap<i32, HashSet<Arc<CounterKey>>>,
+    /// The last preview, reused by the apply of the same events (the
+    /// worker previews a batch to publish its rollups, then applies it).
+    previewed: Option<Previewed>,
+    adjustments: Vec<(i32, Adjustment)>,
+    /// Last output offset folded, per partition, written or not.
+    checkpoints: HashMap<i32, i64>,
+    dirty_checkpoints: HashSet<i32>,
+    pending_events: usize,
 }
 
 impl std::fmt::Debug for LedgerStore {
@@ -63,7 +131,9 @@ impl std::fmt::Debug for LedgerStore {
 /// A batch folded against the durable ledger, not yet written.
 #[derive(Debug, Default)]
 pub struct Preview {
-    pub maps: LedgerMaps,
+    /// Shared with the store, which reuses it when the same batch is
+    /// applied (no copy when the caller has dropped its preview by then).
+    pub maps: std::sync::Arc<LedgerMaps>,
     pub folded: Folded,
 }
 
@@ -83,7 +153,7 @@ impl LedgerStore {
         opts.set_keep_log_file_num(2);
         let name = dir.display().to_string();
         let db = DB::open(&opts, dir).map_err(|source| LedgerError::Rocks { dir: name.clone(), source })?;
-        Ok(LedgerStore { db, dir: name })
+        Ok(LedgerStore { db, dir: name, cache: Mutex::default() })
     }
 
     /// Opens a ledger for queries only, without its lock: a worker may be
@@ -95,15 +165,24 @@ impl LedgerStore {
         }
         let db = DB::open_for_read_only(&Options::default(), dir, false)
             .map_err(|source| LedgerError::Rocks { dir: name.clone(), source })?;
-        Ok(LedgerStore { db, dir: name })
+        Ok(LedgerStore { db, dir: name, cache: Mutex::default() })
     }
 
     fn rocks(&self) -> impl Fn(rocksdb::Error) -> LedgerError + '_ {
         |source| LedgerError::Rocks { dir: self.dir.clone(), source }
     }
 
-    /// The last output offset of `partition` folded in.
+    fn cache(&self) -> std::sync::MutexGuard<'_, Cache> {
+        self.cache.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The last output offset of `partition` folded in (written or not:
+    /// within this process, what is folded is what counts; after a restart,
+    /// what was written).
     pub fn checkpoint(&self, partition: i32) -> Result<Option<i64>, LedgerError> {
+        if let Some(c) = self.cache().checkpoints.get(&partition) {
+            return Ok(Some(*c));
+        }
         let v = self.db.get(checkpoint_key(partition)).map_err(self.rocks())?;
         v.map(|b| read_i64(&b, "checkpoint")).transpose()
     }
@@ -117,13 +196,23 @@ impl LedgerStore {
         lateness: &Lateness,
         events: &[(&UsageEvent, i64)],
     ) -> Result<Preview, LedgerError> {
-        let mut maps = self.load(partition, events)?;
+        let checkpoint = self.checkpoint(partition)?;
+        let mut cache = self.cache();
+        let mut maps = self.load(&mut cache, partition, events)?;
         let folded = maps.fold(lateness, events.iter().copied())?;
+        let maps = std::sync::Arc::new(maps);
+        cache.previewed = Some(Previewed {
+            partition,
+            checkpoint,
+            fingerprint: fingerprint(events),
+            maps: maps.clone(),
+            folded: folded.clone(),
+        });
         Ok(Preview { maps, folded })
     }
 
-    /// Folds and writes `events`; those at or below the checkpoint are
-    /// skipped (idempotent by output offset).
+    /// Folds `events` in; those at or below the checkpoint are skipped
+    /// (idempotent by output offset). Written behind (see the type's doc).
     pub fn apply(
         &self,
         partition: i32,
@@ -136,45 +225,162 @@ impl LedgerStore {
         let Some(last) = fresh.last().map(|(_, o)| *o) else {
             return Ok(Folded::default());
         };
-        let Preview { maps, folded } = self.preview(partition, lateness, &fresh)?;
-        let mut batch = WriteBatch::default();
+        let mut cache = self.cache();
+        let (mut maps, folded) = match cache.previewed.take() {
+            // The batch just previewed, against the same state: its fold is
+            // this fold, but for the output offsets it did not know.
+            Some(p)
+                if p.partition == partition && p.checkpoint == checkpoint && p.fingerprint == fingerprint(&fresh) =>
+            {
+                let mut folded = p.folded;
+                if !folded.adjustments.is_empty() {
+                    let offsets: HashMap<&str, i64> = fresh.iter().map(|(e, o)| (e.event_id.as_str(), *o)).collect();
+                    for a in &mut folded.adjustments {
+                        a.output_offset = offsets.get(a.event_id.as_str()).copied().unwrap_or(a.output_offset);
+                    }
+                }
+                (std::sync::Arc::try_unwrap(p.maps).unwrap_or_else(|shared| (*shared).clone()), folded)
+            }
+            _ => {
+                let mut maps = self.load(&mut cache, partition, &fresh)?;
+                let folded = maps.fold(lateness, fresh.iter().copied())?;
+                (maps, folded)
+            }
+        };
         for key in &folded.hours {
-            batch.put(hour_key(key, partition), encode_rollup(&maps.hours[key]));
+            if let Some(r) = maps.hours.remove(key) {
+                cache.hours.entry(partition).or_default().insert(key.clone(), Some(r));
+                cache.dirty_hours.entry(partition).or_default().insert(key.clone());
+            }
         }
         for counter in &folded.counters {
-            batch.put(watermark_key(partition, counter), flip(maps.watermarks[counter]));
+            if let Some(w) = maps.watermarks.get(counter) {
+                cache.watermarks.entry(partition).or_default().insert(counter.clone(), Some(*w));
+                cache.dirty_watermarks.entry(partition).or_default().insert(counter.clone());
+            }
         }
-        for a in &folded.adjustments {
-            batch.put(adjustment_key(a, partition), encode_adjustment(a));
+        cache.adjustments.extend(folded.adjustments.iter().map(|a| (partition, a.clone())));
+        cache.checkpoints.insert(partition, last);
+        cache.dirty_checkpoints.insert(partition);
+        cache.pending_events += fresh.len();
+        if cache.pending_events >= WRITE_EVERY_EVENTS {
+            self.write(&mut cache)?;
         }
-        batch.put(checkpoint_key(partition), flip(last));
-        self.db.write(batch).map_err(self.rocks())?;
         Ok(folded)
     }
 
-    /// The hours and counters `events` can touch, as the store holds them.
-    fn load(&self, partition: i32, events: &[(&UsageEvent, i64)]) -> Result<LedgerMaps, LedgerError> {
-        let mut hours: Vec<HourKey> = events
-            .iter()
-            .map(|(e, _)| HourKey { counter: CounterKey::of(e), hour_ms: hour_of(e.timestamp_ms) })
-            .collect();
-        hours.sort();
-        hours.dedup();
-        let mut counters: Vec<CounterKey> = events.iter().map(|(e, _)| CounterKey::of(e)).collect();
-        counters.sort();
-        counters.dedup();
-        let mut maps = LedgerMaps::default();
-        let got = self.db.multi_get(hours.iter().map(|k| hour_key(k, partition)));
-        for (key, value) in hours.into_iter().zip(got) {
-            if let Some(v) = value.map_err(self.rocks())? {
-                maps.hours.insert(key, decode_rollup(&v)?);
+    /// Writes what is folded but not yet written, in one write batch with
+    /// the checkpoints. `maintain` calls it about every second.
+    pub fn write_pending(&self) -> Result<(), LedgerError> {
+        let mut cache = self.cache();
+        self.write(&mut cache)
+    }
+
+    fn write(&self, cache: &mut Cache) -> Result<(), LedgerError> {
+        if cache.dirty_checkpoints.is_empty() {
+            return Ok(());
+        }
+        // Put in key order: RocksDB's memtable inserts a sorted run far
+        // faster than scattered keys (each insert starts where the last
+        // one ended).
+        let mut puts: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+        for (p, keys) in cache.dirty_hours.drain() {
+            let held = cache.hours.get(&p);
+            for key in keys {
+                if let Some(Some(r)) = held.and_then(|h| h.get(&key)) {
+                    puts.push((hour_key(&key, p), encode_rollup(r)));
+                }
             }
         }
-        let got = self.db.multi_get(counters.iter().map(|c| watermark_key(partition, c)));
-        for (counter, value) in counters.into_iter().zip(got) {
-            if let Some(v) = value.map_err(self.rocks())? {
-                maps.watermarks.insert(counter, read_i64(&v, "watermark")?);
+        for (p, counters) in cache.dirty_watermarks.drain() {
+            let held = cache.watermarks.get(&p);
+            for counter in counters {
+                if let Some(Some(w)) = held.and_then(|h| h.get(&counter)) {
+                    puts.push((watermark_key(p, &counter), flip(*w).to_vec()));
+                }
             }
+        }
+        for (p, a) in cache.adjustments.drain(..) {
+            puts.push((adjustment_key(&a, p), encode_adjustment(&a)));
+        }
+        for p in cache.dirty_checkpoints.drain() {
+            if let Some(c) = cache.checkpoints.get(&p) {
+                puts.push((checkpoint_key(p), flip(*c).to_vec()));
+            }
+        }
+        puts.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        let mut batch = WriteBatch::default();
+        for (k, v) in &puts {
+            batch.put(k, v);
+        }
+        cache.pending_events = 0;
+        self.db.write(batch).map_err(self.rocks())?;
+        // Everything is clean now: bound the cache by dropping it whole
+        // when it has grown past its size (the next batches reload the
+        // hours they touch).
+        let entries: usize = cache.hours.values().map(HashMap::len).sum::<usize>()
+            + cache.watermarks.values().map(HashMap::len).sum::<usize>();
+        if entries > CACHE_MAX_ENTRIES {
+            cache.hours.clear();
+            cache.watermarks.clear();
+        }
+        Ok(())
+    }
+
+    /// The hours and counters `events` can touch, from the cache or else the
+    /// store (and then cached).
+    fn load(
+        &self,
+        cache: &mut Cache,
+        partition: i32,
+        events: &[(&UsageEvent, i64)],
+    ) -> Result<LedgerMaps, LedgerError> {
+        let mut maps = LedgerMaps::default();
+        let mut missing_hours: Vec<HourKey> = Vec::new();
+        let mut missing_counters: Vec<Arc<CounterKey>> = Vec::new();
+        let hours_held = cache.hours.entry(partition).or_default();
+        let watermarks_held = cache.watermarks.entry(partition).or_default();
+        for (e, _) in events {
+            let counter = Arc::new(CounterKey::of(e));
+            let hour = HourKey { counter: counter.clone(), hour_ms: hour_of(e.timestamp_ms) };
+            if !maps.watermarks.contains_key(&counter) {
+                match watermarks_held.get(&counter) {
+                    Some(Some(w)) => {
+                        maps.watermarks.insert(counter.clone(), *w);
+                    }
+                    Some(None) => {}
+                    None => missing_counters.push(counter),
+                }
+            }
+            if let std::collections::btree_map::Entry::Vacant(slot) = maps.hours.entry(hour) {
+                match hours_held.get(slot.key()) {
+                    Some(Some(r)) => {
+                        slot.insert(r.clone());
+                    }
+                    Some(None) => {}
+                    None => missing_hours.push(slot.into_key()),
+                }
+            }
+        }
+        missing_hours.sort();
+        missing_hours.dedup();
+        missing_counters.sort();
+        missing_counters.dedup();
+        let got = self.db.multi_get(missing_hours.iter().map(|k| hour_key(k, partition)));
+        for (key, value) in missing_hours.into_iter().zip(got) {
+            let value = value.map_err(self.rocks())?.map(|v| decode_rollup(&v)).transpose()?;
+            if let Some(r) = &value {
+                maps.hours.insert(key.clone(), r.clone());
+            }
+            hours_held.insert(key, value);
+        }
+        let got = self.db.multi_get(missing_counters.iter().map(|c| watermark_key(partition, c)));
+        for (counter, value) in missing_counters.into_iter().zip(got) {
+            let value = value.map_err(self.rocks())?.map(|v| read_i64(&v, "watermark")).transpose()?;
+            if let Some(w) = value {
+                maps.watermarks.insert(counter.clone(), w);
+            }
+            watermarks_held.insert(counter, value);
         }
         Ok(maps)
     }
@@ -201,6 +407,7 @@ impl LedgerStore {
     }
 
     fn rollups_under(&self, prefix: &[u8], mut f: impl FnMut(HourKey, i32, Rollup)) -> Result<(), LedgerError> {
+        self.write_pending()?;
         for item in self.db.iterator(IteratorMode::From(prefix, Direction::Forward)) {
             let (k, v) = item.map_err(self.rocks())?;
             if !k.starts_with(prefix) {
@@ -225,6 +432,7 @@ impl LedgerStore {
     }
 
     fn adjustments_under(&self, prefix: &[u8]) -> Result<Vec<(i32, Adjustment)>, LedgerError> {
+        self.write_pending()?;
         let mut out = Vec::new();
         for item in self.db.iterator(IteratorMode::From(prefix, Direction::Forward)) {
             let (k, v) = item.map_err(self.rocks())?;
@@ -267,8 +475,9 @@ impl LedgerStore {
         Ok(n)
     }
 
-    /// Makes every write so far durable (at shutdown).
+    /// Writes what is pending and makes every write durable (at shutdown).
     pub fn flush(&self) -> Result<(), LedgerError> {
+        self.write_pending()?;
         self.db.flush_wal(true).map_err(self.rocks())?;
         self.db.flush().map_err(self.rocks())
     }
@@ -389,7 +598,7 @@ fn decode_hour_key(k: &[u8]) -> Result<(HourKey, i32), LedgerError> {
     let hour_ms = r.i64()?;
     let partition = r.i32()?;
     r.end()?;
-    Ok((HourKey { counter, hour_ms }, partition))
+    Ok((HourKey { counter: Arc::new(counter), hour_ms }, partition))
 }
 
 fn decode_adjustment_partition(k: &[u8]) -> Result<i32, LedgerError> {
@@ -491,7 +700,7 @@ mod tests {
     use crate::storage::testutil::sample_event_at;
 
     #[test]
-    fn apply_is_idempotent_by_offset_and_survives_reopen() {
+    fn apply_is_idempotent_by_offset_and_a_crash_loses_unwritten_folds_with_their_checkpoint() {
         let dir = tempfile::tempdir().expect("tempdir");
         let t = 1_700_000_000_000;
         let events: Vec<UsageEvent> =
@@ -503,9 +712,23 @@ mod tests {
         {
             let store = LedgerStore::open(dir.path()).expect("open");
             store.apply(3, &lateness, &with_offsets[..4]).expect("apply");
-            // A replay overlapping what is held folds only the new offsets.
+            store.write_pending().expect("write");
+            store.apply(3, &lateness, &with_offsets[4..]).expect("apply");
+            assert_eq!(store.checkpoint(3).expect("checkpoint"), Some(5));
+            // Dropped without a flush: a crash.
+        }
+        {
+            let store = LedgerStore::open(dir.path()).expect("reopen");
+            assert_eq!(
+                store.checkpoint(3).expect("checkpoint"),
+                Some(3),
+                "the unwritten folds are gone, and so is their checkpoint"
+            );
+            // Repair replays from the start; a replay overlapping what is
+            // held folds only the new offsets.
             store.apply(3, &lateness, &with_offsets).expect("apply again");
             assert_eq!(store.checkpoint(3).expect("checkpoint"), Some(5));
+            store.flush().expect("flush");
         }
         let store = LedgerStore::open(dir.path()).expect("reopen");
         let mut held = std::collections::BTreeMap::new();

@@ -85,6 +85,11 @@ struct Durable {
 /// may drop whole files, cheap but not free per batch.
 const AGE_OUT_EVERY_MS: i64 = 60_000;
 
+/// How often the ledger's folded changes are written at the latest (it also
+/// writes every few tens of thousands of events): a crash re-folds at most
+/// about this much output in repair.
+const LEDGER_WRITE_EVERY_MS: i64 = 1_000;
+
 /// The local state of every partition this process owns.
 pub struct LocalState {
     settings: EngineSettings,
@@ -97,6 +102,7 @@ pub struct LocalState {
     /// simulator's disk, which models the usage store and key store only).
     ledger: Option<Ledger>,
     last_age_out_ms: i64,
+    last_ledger_write_ms: i64,
     /// Evictions of hot caches already dropped (revoked partitions), so the
     /// process-wide count never goes back.
     revoked_evictions: crate::classify::HotEvictions,
@@ -149,6 +155,7 @@ impl LocalState {
             durable: None,
             memory_checkpoints: BTreeMap::new(),
             last_age_out_ms: i64::MIN,
+            last_ledger_write_ms: i64::MIN,
             revoked_evictions: crate::classify::HotEvictions::default(),
         }
     }
@@ -181,8 +188,11 @@ impl LocalState {
         let lock = StateDirLock::acquire(dir)?;
         let (usage, recovery) = UsageStore::open(&dir.join("usage"), store_options(&settings), observer)?;
         let keys = KeyStore::open(&dir.join("keystore"), keystore_options(&settings))?;
-        let ledger =
-            if settings.ledger { Some(Ledger::Durable(LedgerStore::open(&dir.join("ledger"))?)) } else { None };
+        let ledger = if settings.ledger {
+            Some(Ledger::Durable(Box::new(LedgerStore::open(&dir.join("ledger"))?)))
+        } else {
+            None
+        };
         let mut state = LocalState::in_memory(settings, detect_replays);
         state.ledger = ledger;
         state.durable = Some(Durable { dir: dir.to_owned(), usage, keys: Box::new(keys), recovery, _lock: Some(lock) });
@@ -418,6 +428,12 @@ impl LocalState {
     pub fn maintain(&mut self, now_ms: i64) -> Result<(), StateError> {
         for c in self.partitions.values_mut() {
             c.evict_expired(now_ms);
+        }
+        if let Some(ledger) = &self.ledger {
+            if now_ms.saturating_sub(self.last_ledger_write_ms) >= LEDGER_WRITE_EVERY_MS {
+                ledger.write_pending()?;
+                self.last_ledger_write_ms = now_ms;
+            }
         }
         if let Some(d) = &mut self.durable {
             d.usage.maintain(now_ms)?;
