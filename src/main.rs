@@ -140,8 +140,14 @@ enum Command {
 /// `dedupd usage`'s query.
 #[derive(clap::Args, Clone, Debug)]
 struct UsageArgs {
-    #[arg(long, env = "DEDUPD_STATE_DIR", required = true)]
+    /// Answer from this state directory (its partitions' share).
+    #[arg(long, env = "DEDUPD_STATE_DIR", required_unless_present = "rollups_topic", conflicts_with = "rollups_topic")]
     state_dir: Option<PathBuf>,
+    /// Answer from the rollups topic (every partition's share).
+    #[arg(long, env = "DEDUPD_ROLLUPS_TOPIC", requires = "brokers")]
+    rollups_topic: Option<String>,
+    #[arg(long, env = "DEDUPD_BROKERS")]
+    brokers: Option<String>,
     #[arg(long, required = true)]
     tenant: Option<String>,
     #[arg(long)]
@@ -168,9 +174,19 @@ enum UsageCheck {
     /// compares every rollup and adjustment with its ledger; exits 1 on any
     /// drift. Opens (and locks) the directory: run it on a stopped worker or
     /// a copy, with the worker's `--lateness` and `--config`.
+    ///
+    /// With `--brokers --output-topic --rollups-topic` instead, refolds the
+    /// output topic's accepted events and compares them with the rollups
+    /// topic (the whole deployment; run it when the workers are idle).
     Verify {
-        #[arg(long, env = "DEDUPD_STATE_DIR")]
-        state_dir: PathBuf,
+        #[arg(long, env = "DEDUPD_STATE_DIR", required_unless_present = "rollups_topic")]
+        state_dir: Option<PathBuf>,
+        #[arg(long, env = "DEDUPD_BROKERS", requires = "rollups_topic")]
+        brokers: Option<String>,
+        #[arg(long, env = "DEDUPD_OUTPUT_TOPIC", requires = "rollups_topic")]
+        output_topic: Option<String>,
+        #[arg(long, env = "DEDUPD_ROLLUPS_TOPIC", requires_all = ["brokers", "output_topic"], conflicts_with = "state_dir")]
+        rollups_topic: Option<String>,
         #[command(flatten)]
         tuning: TuningArgs,
     },
@@ -438,6 +454,12 @@ fn progress_bar(total_bytes: Option<u64>) -> Option<indicatif::ProgressBar> {
     Some(bar)
 }
 
+/// The brokers of the usage commands (plaintext: they take no security
+/// properties yet).
+fn usage_brokers(servers: String) -> dedupd::kafka::usage::Brokers {
+    dedupd::kafka::usage::Brokers { servers, properties: Vec::new(), timeout: std::time::Duration::from_secs(30) }
+}
+
 fn engine_settings(tuning: &TuningArgs) -> anyhow::Result<(EngineSettings, FileConfig)> {
     let file = match &tuning.config {
         Some(path) => FileConfig::load(path)?,
@@ -491,25 +513,43 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             print!("{report}");
             Ok(if clean { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
-        Command::Usage { check: Some(UsageCheck::Verify { state_dir, tuning }), .. } => {
+        Command::Usage {
+            check: Some(UsageCheck::Verify { state_dir, brokers, output_topic, rollups_topic, tuning }),
+            ..
+        } => {
             let (settings, _) = engine_settings(&tuning)?;
-            let check = dedupd::state::verify_ledger(&state_dir, settings)?;
-            for line in &check.drift {
+            let (events, hours, adjustments, drift) = match (state_dir, brokers, output_topic, rollups_topic) {
+                (_, Some(brokers), Some(output), Some(rollups)) => {
+                    let brokers = usage_brokers(brokers);
+                    let validator = settings.validator();
+                    let c = dedupd::kafka::usage::verify_topics(
+                        &brokers,
+                        &output,
+                        &rollups,
+                        &validator,
+                        &settings.lateness,
+                    )?;
+                    (c.events, c.hours, c.adjustments, c.drift)
+                }
+                (Some(dir), ..) => {
+                    let c = dedupd::state::verify_ledger(&dir, settings)?;
+                    (c.events, c.hours, c.adjustments, c.drift)
+                }
+                _ => anyhow::bail!("give --state-dir, or --brokers, --output-topic and --rollups-topic"),
+            };
+            for line in &drift {
                 println!("DRIFT {line}");
             }
             println!(
-                "usage verify: {} accepted events refolded, {} hours and {} adjustments compared, {} drifting",
-                check.events,
-                check.hours,
-                check.adjustments,
-                check.drift.len()
+                "usage verify: {events} accepted events refolded, {hours} hours and {adjustments} adjustments compared, {} drifting",
+                drift.len()
             );
-            Ok(if check.drift.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+            Ok(if drift.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
         Command::Usage { check: None, query: q } => {
-            let UsageArgs { state_dir, tenant, customer, meter, from, to, group_by, format } = q;
+            let UsageArgs { state_dir, rollups_topic, brokers, tenant, customer, meter, from, to, group_by, format } =
+                q;
             let need = |flag: &str, v: Option<String>| v.ok_or_else(|| anyhow::anyhow!("--{flag} is required"));
-            let state_dir = state_dir.ok_or_else(|| anyhow::anyhow!("--state-dir is required"))?;
             let bound = |flag: &str, s: String| {
                 dedupd::ledger::parse_bound(&s).map_err(|why| anyhow::anyhow!("--{flag}: {why}"))
             };
@@ -529,7 +569,13 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             if format != "table" && format != "json" {
                 anyhow::bail!("--format {format:?}: expected table or json");
             }
-            let answer = dedupd::state::usage(&state_dir, &query)?;
+            let answer = match (state_dir, rollups_topic, brokers) {
+                (_, Some(topic), Some(brokers)) => {
+                    dedupd::kafka::usage::usage_from_topic(&usage_brokers(brokers), &topic, &query)?
+                }
+                (Some(dir), ..) => dedupd::state::usage(&dir, &query)?,
+                _ => anyhow::bail!("give --state-dir, or --brokers and --rollups-topic"),
+            };
             if format == "json" {
                 println!("{}", serde_json::to_string_pretty(&answer.to_json())?);
             } else {

@@ -235,6 +235,38 @@ async fn a_crashed_worker_is_repaired_from_the_output_topic_by_its_successor() {
         let (rollups, late) = rollup_totals(&read_topic(&brokers, topics.rollups.as_deref().expect("rollups")));
         assert_eq!(rollups, output_totals(&output), "rollups topic against the accepted events ({delivery})");
         assert!(late.is_empty(), "no event of the scenario is later than 48 hours: {late:?}");
+        // `dedupd usage verify` over the topics: every rollup (sum, count,
+        // max, last, latest event) is what the output refolds to.
+        let usage_brokers = dedupd::kafka::usage::Brokers {
+            servers: brokers.clone(),
+            properties: Vec::new(),
+            timeout: Duration::from_secs(30),
+        };
+        let rollups_topic = topics.rollups.as_deref().expect("rollups");
+        let check = dedupd::kafka::usage::verify_topics(
+            &usage_brokers,
+            &topics.output,
+            rollups_topic,
+            &validator(),
+            &dedupd::ledger::Lateness::default(),
+        )
+        .expect("verify");
+        assert!(check.drift.is_empty(), "drift ({delivery}): {:?}", &check.drift[..check.drift.len().min(5)]);
+        assert_eq!(check.events as usize, output.len());
+        // And `dedupd usage --rollups-topic` totals one tenant like the output.
+        let now = dedupd::classify::Clock::now_ms(&dedupd::classify::SystemClock);
+        let query = dedupd::ledger::UsageQuery {
+            tenant_id: "acme".into(),
+            customer_id: None,
+            meter: None,
+            from_ms: now - 3 * 3_600_000,
+            to_ms: now + 3_600_000,
+            group_by: None,
+        };
+        let answer = dedupd::kafka::usage::usage_from_topic(&usage_brokers, rollups_topic, &query).expect("usage");
+        let acme: rust_decimal::Decimal =
+            output_totals(&output).iter().filter(|((t, ..), _)| t == "acme").map(|(_, v)| *v).sum();
+        assert_eq!(answer.rolled_up(), acme, "acme's total from the rollups topic ({delivery})");
     }
 }
 

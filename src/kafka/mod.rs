@@ -16,6 +16,7 @@
 //! - [`worker`]: [`run`], rebalance callbacks, shutdown.
 //! - [`router`]: `dedupd route`, keying and placing raw records by identity.
 //! - [`demo`]: `dedupd demo` on librdkafka's mock cluster.
+//! - [`usage`]: the usage ledger read from the rollups and output topics.
 
 pub mod batch;
 pub mod clients;
@@ -28,6 +29,7 @@ pub mod records;
 pub mod repair;
 pub mod router;
 pub mod settings;
+pub mod usage;
 pub mod worker;
 
 pub use engine::{Engine, EngineError, EngineStats, InputRecord, Outcome, StateEngine, StoredEvent};

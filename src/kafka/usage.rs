@@ -1,0 +1,349 @@
+//! The usage ledger read from Kafka: the deployment-wide answers.
+//!
+//! A worker's state directory holds its partitions' share of the ledger; the
+//! rollups topic holds every partition's. `dedupd usage --brokers
+//! --rollups-topic` reads that topic as compaction leaves it (the latest
+//! record of each key) and answers the same query as offline. `dedupd usage
+//! verify --brokers --output-topic --rollups-topic` refolds the accepted
+//! events of the output topic, partition by partition in offset order, and
+//! compares every rollup and adjustment with the rollups topic.
+//!
+//! Blocking (whole-topic reads with a plain consumer): call from a blocking
+//! context. Committed data only (`read_committed`).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError as RdError;
+use rdkafka::message::Message;
+use rdkafka::{Offset, TopicPartitionList};
+use rust_decimal::Decimal;
+
+use crate::event::{EventKind, Position, Validator};
+use crate::kafka::error::KafkaError;
+use crate::kafka::records::parse_output;
+use crate::ledger::{
+    Adjustment, AdjustmentReason, CounterKey, HourKey, Lateness, LedgerMaps, Period, Rollup, UsageAnswer, UsageQuery,
+};
+
+/// How to reach the brokers: bootstrap servers and extra librdkafka
+/// properties (security settings).
+#[derive(Clone, Debug)]
+pub struct Brokers {
+    pub servers: String,
+    pub properties: Vec<(String, String)>,
+    /// Longest wait for metadata and for reaching a topic's end.
+    pub timeout: Duration,
+}
+
+impl Brokers {
+    fn consumer(&self) -> Result<BaseConsumer, KafkaError> {
+        let mut cfg = ClientConfig::new();
+        cfg.set("bootstrap.servers", &self.servers)
+            .set("client.id", "dedupd-usage")
+            .set("group.id", "dedupd-usage-reader")
+            .set("enable.auto.commit", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("fetch.wait.max.ms", "5");
+        for (k, v) in &self.properties {
+            cfg.set(k, v);
+        }
+        // Forced: only committed records count, and the read ends at each
+        // partition's end.
+        cfg.set("isolation.level", "read_committed").set("enable.partition.eof", "true");
+        cfg.create().map_err(KafkaError::client("creating the usage reader"))
+    }
+}
+
+/// Calls `f` on every committed record of `topic`, partition by partition
+/// in offset order, up to the end each partition had when the read began.
+fn read_topic(
+    brokers: &Brokers,
+    topic: &str,
+    mut f: impl FnMut(i32, i64, Option<&[u8]>, &rdkafka::message::BorrowedMessage<'_>) -> Result<(), KafkaError>,
+) -> Result<(), KafkaError> {
+    let consumer = brokers.consumer()?;
+    let md = consumer.fetch_metadata(Some(topic), brokers.timeout).map_err(KafkaError::client("fetching metadata"))?;
+    let partitions: Vec<i32> = md
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic && t.error().is_none())
+        .map(|t| t.partitions().iter().map(|p| p.id()).collect())
+        .unwrap_or_default();
+    if partitions.is_empty() {
+        return Err(KafkaError::TopicMissing { topic: topic.to_owned(), brokers: brokers.servers.clone() });
+    }
+    let mut ends: BTreeMap<i32, i64> = BTreeMap::new();
+    let mut tpl = TopicPartitionList::new();
+    for p in partitions {
+        let (low, high) =
+            consumer.fetch_watermarks(topic, p, brokers.timeout).map_err(KafkaError::client("fetching watermarks"))?;
+        if high > low {
+            ends.insert(p, high);
+            tpl.add_partition_offset(topic, p, Offset::Beginning).map_err(KafkaError::client("assigning"))?;
+        }
+    }
+    if ends.is_empty() {
+        return Ok(());
+    }
+    consumer.assign(&tpl).map_err(KafkaError::client("assigning"))?;
+    let mut last_progress = Instant::now();
+    while !ends.is_empty() {
+        if last_progress.elapsed() > brokers.timeout {
+            return Err(KafkaError::Task {
+                detail: format!(
+                    "reading {topic} made no progress for {:?}; partitions left: {ends:?}",
+                    brokers.timeout
+                ),
+            });
+        }
+        match consumer.poll(Duration::from_millis(200)) {
+            Some(Ok(m)) => {
+                last_progress = Instant::now();
+                let (p, o) = (m.partition(), m.offset());
+                if ends.get(&p).is_some_and(|end| o < *end) {
+                    f(p, o, m.payload(), &m)?;
+                }
+                if ends.get(&p).is_some_and(|end| o + 1 >= *end) {
+                    ends.remove(&p);
+                }
+            }
+            Some(Err(RdError::PartitionEOF(p))) => {
+                ends.remove(&p);
+            }
+            Some(Err(e)) => return Err(KafkaError::client("reading")(e)),
+            None => {}
+        }
+    }
+    Ok(())
+}
+
+/// What the rollups topic holds: every rollup with its partition, and every
+/// adjustment with its partition.
+pub struct RollupsTopic {
+    pub rollups: Vec<(HourKey, i32, Rollup)>,
+    pub adjustments: Vec<(i32, Adjustment)>,
+}
+
+/// The rollups topic as compaction leaves it: the latest record of each key.
+pub fn read_rollups(brokers: &Brokers, topic: &str) -> Result<RollupsTopic, KafkaError> {
+    let mut latest: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+    read_topic(brokers, topic, |_, _, value, m| {
+        if let (Some(k), Some(v)) = (m.key(), value) {
+            latest.insert(k.to_vec(), v.to_vec());
+        }
+        Ok(())
+    })?;
+    let mut rollups = Vec::new();
+    let mut adjustments = Vec::new();
+    for value in latest.values() {
+        match parse_ledger_record(value) {
+            Ok(LedgerRecord::Rollup(k, p, r)) => rollups.push((k, p, r)),
+            Ok(LedgerRecord::Adjustment(p, a)) => adjustments.push((p, a)),
+            Err(why) => {
+                return Err(KafkaError::Task { detail: format!("a record of {topic} is not a rollup: {why}") });
+            }
+        }
+    }
+    Ok(RollupsTopic { rollups, adjustments })
+}
+
+/// Answers `query` from the rollups topic: every partition's share.
+pub fn usage_from_topic(brokers: &Brokers, topic: &str, query: &UsageQuery) -> Result<UsageAnswer, KafkaError> {
+    let RollupsTopic { rollups, adjustments } = read_rollups(brokers, topic)?;
+    let selected: Vec<(HourKey, Rollup)> = rollups.into_iter().map(|(k, _, r)| (k, r)).collect();
+    Ok(UsageAnswer::of(
+        query,
+        selected.iter().map(|(k, r)| (k, r)),
+        adjustments.into_iter().map(|(_, a)| a).filter(|a| a.counter.tenant_id == query.tenant_id),
+    ))
+}
+
+/// What `dedupd usage verify` found between the output and rollups topics.
+#[derive(Debug, Default)]
+pub struct TopicCheck {
+    pub events: u64,
+    pub hours: usize,
+    pub adjustments: usize,
+    pub drift: Vec<String>,
+}
+
+/// Refolds the output topic's accepted events (per partition, in offset
+/// order, with `lateness`) and compares every rollup and adjustment with
+/// the rollups topic. Run it on a quiet deployment (or accept drift for the
+/// hours of batches in flight); output retention must cover the hours it
+/// compares, since rollups outlive the output records they summed.
+pub fn verify_topics(
+    brokers: &Brokers,
+    output_topic: &str,
+    rollups_topic: &str,
+    validator: &Validator,
+    lateness: &Lateness,
+) -> Result<TopicCheck, KafkaError> {
+    let mut by_partition: BTreeMap<i32, Vec<(i64, crate::event::UsageEvent)>> = BTreeMap::new();
+    let mut unreadable = Vec::new();
+    read_topic(brokers, output_topic, |p, o, value, m| {
+        match parse_output(validator, Position::new(p, o), m.headers(), value) {
+            Ok(stored) => by_partition.entry(p).or_default().push((o, stored.event)),
+            Err(why) => unreadable.push(format!("output partition {p} offset {o} does not read back: {why}")),
+        }
+        Ok(())
+    })?;
+    let RollupsTopic { rollups, adjustments } = read_rollups(brokers, rollups_topic)?;
+    let mut stored: BTreeMap<(HourKey, i32), Rollup> = rollups.into_iter().map(|(k, p, r)| ((k, p), r)).collect();
+    let mut stored_adjustments: BTreeMap<(i32, String, String), Adjustment> =
+        adjustments.into_iter().map(|(p, a)| ((p, a.counter.tenant_id.clone(), a.event_id.clone()), a)).collect();
+    let mut check = TopicCheck { drift: unreadable, ..TopicCheck::default() };
+    for (p, events) in by_partition {
+        check.events += events.len() as u64;
+        let mut maps = LedgerMaps::default();
+        let folded = maps
+            .fold(lateness, events.iter().map(|(o, e)| (e, *o)))
+            .map_err(|e| KafkaError::Task { detail: e.to_string() })?;
+        for (key, want) in maps.hours {
+            check.hours += 1;
+            match stored.remove(&(key.clone(), p)) {
+                Some(got) if got == want => {}
+                Some(got) => check.drift.push(format!(
+                    "partition {p} {:?} hour {}: rollups topic sum {} count {}, output says sum {} count {}",
+                    key.counter,
+                    crate::event::format_timestamp_ms(key.hour_ms),
+                    got.sum,
+                    got.count,
+                    want.sum,
+                    want.count
+                )),
+                None => check.drift.push(format!(
+                    "partition {p} {:?} hour {}: no rollup on the topic (output says sum {})",
+                    key.counter,
+                    crate::event::format_timestamp_ms(key.hour_ms),
+                    want.sum
+                )),
+            }
+        }
+        for want in folded.adjustments {
+            check.adjustments += 1;
+            let key = (p, want.counter.tenant_id.clone(), want.event_id.clone());
+            match stored_adjustments.remove(&key) {
+                Some(got) if got.amount == want.amount && got.period == want.period => {}
+                Some(got) => check.drift.push(format!(
+                    "partition {p} adjustment of {}: topic says {} in {}, output says {} in {}",
+                    want.event_id, got.amount, got.period, want.amount, want.period
+                )),
+                None => check.drift.push(format!(
+                    "partition {p} late event {} ({}) has no adjustment on the rollups topic",
+                    want.event_id, want.amount
+                )),
+            }
+        }
+    }
+    for ((key, p), got) in stored {
+        check.drift.push(format!(
+            "partition {p} {:?} hour {}: rollup sum {} has no accepted events behind it on the output",
+            key.counter,
+            crate::event::format_timestamp_ms(key.hour_ms),
+            got.sum
+        ));
+    }
+    for ((p, _, id), _) in stored_adjustments {
+        check.drift.push(format!("partition {p} adjustment of {id} has no late event behind it on the output"));
+    }
+    Ok(check)
+}
+
+/// One record of the rollups topic, read back.
+enum LedgerRecord {
+    Rollup(HourKey, i32, Rollup),
+    Adjustment(i32, Adjustment),
+}
+
+fn parse_ledger_record(value: &[u8]) -> Result<LedgerRecord, String> {
+    let v: serde_json::Value = serde_json::from_slice(value).map_err(|e| e.to_string())?;
+    let text = |k: &str| v[k].as_str().map(str::to_owned).ok_or_else(|| format!("no {k}"));
+    let opt_text = |k: &str| v[k].as_str().map(str::to_owned);
+    let dec = |s: String| s.parse::<Decimal>().map_err(|e| format!("{s:?}: {e}"));
+    let time = |s: String| crate::ledger::parse_bound(&s);
+    let partition = v["partition"].as_i64().and_then(|p| i32::try_from(p).ok()).ok_or("no partition")?;
+    let counter =
+        CounterKey { tenant_id: text("tenant_id")?, customer_id: text("customer_id")?, meter: text("meter")? };
+    match v["type"].as_str() {
+        Some("rollup") => {
+            let hour_ms = time(text("hour")?)?;
+            let last = match (opt_text("last_event_time"), opt_text("last")) {
+                (Some(t), Some(q)) => Some((time(t)?, dec(q)?)),
+                _ => None,
+            };
+            let rollup = Rollup {
+                sum: dec(text("sum")?)?,
+                count: v["count"].as_u64().ok_or("no count")?,
+                corrections: v["corrections"].as_u64().ok_or("no corrections")?,
+                max: opt_text("max").map(dec).transpose()?,
+                last,
+                latest_event_ms: opt_text("latest_event_time").map(time).transpose()?.unwrap_or(i64::MIN),
+            };
+            Ok(LedgerRecord::Rollup(HourKey { counter: Arc::new(counter), hour_ms }, partition, rollup))
+        }
+        Some("adjustment") => {
+            let kind = EventKind::parse(&text("kind")?).ok_or("unknown kind")?;
+            let reason = AdjustmentReason::parse(&text("reason")?).ok_or("unknown reason")?;
+            Ok(LedgerRecord::Adjustment(
+                partition,
+                Adjustment {
+                    counter,
+                    period: Period::parse(&text("period")?)?,
+                    event_id: text("event_id")?,
+                    kind,
+                    amount: dec(text("amount")?)?,
+                    event_ms: time(text("timestamp")?)?,
+                    reason,
+                    output_offset: -1,
+                },
+            ))
+        }
+        other => Err(format!("unknown record type {other:?}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kafka::records::{adjustment_record, rollup_record};
+
+    #[test]
+    fn rollup_and_adjustment_records_read_back_to_what_was_published() {
+        let key = HourKey {
+            counter: Arc::new(CounterKey { tenant_id: "t".into(), customer_id: "c\"q".into(), meter: "m".into() }),
+            hour_ms: 1_700_000_000_000 - 1_700_000_000_000 % 3_600_000,
+        };
+        let rollup = Rollup {
+            sum: Decimal::new(-125, 2),
+            count: 3,
+            corrections: 1,
+            max: Some(Decimal::new(7, 0)),
+            last: Some((1_700_000_000_123, Decimal::new(5, 1))),
+            latest_event_ms: 1_700_000_000_456,
+        };
+        let r = rollup_record(&key, &rollup, 2, 4, 0);
+        match parse_ledger_record(r.value.as_deref().expect("value")) {
+            Ok(LedgerRecord::Rollup(k, p, got)) => assert_eq!((k, p, got), (key.clone(), 2, rollup)),
+            _ => panic!("not a rollup"),
+        }
+        let a = Adjustment {
+            counter: (*key.counter).clone(),
+            period: Period::parse("2023-11").expect("period"),
+            event_id: "e".into(),
+            kind: EventKind::Usage,
+            amount: Decimal::new(42, 1),
+            event_ms: 1_699_999_000_000,
+            reason: AdjustmentReason::Late,
+            output_offset: -1,
+        };
+        match parse_ledger_record(adjustment_record(&a, 1, 4, 0).value.as_deref().expect("value")) {
+            Ok(LedgerRecord::Adjustment(p, got)) => assert_eq!((p, got), (1, a)),
+            _ => panic!("not an adjustment"),
+        }
+    }
+}
