@@ -403,10 +403,15 @@ async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_
 async fn survivor_takes_over_a_sigkilled_peers_partitions_and_output_stays_exactly_once() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
     let tansu = Tansu::start();
-    let topics = topics("pair");
+    let mut topics = topics("pair");
+    topics.rollups = Some("pair-rollups".into());
     tansu.create_topics(&topics, PARTITIONS);
     let brokers = tansu.brokers.clone();
-    let s = scenario(40_000, 10, 1, 5);
+    let mut s = scenario(40_000, 10, 1, 5);
+    // Last in the stream: events three days behind their counters, which
+    // the ledger must publish as adjustments, not fold into their hours.
+    let late = add_late_events(&mut s, 10);
+    let rollups_args = ["--rollups-topic", "pair-rollups"];
     let producer = traffic_producer(&brokers);
     // The survivor starts first, so it leads the group. (Tansu 0.6 cannot
     // recover a group whose leader died: every SyncGroup after it fails, so
@@ -416,9 +421,11 @@ async fn survivor_takes_over_a_sigkilled_peers_partitions_and_output_stays_exact
     // partitions move back to the survivor after its session times out, and
     // the survivor must repair them from the output topic before consuming.
     let (state_a, state_b) = (tempfile::tempdir().expect("state dir"), tempfile::tempdir().expect("state dir"));
-    let mut b = spawn_worker(&brokers, "pair", &topics, "b", Membership::Dynamic, state_b.path());
+    let mut b =
+        spawn_worker_with_args(&brokers, "pair", &topics, "b", Membership::Dynamic, state_b.path(), &rollups_args);
     wait_ready(&mut b, Duration::from_secs(90)).await;
-    let mut a = spawn_worker(&brokers, "pair", &topics, "a", Membership::Dynamic, state_a.path());
+    let mut a =
+        spawn_worker_with_args(&brokers, "pair", &topics, "a", Membership::Dynamic, state_a.path(), &rollups_args);
     let deadline = Instant::now() + Duration::from_secs(180);
     while metric(a.metrics, "dedupd_assigned_partitions").unwrap_or(0.0) < 1.0 {
         assert!(Instant::now() < deadline, "the peer never got a partition");
@@ -463,6 +470,27 @@ async fn survivor_takes_over_a_sigkilled_peers_partitions_and_output_stays_exact
     assert_every_report_once_per_position(&brokers, &topics, &s);
     let output = read_topic(&brokers, &topics.output);
     assert_exactly_once(&output, &s);
+
+    // The usage ledger across the kill: the rollups topic (two workers'
+    // records, the dead one's included) is what the output refolds to,
+    // and the late events are adjustments, not hours.
+    let out = Command::new(env!("CARGO_BIN_EXE_dedupd"))
+        .args(["usage", "verify", "--brokers", &brokers, "--output-topic", &topics.output])
+        .args(["--rollups-topic", "pair-rollups"])
+        .output()
+        .expect("run dedupd usage verify");
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "usage verify found drift:\n{report}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(report.contains(" 0 drifting"), "{report}");
+    let (totals, adjustments) = rollup_totals(&read_topic(&brokers, "pair-rollups"));
+    let mut adjusted: Vec<String> = adjustments;
+    adjusted.sort();
+    assert_eq!(adjusted, late, "every late event is an adjustment, and nothing else is");
+    let mut on_time = output_totals(&output);
+    // The late events' hours hold no rollup (they were not folded): take
+    // them out of what the output says before comparing.
+    on_time.retain(|(_, _, _, hour), _| totals.keys().any(|(_, _, _, h)| h == hour));
+    assert_eq!(totals, on_time, "summed rollups against the output's on-time events");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

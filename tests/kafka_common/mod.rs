@@ -160,6 +160,26 @@ pub fn scenario(n: usize, retry_per_mille: usize, conflict_per_mille: usize, inv
     s
 }
 
+/// Adds `n` events three days old to the end of `s`, for the first
+/// customers of each tenant: behind their counters' watermarks by more than
+/// the default lateness (48 h) on whatever partition they land, so the
+/// ledger makes them adjustments. Returns their event ids.
+pub fn add_late_events(s: &mut Scenario, n: usize) -> Vec<String> {
+    let now = SystemClock.now_ms();
+    let v = validator();
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let tenant = ["acme", "globex", "initech", "umbrella", "hooli"][i % 5];
+        let id = format!("late{i:04}");
+        let r = event(tenant, &id, "7.5", now - 3 * 86_400_000);
+        let ev = v.validate(r.value.as_deref().unwrap_or_default(), now).expect("a late event is valid");
+        s.first_payload.insert(r.key.clone().unwrap_or_default(), payload_hash(&ev).to_hex());
+        s.records.push(r);
+        ids.push(id);
+    }
+    ids
+}
+
 pub fn traffic_producer(brokers: &str) -> rdkafka::producer::FutureProducer {
     ClientConfig::new()
         .set("bootstrap.servers", brokers)

@@ -159,6 +159,9 @@ impl Tansu {
         self.create_topic(&t.output, partitions);
         self.create_topic(&t.conflicts, 1);
         self.create_topic(&t.rejected, 1);
+        if let Some(rollups) = &t.rollups {
+            self.create_topic(rollups, 2);
+        }
     }
 }
 
