@@ -96,6 +96,9 @@ fn month_total(c: &mut Criterion) {
     // One hour of every counter per write: what a busy partition's batches
     // write, in the order time passes.
     for h in 0..hours {
+        if h % 72 == 0 {
+            eprintln!("month_total: hour {h} of {hours}, {:.0} s", built.elapsed().as_secs_f64());
+        }
         for p in 0..partitions {
             let mut evs: Vec<UsageEvent> = Vec::with_capacity((customers * meters) as usize);
             for cu in 0..customers {

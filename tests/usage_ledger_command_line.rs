@@ -144,6 +144,8 @@ fn usage_verify_finds_no_drift_then_finds_a_tampered_ledger() {
         let v = dedupd::event::Validator::new(dedupd::event::Limits::default(), Vec::new(), "dedupd");
         let ghost = v.validate(line("ghost", "cus_1", "api_calls", "1000", base).as_bytes(), now_ms()).expect("valid");
         ledger.apply(0, &dedupd::ledger::Lateness::default(), &[(&ghost, at + 1)]).expect("apply");
+        // Written behind: made durable only by a write (as at a clean close).
+        ledger.flush().expect("flush");
     }
     let drifted = verify();
     let text = String::from_utf8_lossy(&drifted.stdout).into_owned();

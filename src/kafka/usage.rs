@@ -26,7 +26,8 @@ use crate::event::{EventKind, Position, Validator};
 use crate::kafka::error::KafkaError;
 use crate::kafka::records::parse_output;
 use crate::ledger::{
-    Adjustment, AdjustmentReason, CounterKey, HourKey, Lateness, LedgerMaps, Period, Rollup, UsageAnswer, UsageQuery,
+    compare_rollups, unexplained_rollups, Adjustment, AdjustmentReason, CounterKey, HeldRollups, HourKey, Lateness,
+    LedgerMaps, Period, Rollup, UsageAnswer, UsageQuery,
 };
 
 /// How to reach the brokers: bootstrap servers and extra librdkafka
@@ -193,7 +194,8 @@ pub fn verify_topics(
         Ok(())
     })?;
     let RollupsTopic { rollups, adjustments } = read_rollups(brokers, rollups_topic)?;
-    let mut stored: BTreeMap<(HourKey, i32), Rollup> = rollups.into_iter().map(|(k, p, r)| ((k, p), r)).collect();
+    const SIDES: (&str, &str) = ("rollups topic", "output topic's events");
+    let mut stored: HeldRollups = rollups.into_iter().map(|(k, p, r)| ((k, p), r)).collect();
     let mut stored_adjustments: BTreeMap<(i32, String, String), Adjustment> =
         adjustments.into_iter().map(|(p, a)| ((p, a.counter.tenant_id.clone(), a.event_id.clone()), a)).collect();
     let mut check = TopicCheck { drift: unreadable, ..TopicCheck::default() };
@@ -203,27 +205,7 @@ pub fn verify_topics(
         let folded = maps
             .fold(lateness, events.iter().map(|(o, e)| (e, *o)))
             .map_err(|e| KafkaError::Task { detail: e.to_string() })?;
-        for (key, want) in maps.hours {
-            check.hours += 1;
-            match stored.remove(&(key.clone(), p)) {
-                Some(got) if got == want => {}
-                Some(got) => check.drift.push(format!(
-                    "partition {p} {:?} hour {}: rollups topic sum {} count {}, output says sum {} count {}",
-                    key.counter,
-                    crate::event::format_timestamp_ms(key.hour_ms),
-                    got.sum,
-                    got.count,
-                    want.sum,
-                    want.count
-                )),
-                None => check.drift.push(format!(
-                    "partition {p} {:?} hour {}: no rollup on the topic (output says sum {})",
-                    key.counter,
-                    crate::event::format_timestamp_ms(key.hour_ms),
-                    want.sum
-                )),
-            }
-        }
+        check.hours += compare_rollups(p, maps.hours, &mut stored, SIDES, &mut check.drift);
         for want in folded.adjustments {
             check.adjustments += 1;
             let key = (p, want.counter.tenant_id.clone(), want.event_id.clone());
@@ -240,14 +222,7 @@ pub fn verify_topics(
             }
         }
     }
-    for ((key, p), got) in stored {
-        check.drift.push(format!(
-            "partition {p} {:?} hour {}: rollup sum {} has no accepted events behind it on the output",
-            key.counter,
-            crate::event::format_timestamp_ms(key.hour_ms),
-            got.sum
-        ));
-    }
+    unexplained_rollups(stored, SIDES, &mut check.drift);
     for ((p, _, id), _) in stored_adjustments {
         check.drift.push(format!("partition {p} adjustment of {id} has no late event behind it on the output"));
     }

@@ -18,8 +18,10 @@
 //! - `rollup`: the fold (pure).
 //! - `period`: calendar months in UTC (pure).
 //! - `query`: filtering and grouping rollups (pure).
+//! - `check`: comparing held rollups with refolded events (pure).
 //! - `store`: the durable tier in `<state-dir>/ledger` (sync, RocksDB).
 
+mod check;
 #[cfg(test)]
 mod model_tests;
 mod period;
@@ -29,6 +31,7 @@ mod store;
 
 use std::collections::BTreeMap;
 
+pub use check::{compare_rollups, unexplained_rollups, HeldRollups};
 pub use period::Period;
 pub use query::{parse_bound, GroupBy, UsageAnswer, UsageQuery};
 pub use rollup::{

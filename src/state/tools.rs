@@ -6,7 +6,9 @@ use std::path::Path;
 
 use crate::config::EngineSettings;
 use crate::event::{format_timestamp_ms, id_hash, to_canonical_json};
-use crate::ledger::{Adjustment, HourKey, LedgerMaps, LedgerStore, Rollup, UsageAnswer, UsageQuery};
+use crate::ledger::{
+    compare_rollups, unexplained_rollups, Adjustment, HeldRollups, LedgerMaps, LedgerStore, UsageAnswer, UsageQuery,
+};
 use crate::storage::FileStatus;
 
 use super::{LocalState, StateError, StoredEvent};
@@ -173,7 +175,8 @@ pub fn verify_ledger(state_dir: &Path, settings: EngineSettings) -> Result<Ledge
         }));
     };
     let mut check = LedgerCheck::default();
-    let mut stored: BTreeMap<(HourKey, i32), Rollup> = BTreeMap::new();
+    const SIDES: (&str, &str) = ("ledger", "usage store's events");
+    let mut stored: HeldRollups = BTreeMap::new();
     ledger.all_rollups(|k, p, r| {
         stored.insert((k, p), r);
     })?;
@@ -201,27 +204,7 @@ pub fn verify_ledger(state_dir: &Path, settings: EngineSettings) -> Result<Ledge
         let folded = maps
             .fold(&lateness, events.iter().map(|e| (&e.event, e.key.output.offset)))
             .map_err(crate::ledger::LedgerError::from)?;
-        for (key, want) in maps.hours {
-            check.hours += 1;
-            match stored.remove(&(key.clone(), p)) {
-                Some(got) if got == want => {}
-                Some(got) => check.drift.push(format!(
-                    "partition {p} {:?} hour {}: ledger sum {} count {}, events say sum {} count {}",
-                    key.counter,
-                    format_timestamp_ms(key.hour_ms),
-                    got.sum,
-                    got.count,
-                    want.sum,
-                    want.count
-                )),
-                None => check.drift.push(format!(
-                    "partition {p} {:?} hour {}: missing from the ledger (events say sum {})",
-                    key.counter,
-                    format_timestamp_ms(key.hour_ms),
-                    want.sum
-                )),
-            }
-        }
+        check.hours += compare_rollups(p, maps.hours, &mut stored, SIDES, &mut check.drift);
         for want in folded.adjustments {
             check.adjustments += 1;
             match stored_adjustments.remove(&(p, want.output_offset)) {
@@ -237,14 +220,7 @@ pub fn verify_ledger(state_dir: &Path, settings: EngineSettings) -> Result<Ledge
             }
         }
     }
-    for ((key, p), got) in stored {
-        check.drift.push(format!(
-            "partition {p} {:?} hour {}: ledger sum {} has no accepted events behind it",
-            key.counter,
-            format_timestamp_ms(key.hour_ms),
-            got.sum
-        ));
-    }
+    unexplained_rollups(stored, SIDES, &mut check.drift);
     for ((p, offset), a) in stored_adjustments {
         check.drift.push(format!(
             "partition {p} adjustment of event {} at output offset {offset} has no accepted event behind it",
