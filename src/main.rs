@@ -549,23 +549,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Usage { check: None, query: q } => {
             let UsageArgs { state_dir, rollups_topic, brokers, tenant, customer, meter, from, to, group_by, format } =
                 q;
-            let need = |flag: &str, v: Option<String>| v.ok_or_else(|| anyhow::anyhow!("--{flag} is required"));
-            let bound = |flag: &str, s: String| {
-                dedupd::ledger::parse_bound(&s).map_err(|why| anyhow::anyhow!("--{flag}: {why}"))
-            };
-            let query = dedupd::ledger::UsageQuery {
-                tenant_id: need("tenant", tenant)?,
-                customer_id: customer,
+            let query = dedupd::ledger::UsageQuery::parse(
+                tenant,
+                customer,
                 meter,
-                from_ms: bound("from", need("from", from)?)?,
-                to_ms: bound("to", need("to", to)?)?,
-                group_by: group_by
-                    .as_deref()
-                    .map(dedupd::ledger::GroupBy::parse)
-                    .transpose()
-                    .map_err(|why| anyhow::anyhow!(why))?,
-            };
-            query.check().map_err(|why| anyhow::anyhow!(why))?;
+                from.as_deref(),
+                to.as_deref(),
+                group_by.as_deref(),
+            )
+            .map_err(|why| anyhow::anyhow!(why))?;
             if format != "table" && format != "json" {
                 anyhow::bail!("--format {format:?}: expected table or json");
             }

@@ -160,6 +160,8 @@ pub struct Metrics {
     repair_last_seconds: GaugeVec,
     rebalances: IntCounterVec,
     healthy: AtomicBool,
+    /// See [`GroupStuck`].
+    group_stuck: AtomicBool,
     ready: AtomicBool,
 }
 
@@ -393,6 +395,7 @@ impl Metrics {
             repair_last_seconds,
             rebalances,
             healthy: AtomicBool::new(true),
+            group_stuck: AtomicBool::new(false),
             ready: AtomicBool::new(false),
         }
     }
@@ -453,7 +456,9 @@ impl Metrics {
 
     /// Healthy: no fatal error, and no owned partition stalled with input.
     pub fn is_healthy(&self) -> bool {
-        self.healthy.load(Ordering::SeqCst) && self.stalled_partitions.get() == 0
+        self.healthy.load(Ordering::SeqCst)
+            && self.stalled_partitions.get() == 0
+            && !self.group_stuck.load(Ordering::SeqCst)
     }
 
     /// Publish retries so far with `reason` (tests).
@@ -824,6 +829,27 @@ impl HeadAgeObserved {
     }
 }
 
+/// Whether the group looks stuck to this instance, which owns nothing: lag,
+/// and committed offsets that have not moved for the stall timeout. Fails
+/// `/healthz` while it lasts, so an orchestrator restarts the instance.
+#[derive(Clone, Copy, Debug)]
+pub struct GroupStuck {
+    pub stuck: bool,
+}
+
+impl GroupStuck {
+    pub fn emit(&self, m: &Metrics) {
+        let was = m.group_stuck.swap(self.stuck, Ordering::SeqCst);
+        if self.stuck && !was {
+            tracing::error!(
+                "this instance owns no input partition, the group's input has lag and its committed offsets \
+                 have not moved for the stall timeout: the group is stuck; /healthz now fails so this \
+                 instance is restarted and joins again"
+            );
+        }
+    }
+}
+
 /// Input lag of the whole group while this instance owns no partition.
 #[derive(Clone, Copy, Debug)]
 pub struct UnownedLagObserved {
@@ -917,11 +943,56 @@ pub enum MetricsError {
 }
 
 /// A bound metrics endpoint; [`MetricsServer::serve`] runs it.
-#[derive(Debug)]
 pub struct MetricsServer {
     listener: tokio::net::TcpListener,
     addr: SocketAddr,
     metrics: Arc<Metrics>,
+    usage: Option<UsageSource>,
+}
+
+impl std::fmt::Debug for MetricsServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetricsServer").field("addr", &self.addr).field("usage", &self.usage.is_some()).finish()
+    }
+}
+
+/// Answers `GET /v1/usage` (blocking: it reads local state). `Ok(None)`:
+/// no ledger is kept; `Err`: the query could not be answered.
+pub type UsageSource =
+    Arc<dyn Fn(&crate::ledger::UsageQuery) -> Result<Option<serde_json::Value>, String> + Send + Sync>;
+
+/// The query string's `name=value` pairs, percent-decoded (`+` is a space).
+fn query_pairs(query: &str) -> Vec<(String, String)> {
+    fn decode(s: &str) -> String {
+        let b = s.as_bytes();
+        let mut out = Vec::with_capacity(b.len());
+        let mut i = 0;
+        while i < b.len() {
+            match b[i] {
+                b'+' => out.push(b' '),
+                b'%' if i + 2 < b.len() => {
+                    match u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("zz"), 16) {
+                        Ok(v) => {
+                            out.push(v);
+                            i += 2;
+                        }
+                        Err(_) => out.push(b'%'),
+                    }
+                }
+                c => out.push(c),
+            }
+            i += 1;
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    }
+    query
+        .split('&')
+        .filter(|kv| !kv.is_empty())
+        .map(|kv| match kv.split_once('=') {
+            Some((k, v)) => (decode(k), decode(v)),
+            None => (decode(kv), String::new()),
+        })
+        .collect()
 }
 
 impl MetricsServer {
@@ -930,7 +1001,14 @@ impl MetricsServer {
         let listener =
             tokio::net::TcpListener::bind(addr).await.map_err(|source| MetricsError::Bind { addr, source })?;
         let addr = listener.local_addr().map_err(|source| MetricsError::Bind { addr, source })?;
-        Ok(MetricsServer { listener, addr, metrics })
+        Ok(MetricsServer { listener, addr, metrics, usage: None })
+    }
+
+    /// Serves `GET /v1/usage?tenant=T&from=…&to=…[&customer=C][&meter=M][&group_by=G]`
+    /// from `source`: the same query as `dedupd usage`, answered as JSON.
+    pub fn with_usage(mut self, source: UsageSource) -> MetricsServer {
+        self.usage = Some(source);
+        self
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -972,8 +1050,47 @@ impl MetricsServer {
                 }
             }
         });
-        let app =
-            axum::Router::new().route("/metrics", metrics_route).route("/healthz", healthz).route("/readyz", readyz);
+        let source = self.usage.clone();
+        let usage = get(move |uri: axum::http::Uri| {
+            let source = source.clone();
+            async move {
+                let json = |status: StatusCode, body: serde_json::Value| {
+                    (status, [(header::CONTENT_TYPE, "application/json")], body.to_string() + "\n")
+                };
+                let Some(source) = source else {
+                    return json(
+                        StatusCode::NOT_FOUND,
+                        serde_json::json!({"error": "no usage ledger in this process"}),
+                    );
+                };
+                let pairs = query_pairs(uri.query().unwrap_or(""));
+                let get = |name: &str| pairs.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+                let query = match crate::ledger::UsageQuery::parse(
+                    get("tenant"),
+                    get("customer"),
+                    get("meter"),
+                    get("from").as_deref(),
+                    get("to").as_deref(),
+                    get("group_by").as_deref(),
+                ) {
+                    Ok(q) => q,
+                    Err(why) => return json(StatusCode::BAD_REQUEST, serde_json::json!({"error": why})),
+                };
+                match tokio::task::spawn_blocking(move || source(&query)).await {
+                    Ok(Ok(Some(answer))) => json(StatusCode::OK, answer),
+                    Ok(Ok(None)) => {
+                        json(StatusCode::NOT_FOUND, serde_json::json!({"error": "the ledger is off (--ledger false)"}))
+                    }
+                    Ok(Err(why)) => json(StatusCode::INTERNAL_SERVER_ERROR, serde_json::json!({"error": why})),
+                    Err(e) => json(StatusCode::INTERNAL_SERVER_ERROR, serde_json::json!({"error": e.to_string()})),
+                }
+            }
+        });
+        let app = axum::Router::new()
+            .route("/metrics", metrics_route)
+            .route("/healthz", healthz)
+            .route("/readyz", readyz)
+            .route("/v1/usage", usage);
         let addr = self.addr;
         axum::serve(self.listener, app)
             .with_graceful_shutdown(shutdown)
@@ -1122,6 +1239,58 @@ mod tests {
         let series = page.lines().filter(|l| l.starts_with("dedupd_conflicts_total{")).count();
         assert_eq!(series, MAX_TENANT_LABELS + 1);
         assert!(page.contains("dedupd_conflicts_total{tenant=\"_other\"} 10"));
+    }
+
+    #[tokio::test]
+    async fn usage_is_served_from_local_state_and_bad_queries_get_400() {
+        use crate::storage::testutil::sample_event_at;
+        let now = 1_700_000_000_000;
+        let mut state = crate::state::LocalState::in_memory(crate::config::EngineSettings::default(), true);
+        state.assign(0, now).expect("assign");
+        let batch: Vec<crate::state::StoredEvent> = (0..5)
+            .map(|i| {
+                let mut e = sample_event_at(i, 0, i as i64, now);
+                e.event.tenant_id = "acme co".into();
+                e.event.kind = crate::event::EventKind::Usage;
+                e.event.quantity = rust_decimal::Decimal::from(2);
+                e
+            })
+            .collect();
+        state.apply_published(0, &batch, now).expect("apply");
+        let state = Arc::new(std::sync::Mutex::new(state));
+        let source: UsageSource = Arc::new(move |q| {
+            let s = state.lock().map_err(|e| e.to_string())?;
+            Ok(s.usage(q).map_err(|e| e.to_string())?.map(|a| a.to_json()))
+        });
+        let m = Arc::new(Metrics::new());
+        let server =
+            MetricsServer::bind("127.0.0.1:0".parse().expect("addr"), m).await.expect("bind").with_usage(source);
+        let addr = server.local_addr();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(server.serve(async move {
+            let _ = rx.await;
+        }));
+        let get = |path: String| async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+                .await
+                .expect("write");
+            let mut buf = String::new();
+            s.read_to_string(&mut buf).await.expect("read");
+            buf
+        };
+        // A tenant with a space, RFC 3339 bounds with an encoded offset.
+        let ok = get("/v1/usage?tenant=acme+co&from=2023-11-01&to=2023-11-20T00%3A00%3A00%2B00%3A00".into()).await;
+        assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+        let body: serde_json::Value = serde_json::from_str(ok.split("\r\n\r\n").nth(1).expect("body")).expect("json");
+        assert_eq!(body["rolled_up"], "10", "{body}");
+        let bad = get("/v1/usage?tenant=acme+co&from=2023-12&to=2023-11".into()).await;
+        assert!(bad.starts_with("HTTP/1.1 400") && bad.contains("backwards"), "{bad}");
+        let missing = get("/v1/usage?from=2023-11&to=2023-12".into()).await;
+        assert!(missing.starts_with("HTTP/1.1 400") && missing.contains("tenant is required"), "{missing}");
+        let _ = tx.send(());
+        task.await.expect("join").expect("serve");
     }
 
     #[tokio::test]

@@ -116,6 +116,48 @@ async fn wait_owning(w: &mut Worker, partitions: i32, timeout: Duration) {
     }
 }
 
+/// [`wait_owning`] with an orchestrator's liveness probe: a life whose
+/// `/healthz` fails is killed and started again with `spawn`, at most three
+/// times in the whole test (`restarts`). On Tansu 0.6 a restarted static
+/// member is sometimes fenced seconds after its assignment (its
+/// predecessor's session expiring takes the new member with it) and never
+/// assigned again; the worker then sees its group stuck (lag, committed
+/// offsets standing still, nothing owned) and fails `/healthz`, which is
+/// what gets it restarted in production.
+async fn owning_with_liveness(
+    mut w: Worker,
+    spawn: impl Fn() -> Worker,
+    partitions: i32,
+    timeout: Duration,
+    restarts: &mut u32,
+) -> Worker {
+    let mut deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = w.child.try_wait().expect("try_wait") {
+            panic!("worker exited on its own with {status}: {}", stderr_of(&mut w.child));
+        }
+        let owned = metric(w.metrics, "dedupd_assigned_partitions").unwrap_or(0.0);
+        if owned >= f64::from(partitions) && matches!(http_get(w.metrics, "/readyz"), Some((200, _))) {
+            return w;
+        }
+        if matches!(http_get(w.metrics, "/healthz"), Some((503, _))) {
+            *restarts += 1;
+            assert!(*restarts <= 3, "the worker failed its liveness probe {restarts} times");
+            eprintln!("liveness: /healthz failed with {owned} partitions owned; restarting (#{restarts})");
+            signal(&w.child, libc::SIGKILL);
+            let _ = w.child.wait();
+            w = spawn();
+            deadline = Instant::now() + timeout;
+            continue;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the worker owns {owned} of {partitions} partitions after {timeout:?} and its /healthz passes"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// `dedupd verify` on a state directory no process holds: exit 0.
 fn assert_state_dir_verifies(state_dir: &std::path::Path) {
     let out = Command::new(env!("CARGO_BIN_EXE_dedupd"))
@@ -350,13 +392,27 @@ async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_
     // One state directory across every life, as a restarted pod keeps its
     // volume: each restart recovers it, then repairs from its checkpoint.
     let state = tempfile::tempdir().expect("state dir");
+    // A short stall timeout: a life left without partitions in a stuck
+    // group fails /healthz within a minute (see owning_with_liveness).
+    let life = || {
+        spawn_worker_with_args(
+            &brokers,
+            "crashloop",
+            &topics,
+            "w1",
+            Membership::Static,
+            state.path(),
+            &["--stall-timeout", "40s"],
+        )
+    };
+    let mut liveness_restarts = 0;
     let mut kills = 0;
     while kills < want_kills {
-        let mut w = spawn_worker(&brokers, "crashloop", &topics, "w1", Membership::Static, state.path());
         // Kill only once it is consuming (owns every partition, repaired), at
         // a random point of its processing. A life that gets no partitions
-        // fails here, in two minutes, not at the end of the run.
-        wait_owning(&mut w, PARTITIONS, Duration::from_secs(120)).await;
+        // and does not say so fails here, in two minutes, not at the end.
+        let w = owning_with_liveness(life(), life, PARTITIONS, Duration::from_secs(120), &mut liveness_restarts).await;
+        let mut w = w;
         let wait_ms = 200 + next() % 2500;
         tokio::time::sleep(Duration::from_millis(wait_ms)).await;
         if let Some(status) = w.child.try_wait().expect("try_wait") {
@@ -369,8 +425,7 @@ async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_
         // Every checksum of the state directory a SIGKILL left behind holds.
         assert_state_dir_verifies(state.path());
     }
-    let mut w = spawn_worker(&brokers, "crashloop", &topics, "w1", Membership::Static, state.path());
-    wait_owning(&mut w, PARTITIONS, Duration::from_secs(120)).await;
+    let mut w = owning_with_liveness(life(), life, PARTITIONS, Duration::from_secs(120), &mut liveness_restarts).await;
     // The life after the last kill started from the state directory: repair
     // re-applied at most the batches in flight at the kill (one per
     // partition, published but not yet applied), not the whole output.

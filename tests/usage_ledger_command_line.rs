@@ -166,7 +166,7 @@ fn bad_questions_get_clear_errors_and_change_nothing() {
     };
     fails(&["--tenant", "acme", "--from", "2026-12", "--to", "2026-11"], "backwards");
     fails(&["--tenant", "acme", "--from", "2026-13", "--to", "2027-01"], "is not a time");
-    fails(&["--tenant", "acme", "--from", "2026-11", "--to", "2026-12", "--group-by", "week"], "--group-by");
+    fails(&["--tenant", "acme", "--from", "2026-11", "--to", "2026-12", "--group-by", "week"], "group-by \"week\"");
     fails(&["--tenant", "acme", "--from", "2026-11", "--to", "2026-12", "--format", "xml"], "--format");
     assert_eq!(std::fs::read_dir(state.join("ledger")).expect("ledger").count(), before);
 

@@ -80,6 +80,9 @@ pub trait Engine: Send + 'static {
         partition: i32,
         accepted: &[(&UsageEvent, i64)],
     ) -> Result<Option<crate::ledger::Preview>, EngineError>;
+    /// Answers a usage query from local state's ledger (this process's
+    /// partitions); `None` when no ledger is kept.
+    fn usage(&self, query: &crate::ledger::UsageQuery) -> Result<Option<crate::ledger::UsageAnswer>, EngineError>;
     fn stats(&self, now_ms: i64) -> EngineStats;
     /// Periodic upkeep (expiry, compaction).
     fn maintain(&mut self, now_ms: i64) -> Result<(), EngineError>;
@@ -167,6 +170,13 @@ impl Engine for StateEngine {
         accepted: &[(&UsageEvent, i64)],
     ) -> Result<Option<crate::ledger::Preview>, EngineError> {
         self.state("ledger", partition)?.ledger_preview(partition, accepted).map_err(state_error("ledger", partition))
+    }
+
+    fn usage(&self, query: &crate::ledger::UsageQuery) -> Result<Option<crate::ledger::UsageAnswer>, EngineError> {
+        match &self.state {
+            Some(s) => s.usage(query).map_err(state_error("usage", -1)),
+            None => Ok(None),
+        }
     }
 
     fn apply_published(&mut self, partition: i32, events: &[StoredEvent], now_ms: i64) -> Result<(), EngineError> {

@@ -39,8 +39,8 @@ use crate::kafka::publisher::{self, Publisher, TxnTimeouts};
 use crate::kafka::repair::{lock_engine, Repairer};
 use crate::kafka::settings::{DeliveryMode, RunSettings};
 use crate::metrics::{
-    AssignmentChanged, Bucket, HeadAgeObserved, LagObserved, Metrics, MetricsServer, PartitionsStalled, Rebalanced,
-    StateObserved, UnownedLagObserved,
+    AssignmentChanged, Bucket, GroupStuck, HeadAgeObserved, LagObserved, Metrics, MetricsServer, PartitionsStalled,
+    Rebalanced, StateObserved, UnownedLagObserved,
 };
 
 pub type InputConsumer = StreamConsumer<WorkerContext>;
@@ -386,25 +386,61 @@ pub(crate) fn fatal_consumer_code(code: RDKafkaErrorCode) -> bool {
 /// group's input lag as unowned (joins and first rebalances take seconds).
 const UNOWNED_LAG_GRACE: Duration = Duration::from_secs(30);
 
-/// The group's unprocessed input: high watermarks minus the group's
-/// committed offsets, over every input partition. Blocking. `None` when the
-/// brokers do not answer.
-fn group_input_lag(consumer: &InputConsumer, topic: &str, partitions: usize, timeout: Duration) -> Option<i64> {
+/// Whether a group is stuck, as seen by a member that owns nothing: the
+/// group's input has lag and its committed offsets have not moved for the
+/// stall timeout. A member idle beside busy peers sees offsets move and is
+/// never stuck; a member the broker left without partitions while nobody
+/// consumes is, and failing `/healthz` gets it restarted (a new join), the
+/// way an operator would unstick it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct StuckGroup {
+    /// Committed offsets summed, and since when they have stood still.
+    still: Option<(i64, i64)>,
+}
+
+impl StuckGroup {
+    /// One observation while owning nothing: the group's committed offsets
+    /// (summed) and its lag. Returns whether the group is stuck.
+    pub(crate) fn observe(&mut self, now_ms: i64, committed: i64, lag: i64, stall_ms: i64) -> bool {
+        if lag <= 0 {
+            self.still = None;
+            return false;
+        }
+        match self.still {
+            Some((c, since)) if c == committed => now_ms.saturating_sub(since) >= stall_ms,
+            _ => {
+                self.still = Some((committed, now_ms));
+                false
+            }
+        }
+    }
+
+    /// This member owns partitions again: it is consuming, not stuck.
+    pub(crate) fn reset(&mut self) {
+        self.still = None;
+    }
+}
+
+/// The group's committed input offsets (summed) and its unprocessed input
+/// (high watermarks minus committed offsets), over every input partition.
+/// Blocking. `None` when the brokers do not answer.
+fn group_input_lag(consumer: &InputConsumer, topic: &str, partitions: usize, timeout: Duration) -> Option<(i64, i64)> {
     let mut tpl = rdkafka::TopicPartitionList::new();
     for p in 0..i32::try_from(partitions).ok()? {
         tpl.add_partition(topic, p);
     }
     let committed = consumer.committed_offsets(tpl, timeout).ok()?;
-    let mut lag = 0i64;
+    let (mut lag, mut sum) = (0i64, 0i64);
     for e in committed.elements() {
         let (low, high) = consumer.fetch_watermarks(topic, e.partition(), timeout).ok()?;
         let from = match e.offset() {
             rdkafka::Offset::Offset(o) => o,
             _ => low,
         };
+        sum += from;
         lag += (high - from).max(0);
     }
-    Some(lag)
+    Some((sum, lag))
 }
 
 /// Wall-clock milliseconds, for progress and lag only.
@@ -586,10 +622,16 @@ pub async fn run(
     let timeout = settings.operation_timeout;
     let layout = blocking(move || clients::check_topics(&s, timeout)).await??;
 
+    let engine = Arc::new(Mutex::new(engine));
     let (server_stop, server_stop_rx) = watch::channel(false);
     let server_task = match settings.metrics_addr {
         Some(addr) => {
-            let server = MetricsServer::bind(addr, metrics.clone()).await?;
+            let local = engine.clone();
+            let usage: crate::metrics::UsageSource = Arc::new(move |query| {
+                let answer = lock_engine(&local).usage(query).map_err(|e| e.to_string())?;
+                Ok(answer.map(|a| a.to_json()))
+            });
+            let server = MetricsServer::bind(addr, metrics.clone()).await?.with_usage(usage);
             tracing::info!(addr = %server.local_addr(), "metrics endpoint listening");
             let mut rx = server_stop_rx.clone();
             Some(tokio::spawn(server.serve(async move {
@@ -605,7 +647,6 @@ pub async fn run(
         start_publisher(&settings, &transactional_id, live_group_metadata(consumer_slot.clone()), metrics.clone())
             .await?;
 
-    let engine = Arc::new(Mutex::new(engine));
     let (fatal_tx, mut fatal_rx) = mpsc::unbounded_channel();
     let repairer = Repairer {
         config: clients::repair_consumer_config(&settings),
@@ -657,6 +698,8 @@ pub async fn run(
         let started = std::time::Instant::now();
         let mut stop = server_stop_rx.clone();
         let every = settings.maintain_interval;
+        let stall_ms = i64::try_from(settings.stall_timeout.as_millis()).unwrap_or(i64::MAX);
+        let mut stuck = StuckGroup::default();
         tokio::spawn(async move {
             loop {
                 tokio::select! {
@@ -664,9 +707,9 @@ pub async fn run(
                     _ = stop.wait_for(|s| *s) => break,
                     _ = tokio::time::sleep(every) => {}
                 }
-                let (engine, clock) = (engine.clone(), clock.clone());
+                let (engine, task_clock) = (engine.clone(), clock.clone());
                 let result = tokio::task::spawn_blocking(move || {
-                    let now = clock.now_ms();
+                    let now = task_clock.now_ms();
                     let r = lock_engine(&engine).maintain(now);
                     (r, engine_stats(&engine, now))
                 })
@@ -683,13 +726,17 @@ pub async fn run(
                     if let Some(c) = watched.upgrade() {
                         if c.context().tasks().is_empty() {
                             let (topic, n, timeout) = (input_topic.clone(), partitions, op_timeout);
-                            if let Ok(Some(lag)) =
+                            if let Ok(Some((committed, lag))) =
                                 tokio::task::spawn_blocking(move || group_input_lag(&c, &topic, n, timeout)).await
                             {
                                 UnownedLagObserved { lag_records: lag }.emit(&metrics);
+                                let now = clock.now_ms();
+                                GroupStuck { stuck: stuck.observe(now, committed, lag, stall_ms) }.emit(&metrics);
                             }
                         } else {
                             UnownedLagObserved { lag_records: 0 }.emit(&metrics);
+                            stuck.reset();
+                            GroupStuck { stuck: false }.emit(&metrics);
                         }
                     }
                 }
@@ -809,5 +856,29 @@ pub async fn shutdown_signal() {
                 std::future::pending::<()>().await;
             }
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_idle_member_is_stuck_only_when_committed_offsets_stand_still_with_lag() {
+        let stall = 20_000;
+        let mut g = StuckGroup::default();
+        // Peers consuming: offsets move, never stuck however long.
+        for (i, committed) in (0..10).zip((0..).step_by(100)) {
+            assert!(!g.observe(i * 10_000, committed, 500, stall));
+        }
+        // Offsets stand still with lag: stuck once the stall timeout passed.
+        assert!(!g.observe(100_000, 5000, 500, stall));
+        assert!(!g.observe(119_999, 5000, 500, stall));
+        assert!(g.observe(120_000, 5000, 500, stall));
+        // No lag: nothing to be stuck on.
+        assert!(!g.observe(130_000, 5000, 0, stall));
+        assert!(!g.observe(160_000, 5000, 500, stall), "the stall clock restarts after the lag cleared");
+        g.reset();
+        assert!(!g.observe(200_000, 5000, 500, stall));
     }
 }

@@ -25,10 +25,10 @@ impl GroupBy {
             "period" => Ok(GroupBy::Period),
             "customer" => Ok(GroupBy::Customer),
             "meter" => Ok(GroupBy::Meter),
-            other if other.starts_with("dimension:") => Err(format!(
-                "--group-by {other}: rollups are kept per customer, meter and hour, not per dimension value"
-            )),
-            other => Err(format!("--group-by {other:?}: expected hour, day, period, customer or meter")),
+            other if other.starts_with("dimension:") => {
+                Err(format!("group-by {other}: rollups are kept per customer, meter and hour, not per dimension value"))
+            }
+            other => Err(format!("group-by {other:?}: expected hour, day, period, customer or meter")),
         }
     }
 }
@@ -47,6 +47,32 @@ pub struct UsageQuery {
 }
 
 impl UsageQuery {
+    /// A query from its textual parts (the command line's flags, the HTTP
+    /// endpoint's parameters), each error naming the part.
+    pub fn parse(
+        tenant: Option<String>,
+        customer: Option<String>,
+        meter: Option<String>,
+        from: Option<&str>,
+        to: Option<&str>,
+        group_by: Option<&str>,
+    ) -> Result<UsageQuery, String> {
+        let bound = |name: &str, v: Option<&str>| {
+            let v = v.ok_or_else(|| format!("{name} is required"))?;
+            parse_bound(v).map_err(|why| format!("{name}: {why}"))
+        };
+        let query = UsageQuery {
+            tenant_id: tenant.filter(|t| !t.is_empty()).ok_or("tenant is required")?,
+            customer_id: customer,
+            meter,
+            from_ms: bound("from", from)?,
+            to_ms: bound("to", to)?,
+            group_by: group_by.map(GroupBy::parse).transpose()?,
+        };
+        query.check()?;
+        Ok(query)
+    }
+
     /// Refuses a range that selects nothing by construction.
     pub fn check(&self) -> Result<(), String> {
         if self.to_ms <= self.from_ms {
