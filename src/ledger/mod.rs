@@ -164,14 +164,6 @@ impl Ledger {
         }
     }
 
-    /// Writes folded changes not yet written (durable tier only).
-    pub fn write_pending(&self) -> Result<(), LedgerError> {
-        match self {
-            Ledger::Durable(store) => store.write_pending(),
-            Ledger::Memory(_) => Ok(()),
-        }
-    }
-
     pub fn flush(&self) -> Result<(), LedgerError> {
         match self {
             Ledger::Durable(store) => store.flush(),

@@ -25,8 +25,8 @@ enum Step {
     Replay(i32),
     /// Close and reopen the state directory.
     Restart,
-    /// Drop the state without closing it (what was not written is lost),
-    /// reopen, repair.
+    /// Drop the state without closing it (a process crash: nothing applied
+    /// may be lost), reopen, repair.
     Crash,
     /// Lose the ledger (a replaced disk) and rebuild it from the output.
     Repair,

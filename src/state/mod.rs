@@ -85,11 +85,6 @@ struct Durable {
 /// may drop whole files, cheap but not free per batch.
 const AGE_OUT_EVERY_MS: i64 = 60_000;
 
-/// How often the ledger's folded changes are written at the latest (it also
-/// writes every few tens of thousands of events): a crash re-folds at most
-/// about this much output in repair.
-const LEDGER_WRITE_EVERY_MS: i64 = 1_000;
-
 /// The local state of every partition this process owns.
 pub struct LocalState {
     settings: EngineSettings,
@@ -102,7 +97,6 @@ pub struct LocalState {
     /// simulator's disk, which models the usage store and key store only).
     ledger: Option<Ledger>,
     last_age_out_ms: i64,
-    last_ledger_write_ms: i64,
     /// Evictions of hot caches already dropped (revoked partitions), so the
     /// process-wide count never goes back.
     revoked_evictions: crate::classify::HotEvictions,
@@ -155,7 +149,6 @@ impl LocalState {
             durable: None,
             memory_checkpoints: BTreeMap::new(),
             last_age_out_ms: i64::MIN,
-            last_ledger_write_ms: i64::MIN,
             revoked_evictions: crate::classify::HotEvictions::default(),
         }
     }
@@ -438,12 +431,6 @@ impl LocalState {
     pub fn maintain(&mut self, now_ms: i64) -> Result<(), StateError> {
         for c in self.partitions.values_mut() {
             c.evict_expired(now_ms);
-        }
-        if let Some(ledger) = &self.ledger {
-            if now_ms.saturating_sub(self.last_ledger_write_ms) >= LEDGER_WRITE_EVERY_MS {
-                ledger.write_pending()?;
-                self.last_ledger_write_ms = now_ms;
-            }
         }
         if let Some(d) = &mut self.durable {
             d.usage.maintain(now_ms)?;
