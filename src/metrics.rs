@@ -1241,6 +1241,18 @@ mod tests {
         assert!(page.contains("dedupd_conflicts_total{tenant=\"_other\"} 10"));
     }
 
+    /// One HTTP/1.1 GET of `path`, the whole response as text.
+    async fn http_get(addr: SocketAddr, path: String) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+            .await
+            .expect("write");
+        let mut buf = String::new();
+        s.read_to_string(&mut buf).await.expect("read");
+        buf
+    }
+
     #[tokio::test]
     async fn usage_is_served_from_local_state_and_bad_queries_get_400() {
         use crate::storage::testutil::sample_event_at;
@@ -1270,16 +1282,7 @@ mod tests {
         let task = tokio::spawn(server.serve(async move {
             let _ = rx.await;
         }));
-        let get = |path: String| async move {
-            use tokio::io::{AsyncReadExt, AsyncWriteExt};
-            let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-            s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
-                .await
-                .expect("write");
-            let mut buf = String::new();
-            s.read_to_string(&mut buf).await.expect("read");
-            buf
-        };
+        let get = |path: String| http_get(addr, path);
         // A tenant with a space, RFC 3339 bounds with an encoded offset.
         let ok = get("/v1/usage?tenant=acme+co&from=2023-11-01&to=2023-11-20T00%3A00%3A00%2B00%3A00".into()).await;
         assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
@@ -1302,16 +1305,7 @@ mod tests {
         let task = tokio::spawn(server.serve(async move {
             let _ = rx.await;
         }));
-        let get = |path: &'static str| async move {
-            use tokio::io::{AsyncReadExt, AsyncWriteExt};
-            let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-            s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
-                .await
-                .expect("write");
-            let mut buf = String::new();
-            s.read_to_string(&mut buf).await.expect("read");
-            buf
-        };
+        let get = |path: &'static str| http_get(addr, path.to_owned());
         assert!(get("/readyz").await.starts_with("HTTP/1.1 503"));
         assert!(get("/healthz").await.starts_with("HTTP/1.1 200"));
         m.set_ready(true);

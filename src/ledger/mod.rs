@@ -151,6 +151,15 @@ impl Ledger {
         }
     }
 
+    /// Answers `query` from this ledger: its rollups of the query's tenant
+    /// (and customer) and their adjustments.
+    pub fn answer(&self, query: &UsageQuery) -> Result<UsageAnswer, LedgerError> {
+        let mut rollups = Vec::new();
+        self.rollups(&query.tenant_id, query.customer_id.as_deref(), |k, _, r| rollups.push((k, r)))?;
+        let adjustments = self.adjustments(&query.tenant_id)?;
+        Ok(UsageAnswer::of(query, rollups.iter().map(|(k, r)| (k, r)), adjustments))
+    }
+
     /// Every adjustment of `tenant`.
     pub fn adjustments(&self, tenant_id: &str) -> Result<Vec<Adjustment>, LedgerError> {
         match self {

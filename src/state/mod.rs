@@ -414,11 +414,10 @@ impl LocalState {
     /// Answers `query` from this process's ledger (its partitions' share);
     /// `None` with the ledger off.
     pub fn usage(&self, query: &crate::ledger::UsageQuery) -> Result<Option<crate::ledger::UsageAnswer>, StateError> {
-        let Some(ledger) = &self.ledger else { return Ok(None) };
-        let mut rollups = Vec::new();
-        ledger.rollups(&query.tenant_id, query.customer_id.as_deref(), |k, _, r| rollups.push((k, r)))?;
-        let adjustments = ledger.adjustments(&query.tenant_id)?;
-        Ok(Some(crate::ledger::UsageAnswer::of(query, rollups.iter().map(|(k, r)| (k, r)), adjustments)))
+        match &self.ledger {
+            None => Ok(None),
+            Some(ledger) => Ok(Some(ledger.answer(query)?)),
+        }
     }
 
     /// The ledger tier, when kept.

@@ -137,10 +137,7 @@ pub fn inspect(
 /// partitions' share: the whole deployment's totals are on the rollups topic.
 pub fn usage(state_dir: &Path, query: &UsageQuery) -> Result<UsageAnswer, StateError> {
     let store = LedgerStore::open_read_only(&state_dir.join("ledger"))?;
-    let mut rollups = Vec::new();
-    store.rollups(&query.tenant_id, query.customer_id.as_deref(), |k, _, r| rollups.push((k, r)))?;
-    let adjustments = store.adjustments(&query.tenant_id)?;
-    Ok(UsageAnswer::of(query, rollups.iter().map(|(k, r)| (k, r)), adjustments))
+    Ok(crate::ledger::Ledger::Durable(Box::new(store)).answer(query)?)
 }
 
 /// What `dedupd usage verify` found: the ledger refolded from the accepted
