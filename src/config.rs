@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::event::{ClosedPeriod, Limits, UnknownFields};
+use crate::event::{ClosedPeriods, Limits, UnknownFields};
 
 /// Invalid configuration. Always names the offending key.
 #[derive(Debug, thiserror::Error)]
@@ -120,8 +120,10 @@ pub struct TuningArgs {
     /// local state [default: true].
     #[arg(long, env = "DEDUPD_LEDGER", value_name = "BOOL")]
     pub ledger: Option<String>,
-    /// A (tenant, month) closed for usage, `tenant:YYYY-MM`; repeatable.
-    #[arg(long = "closed-period", env = "DEDUPD_CLOSED_PERIODS", value_delimiter = ',', value_name = "TENANT:YYYY-MM")]
+    /// Replaced by `dedupd period close` (issue #12); refused with a message
+    /// that says so, so an old deployment does not start with its closed
+    /// months silently open.
+    #[arg(long = "closed-period", env = "DEDUPD_CLOSED_PERIODS", value_delimiter = ',', hide = true)]
     pub closed_periods: Vec<String>,
 }
 
@@ -174,7 +176,7 @@ pub struct FileConfig {
     pub derive_salt: Option<String>,
     /// See `--unknown-fields`.
     pub unknown_fields: Option<String>,
-    /// See `--closed-period`.
+    /// Replaced by `dedupd period close`; refused (see `--closed-period`).
     pub closed_periods: Option<Vec<String>>,
     /// See `--lateness`.
     pub lateness: Option<String>,
@@ -192,6 +194,7 @@ pub struct FileConfig {
     pub conflicts_topic: Option<String>,
     pub rejected_topic: Option<String>,
     pub rollups_topic: Option<String>,
+    pub periods_topic: Option<String>,
     pub state_dir: Option<PathBuf>,
     pub metrics_addr: Option<String>,
     pub delivery: Option<String>,
@@ -252,7 +255,9 @@ pub struct EngineSettings {
     pub retention: Duration,
     pub limits: Limits,
     pub derive_salt: String,
-    pub closed_periods: Vec<ClosedPeriod>,
+    /// The periods closed for usage right now: a shared set the periods
+    /// reader keeps current (empty until it has read them).
+    pub closed_periods: ClosedPeriods,
     pub unknown_fields: UnknownFields,
     /// How late an event may be behind its counter's watermark and still
     /// update its hour (`--lateness`, per-meter overrides in the file).
@@ -280,7 +285,7 @@ impl Default for EngineSettings {
             retention: Duration::from_secs(400 * 86_400),
             limits: Limits::default(),
             derive_salt: "dedupd".to_owned(),
-            closed_periods: Vec::new(),
+            closed_periods: ClosedPeriods::default(),
             unknown_fields: UnknownFields::Reject,
             lateness: crate::ledger::Lateness::default(),
             ledger: true,
@@ -529,16 +534,15 @@ impl EngineSettings {
         let max_field_bytes = pick("max_field_bytes", &args.max_field_bytes, file.max_field_bytes, parse_u64)?;
         let max_dimensions = pick("max_dimensions", &args.max_dimensions, file.max_dimensions, parse_u64)?;
         let derive_salt = args.derive_salt.clone().or_else(|| file.derive_salt.clone()).unwrap_or(d.derive_salt);
-        let closed_texts: Vec<String> = if args.closed_periods.is_empty() {
-            file.closed_periods.clone().unwrap_or_default()
-        } else {
-            args.closed_periods.clone()
-        };
-        let closed_periods = closed_texts
-            .iter()
-            .map(|s| ClosedPeriod::parse(s))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|why| invalid("closed_periods", why))?;
+        if !args.closed_periods.is_empty() || file.closed_periods.is_some() {
+            return Err(invalid(
+                "closed_periods",
+                "the fixed list of closed periods was replaced by `dedupd period close --tenant T --period YYYY-MM`: \
+                 periods now live in the periods topic (`--periods-topic`) or the state directory, shared by every \
+                 worker; remove the setting and close each period once with the command",
+            ));
+        }
+        let closed_periods = ClosedPeriods::default();
 
         let unknown_fields = pick(
             "unknown_fields",
@@ -728,7 +732,7 @@ impl EngineSettings {
     }
 
     pub fn validator(&self) -> crate::event::Validator {
-        crate::event::Validator::new(self.limits.clone(), self.closed_periods.clone(), &self.derive_salt)
+        crate::event::Validator::sharing(self.limits.clone(), self.closed_periods.clone(), &self.derive_salt)
             .with_unknown_fields(self.unknown_fields)
     }
 }
@@ -779,7 +783,7 @@ mod tests {
 
         let e = resolve(TuningArgs { closed_periods: vec!["acme:2026-13".into()], ..Default::default() }, "")
             .expect_err("bad month");
-        assert!(e.to_string().contains("closed_periods"), "{e}");
+        assert!(e.to_string().contains("closed_periods") && e.to_string().contains("dedupd period close"), "{e}");
     }
 
     #[test]

@@ -108,6 +108,39 @@ enum Command {
         #[command(flatten)]
         query: UsageArgs,
     },
+    /// Billing periods (calendar months, UTC): `close` freezes the month's
+    /// totals per customer and meter and rejects further usage into it,
+    /// `reopen` discards the snapshot, `show` gives the frozen total, what is
+    /// pending on top of it and the net.
+    Period {
+        /// close, reopen or show.
+        #[arg(value_parser = ["close", "reopen", "show"])]
+        action: String,
+        #[arg(long)]
+        tenant: String,
+        /// The month, YYYY-MM (UTC).
+        #[arg(long)]
+        period: String,
+        /// The state directory's period book and ledger (`dedupd dedupe`).
+        #[arg(
+            long,
+            env = "DEDUPD_STATE_DIR",
+            required_unless_present = "periods_topic",
+            conflicts_with = "periods_topic"
+        )]
+        state_dir: Option<PathBuf>,
+        /// The deployment's periods topic (what `dedupd run --periods-topic` follows).
+        #[arg(long, env = "DEDUPD_PERIODS_TOPIC", requires_all = ["brokers", "rollups_topic"])]
+        periods_topic: Option<String>,
+        /// The rollups topic the snapshot is summed from.
+        #[arg(long, env = "DEDUPD_ROLLUPS_TOPIC", requires = "periods_topic")]
+        rollups_topic: Option<String>,
+        #[arg(long, env = "DEDUPD_BROKERS", requires = "periods_topic")]
+        brokers: Option<String>,
+        /// table or json.
+        #[arg(long, default_value = "table")]
+        format: String,
+    },
     /// Where and when an event was seen.
     Inspect {
         #[arg(long, env = "DEDUPD_STATE_DIR")]
@@ -216,6 +249,11 @@ struct RunArgs {
     /// compacted (`cleanup.policy=compact`): each key holds its latest total.
     #[arg(long, env = "DEDUPD_ROLLUPS_TOPIC")]
     rollups_topic: Option<String>,
+    /// Follow the billing periods closed with `dedupd period close` here and
+    /// reject usage into them (`closed_period`). Create it compacted; every
+    /// worker of the deployment reads the whole topic.
+    #[arg(long, env = "DEDUPD_PERIODS_TOPIC")]
+    periods_topic: Option<String>,
     /// Durable local state; without it state lives in memory and is rebuilt
     /// from the output topic at every start.
     #[arg(long, env = "DEDUPD_STATE_DIR")]
@@ -298,6 +336,7 @@ impl RunArgs {
             conflicts: need("conflicts_topic", self.conflicts_topic.as_ref(), file.conflicts_topic.as_ref())?,
             rejected: need("rejected_topic", self.rejected_topic.as_ref(), file.rejected_topic.as_ref())?,
             rollups: self.rollups_topic.clone().or_else(|| file.rollups_topic.clone()),
+            periods: self.periods_topic.clone().or_else(|| file.periods_topic.clone()),
         };
         let mut s = RunSettings::new(
             need("brokers", self.brokers.as_ref(), file.brokers.as_ref())?,
@@ -409,8 +448,9 @@ impl RunArgs {
         args.output_topic = Some(input);
         args.conflicts_topic = Some(rejected.clone());
         args.rejected_topic = Some(rejected);
-        // The router places records; the ledger is the workers'.
+        // The router places records; the ledger and periods are the workers'.
         args.rollups_topic = None;
+        args.periods_topic = None;
         let (run, _) = args.resolve(file, env)?;
         Ok(dedupd::kafka::router::RouteSettings { run })
     }
@@ -572,6 +612,38 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 println!("{}", serde_json::to_string_pretty(&answer.to_json())?);
             } else {
                 print!("{}", answer.to_table());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Period { action, tenant, period, state_dir, periods_topic, rollups_topic, brokers, format } => {
+            use dedupd::ledger::{Period, PeriodAction};
+            let period = Period::parse(&period).map_err(|why| anyhow::anyhow!("--period: {why}"))?;
+            if format != "table" && format != "json" {
+                anyhow::bail!("--format {format:?}: expected table or json");
+            }
+            let action = match action.as_str() {
+                "close" => PeriodAction::Close,
+                "reopen" => PeriodAction::Reopen,
+                _ => PeriodAction::Show,
+            };
+            let now_ms = dedupd::classify::Clock::now_ms(&SystemClock);
+            let report = match (state_dir, periods_topic, rollups_topic, brokers) {
+                (_, Some(periods), Some(rollups), Some(brokers)) => dedupd::kafka::periods::act_on_topics(
+                    &usage_brokers(brokers),
+                    &periods,
+                    &rollups,
+                    action,
+                    &tenant,
+                    period,
+                    now_ms,
+                )?,
+                (Some(dir), ..) => dedupd::state::period(&dir, action, &tenant, period, now_ms)?,
+                _ => anyhow::bail!("give --state-dir, or --brokers, --periods-topic and --rollups-topic"),
+            };
+            if format == "json" {
+                println!("{}", serde_json::to_string_pretty(&report.to_json())?);
+            } else {
+                print!("{}", report.to_table());
             }
             Ok(ExitCode::SUCCESS)
         }

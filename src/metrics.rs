@@ -146,6 +146,7 @@ pub struct Metrics {
     unkeyed_records: IntCounter,
     misrouted_records: IntCounter,
     late_events: IntCounter,
+    closed_periods: IntGauge,
     routed_records: IntCounterVec,
     publish_retries: IntCounterVec,
     transactions: IntCounterVec,
@@ -268,6 +269,10 @@ impl Metrics {
             "dedupd_misrouted_records_total",
             "Valid input records on a partition other than the one --partitioner assigns their identity",
         );
+        let closed_periods = b.gauge(
+            "dedupd_closed_periods",
+            "Billing periods (tenant, month) this worker knows are closed, from the periods topic: usage into them is rejected",
+        );
         let late_events = b.counter(
             "dedupd_late_events_total",
             "Accepted events later than the lateness window behind their counter's watermark: \
@@ -381,6 +386,7 @@ impl Metrics {
             unkeyed_records,
             misrouted_records,
             late_events,
+            closed_periods,
             routed_records,
             publish_retries,
             transactions,
@@ -434,6 +440,11 @@ impl Metrics {
 
     pub fn late_events(&self) -> u64 {
         self.late_events.get()
+    }
+
+    /// How many periods the periods reader last found closed.
+    pub fn set_closed_periods(&self, n: usize) {
+        self.closed_periods.set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 
     /// Raw records the router handled, `result` one of routed, rejected.
@@ -1156,6 +1167,7 @@ mod tests {
             "dedupd_unkeyed_records_total",
             "dedupd_misrouted_records_total",
             "dedupd_late_events_total",
+            "dedupd_closed_periods",
         ] {
             assert!(page.contains(&format!("# TYPE {name} ")), "{name} missing from\n{page}");
         }

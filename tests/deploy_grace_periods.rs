@@ -14,8 +14,14 @@ fn required(budget: Duration) -> Duration {
 }
 
 fn default_budget() -> Duration {
-    let topics =
-        Topics { input: "i".into(), output: "o".into(), conflicts: "c".into(), rejected: "r".into(), rollups: None };
+    let topics = Topics {
+        input: "i".into(),
+        output: "o".into(),
+        conflicts: "c".into(),
+        rejected: "r".into(),
+        rollups: None,
+        periods: None,
+    };
     RunSettings::new("b", "g", topics).shutdown_budget()
 }
 

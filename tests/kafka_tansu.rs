@@ -803,3 +803,212 @@ async fn through_the_router_any_keying_is_billed_once_across_sigkills_and_withou
     let mut keys = std::collections::HashSet::new();
     assert!(output2.iter().all(|r| keys.insert(r.key.clone())), "an id was published twice");
 }
+
+/// A usage (or, with `original`, correction) record of the one big
+/// customer, keyed where its retries and its original go.
+fn big_customer(id: &str, qty: i64, ts_ms: i64, original: Option<&str>) -> dedupd::kafka::demo::TrafficRecord {
+    let kind = match original {
+        Some(o) => format!(r#","kind":"correction","correction_ref":{{"original_event_id":"{o}"}}"#),
+        None => String::new(),
+    };
+    let value = format!(
+        r#"{{"event_id":"{id}","tenant_id":"acme","customer_id":"cus-big","meter":"api_calls","quantity":"{qty}","timestamp":{ts_ms}{kind}}}"#
+    );
+    let mut key = b"acme\0".to_vec();
+    key.extend_from_slice(original.unwrap_or(id).as_bytes());
+    dedupd::kafka::demo::TrafficRecord { key: Some(key), value: Some(value.into_bytes()) }
+}
+
+/// `dedupd <args>` that must succeed; its standard output.
+fn dedupd_ok(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_dedupd")).args(args).output().expect("run dedupd");
+    assert!(
+        out.status.success(),
+        "dedupd {args:?} failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Issue #12 end to end: two workers share one customer's usage (spread
+/// over every partition by identity); last month is closed mid-stream with
+/// `dedupd period close`; both workers learn it from the periods topic and
+/// reject usage into it, accept late corrections into it (adjustments,
+/// pending on top of the frozen total), and one of them is SIGKILLed. The
+/// frozen total is the model's, the net is the model's, the summed rollups
+/// are the output's, and `dedupd usage verify` finds no drift.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_month_closed_mid_stream_is_frozen_on_every_worker_and_the_ledger_has_no_drift() {
+    use dedupd::classify::{Clock, SystemClock};
+    use dedupd::ledger::Period;
+    use rust_decimal::Decimal;
+
+    let _one_at_a_time = ONE_AT_A_TIME.lock().await;
+    let tansu = Tansu::start();
+    let mut topics = topics("months");
+    topics.rollups = Some("months-rollups".into());
+    topics.periods = Some("months-periods".into());
+    tansu.create_topics(&topics, PARTITIONS);
+    let brokers = tansu.brokers.clone();
+    let producer = traffic_producer(&brokers);
+    let extra = [
+        "--rollups-topic",
+        "months-rollups",
+        "--periods-topic",
+        "months-periods",
+        // Last month may be up to 62 days back.
+        "--max-event-age",
+        "70d",
+        "--horizon",
+        "70d",
+    ];
+
+    let now = SystemClock.now_ms();
+    let this_month = Period::of_ms(now);
+    let last_month = Period::of_ms(this_month.start_ms() - 1);
+    let (t_last, t_this) = (last_month.start_ms() + 5 * 86_400_000, this_month.start_ms());
+    let month = last_month.to_string();
+
+    let (state_a, state_b) = (tempfile::tempdir().expect("state dir"), tempfile::tempdir().expect("state dir"));
+    let mut b = spawn_worker_with_args(&brokers, "months", &topics, "b", Membership::Dynamic, state_b.path(), &extra);
+    wait_ready(&mut b, Duration::from_secs(90)).await;
+    let mut a = spawn_worker_with_args(&brokers, "months", &topics, "a", Membership::Dynamic, state_a.path(), &extra);
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while metric(a.metrics, "dedupd_assigned_partitions").unwrap_or(0.0) < 1.0 {
+        assert!(Instant::now() < deadline, "the second worker never got a partition");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    wait_ready(&mut a, Duration::from_secs(90)).await;
+
+    // Before the close: 1,000 events last month (quantities 1..=1000) and
+    // 1,000 this month (each 2).
+    let mut before = Vec::new();
+    for i in 0..1000i64 {
+        before.push(big_customer(&format!("last{i:04}"), i + 1, t_last + i * 1000, None));
+    }
+    for i in 0..1000i64 {
+        before.push(big_customer(&format!("this{i:04}"), 2, (t_this + i * 1000).min(now), None));
+    }
+    produce_traffic(&producer, &topics.input, PARTITIONS, &before).await.expect("produce");
+    b.wait_input_done(&brokers, "months", &topics.input, Duration::from_secs(300)).await;
+    let owned = |w: &Worker| metric(w.metrics, "dedupd_assigned_partitions").unwrap_or(0.0);
+    assert_eq!(owned(&a) + owned(&b), f64::from(PARTITIONS), "the two workers share the partitions");
+
+    let period_args = |action: &'static str| {
+        let mut v = vec!["period", action, "--tenant", "acme", "--period", month.as_str(), "--format", "json"];
+        v.extend(["--brokers", brokers.as_str(), "--periods-topic", "months-periods"]);
+        v.extend(["--rollups-topic", "months-rollups"]);
+        v
+    };
+    let dec = |v: &serde_json::Value| v.as_str().expect("decimal").parse::<Decimal>().expect("decimal");
+    let closed: serde_json::Value = serde_json::from_str(&dedupd_ok(&period_args("close"))).expect("JSON");
+    let frozen_want = Decimal::from(1000 * 1001 / 2);
+    assert_eq!(closed["status"], "closed");
+    assert_eq!(dec(&closed["frozen"]), frozen_want, "the snapshot is every partition's share of the month");
+    assert_eq!(closed["lines"][0]["frozen"]["events"], 1000);
+    let again = Command::new(env!("CARGO_BIN_EXE_dedupd")).args(period_args("close")).output().expect("run");
+    assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("already closed"));
+
+    // Both workers follow the periods topic.
+    assert!(
+        wait_until(Duration::from_secs(30), || {
+            metric(a.metrics, "dedupd_closed_periods") == Some(1.0)
+                && metric(b.metrics, "dedupd_closed_periods") == Some(1.0)
+        })
+        .await,
+        "the workers did not learn of the close"
+    );
+
+    // After the close: usage into last month (refused), late corrections of
+    // last month's events (accepted: adjustments, pending), more usage this
+    // month; one worker is SIGKILLed while it flows.
+    let mut after = Vec::new();
+    for i in 0..100i64 {
+        after.push(big_customer(&format!("refused{i:04}"), 1, t_last + i * 1000, None));
+    }
+    let mut corrections = Vec::new();
+    for i in 0..20i64 {
+        let id = format!("fix{i:04}");
+        after.push(big_customer(&id, -1, t_last + i * 1000, Some(&format!("last{i:04}"))));
+        corrections.push(id);
+    }
+    for i in 1000..2000i64 {
+        after.push(big_customer(&format!("this{i:04}"), 2, (t_this + i * 1000).min(now), None));
+    }
+    let (p, input, records) = (producer.clone(), topics.input.clone(), after.clone());
+    let load = tokio::spawn(async move {
+        for chunk in records.chunks(200) {
+            produce_traffic(&p, &input, PARTITIONS, chunk).await?;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Ok::<_, dedupd::kafka::KafkaError>(())
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    signal(&a.child, libc::SIGKILL);
+    let _ = a.child.wait();
+    load.await.expect("join").expect("produce");
+    b.wait_input_done(&brokers, "months", &topics.input, Duration::from_secs(600)).await;
+    b.stop().await;
+
+    // Usage into the closed month was refused, each event (at least) once.
+    let mut refused: Vec<String> = read_topic(&brokers, &topics.rejected)
+        .iter()
+        .filter(|r| r.header(dedupd::kafka::records::H_REASON) == Some(b"closed_period".as_slice()))
+        .map(|r| {
+            let raw: serde_json::Value = serde_json::from_slice(r.value.as_deref().expect("value")).expect("JSON");
+            raw["event_id"].as_str().expect("id").to_owned()
+        })
+        .collect();
+    refused.sort();
+    refused.dedup();
+    assert_eq!(refused.len(), 100, "every usage event into the closed month is rejected as closed_period");
+
+    // The frozen total stands; the late corrections are pending on top.
+    let shown: serde_json::Value = serde_json::from_str(&dedupd_ok(&period_args("show"))).expect("JSON");
+    assert_eq!(dec(&shown["frozen"]), frozen_want);
+    assert_eq!(dec(&shown["pending"]), Decimal::from(-20));
+    assert_eq!(dec(&shown["net"]), frozen_want - Decimal::from(20));
+    assert_eq!(shown["lines"][0]["pending"]["corrections"], 20);
+    assert_eq!(shown["lines"][0]["pending"]["events"], 0, "no usage slipped into the closed month");
+
+    // Every partition's rollups sum to what the output holds; the late
+    // corrections are adjustments; nothing drifts across the kill.
+    let output = read_topic(&brokers, &topics.output);
+    let mut ids: Vec<&[u8]> = output.iter().filter_map(|r| r.key.as_deref()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!((output.len(), ids.len()), (3020, 3020), "every accepted event once across the kill");
+    let (totals, mut adjustments) = rollup_totals(&read_topic(&brokers, "months-rollups"));
+    adjustments.sort();
+    assert_eq!(adjustments, corrections, "every late correction is an adjustment, and nothing else is");
+    // The late corrections' hour has a rollup (last month's usage), so take
+    // them out of the output by id, not by hour.
+    let on_time_records: Vec<ReadRecord> = output
+        .iter()
+        .filter(|r| {
+            let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().expect("value")).expect("JSON");
+            !corrections.iter().any(|c| v["event_id"].as_str() == Some(c.as_str()))
+        })
+        .cloned()
+        .collect();
+    assert_eq!(on_time_records.len(), output.len() - 20, "each correction is in the output once");
+    assert_eq!(totals, output_totals(&on_time_records), "summed rollups against the output's on-time events");
+    let this_total: Decimal = totals
+        .iter()
+        .filter(|((_, _, _, hour), _)| this_month.contains(dedupd::ledger::parse_bound(hour).expect("hour")))
+        .map(|(_, sum)| *sum)
+        .sum();
+    assert_eq!(this_total, Decimal::from(2000 * 2), "this month: every event once");
+    let report = dedupd_ok(&[
+        "usage",
+        "verify",
+        "--brokers",
+        &brokers,
+        "--output-topic",
+        &topics.output,
+        "--rollups-topic",
+        "months-rollups",
+    ]);
+    assert!(report.contains(" 0 drifting"), "{report}");
+}

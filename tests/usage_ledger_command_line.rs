@@ -187,3 +187,116 @@ fn bad_questions_get_clear_errors_and_change_nothing() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `dedupd dedupe` of `lines` into `dir`'s state and output; returns the
+/// rejected records' reasons.
+fn dedupe_into(dir: &std::path::Path, name: &str, lines: &[String]) -> Vec<String> {
+    let input = dir.join(format!("{name}.ndjson"));
+    let rejected = dir.join(format!("{name}.rejected.ndjson"));
+    std::fs::write(&input, lines.join("\n") + "\n").expect("write input");
+    run_ok(
+        dedupd()
+            .args(["dedupe", "--output"])
+            .arg(dir.join("out.ndjson"))
+            .arg("--input")
+            .arg(&input)
+            .arg("--rejected")
+            .arg(&rejected)
+            .arg("--state-dir")
+            .arg(dir.join("state")),
+    );
+    std::fs::read_to_string(&rejected)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("JSON")["reason"].as_str().expect("r").to_owned())
+        .collect()
+}
+
+fn period_cmd(dir: &std::path::Path, action: &str, period: &str) -> std::process::Output {
+    dedupd()
+        .args(["period", action, "--tenant", "acme", "--period", period, "--format", "json", "--state-dir"])
+        .arg(dir.join("state"))
+        .output()
+        .expect("run dedupd period")
+}
+
+fn period_json(dir: &std::path::Path, action: &str, period: &str) -> serde_json::Value {
+    let out = period_cmd(dir, action, period);
+    assert!(out.status.success(), "period {action}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("period prints JSON")
+}
+
+/// The README's walkthrough: close a month, see its frozen total, see usage
+/// into it refused and a correction arrive as pending, reopen it.
+#[test]
+fn a_closed_month_is_frozen_refuses_usage_and_shows_corrections_as_pending() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    // Five days back, mid-hour: every event below is in one month.
+    let now = now_ms();
+    let t = now - 5 * 24 * HOUR_MS;
+    let t = t - t.rem_euclid(HOUR_MS) + HOUR_MS / 2;
+    let month = {
+        let date = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(t) * 1_000_000).expect("time");
+        format!("{:04}-{:02}", date.year(), u8::from(date.month()))
+    };
+    let correction = |id: &str, qty: &str, of: &str| {
+        format!(
+            r#"{{"event_id":"{id}","tenant_id":"acme","customer_id":"cus_1","meter":"api_calls","quantity":"{qty}","timestamp":{t},"kind":"correction","correction_ref":{{"original_event_id":"{of}"}}}}"#
+        )
+    };
+    let first = [
+        line("e1", "cus_1", "api_calls", "10", t),
+        line("e2", "cus_1", "api_calls", "5", t + 1000),
+        line("e3", "cus_2", "api_calls", "7", t),
+    ];
+    assert!(dedupe_into(d, "first", &first).is_empty());
+
+    let closed = period_json(d, "close", &month);
+    assert_eq!(closed["status"], "closed");
+    assert_eq!(
+        (dec(&closed["frozen"]), dec(&closed["pending"]), dec(&closed["net"])),
+        (22.into(), 0.into(), 22.into())
+    );
+    let book = std::fs::read(d.join("state/periods.json")).expect("the book is saved");
+
+    // Closing again is refused and changes nothing: the first snapshot is
+    // what was invoiced.
+    let again = period_cmd(d, "close", &month);
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("already closed"), "{again:?}");
+    assert_eq!(std::fs::read(d.join("state/periods.json")).expect("book"), book);
+
+    // Usage into the closed month is refused; a correction is accepted and
+    // shows as pending on top of the frozen total.
+    let late = [line("e4", "cus_1", "api_calls", "4", t + 2000), correction("e5", "-2", "e2")];
+    assert_eq!(dedupe_into(d, "late", &late), ["closed_period"]);
+    let shown = period_json(d, "show", &month);
+    assert_eq!(
+        (dec(&shown["frozen"]), dec(&shown["pending"]), dec(&shown["net"])),
+        (22.into(), (-2).into(), 20.into())
+    );
+    let cus_1 = &shown["lines"][0];
+    assert_eq!((cus_1["customer_id"].as_str(), cus_1["pending"]["corrections"].as_i64()), (Some("cus_1"), Some(1)));
+    assert_eq!(dec(&cus_1["frozen"]["quantity"]), Decimal::from(15));
+
+    // Reopened: no snapshot, usage flows again, nothing pending.
+    let reopened = period_json(d, "reopen", &month);
+    assert_eq!((reopened["status"].as_str(), reopened["lines"][0]["frozen"].is_null()), (Some("open"), true));
+    assert!(dedupe_into(d, "reopened", &late[..1]).is_empty());
+    let shown = period_json(d, "show", &month);
+    assert_eq!((dec(&shown["pending"]), dec(&shown["net"])), (0.into(), 24.into()));
+    assert_eq!(shown["history"].as_array().map(Vec::len), Some(2), "close and reopen are both kept");
+    let again = period_cmd(d, "reopen", &month);
+    assert!(String::from_utf8_lossy(&again.stderr).contains("not closed"), "{again:?}");
+
+    // A period that is not YYYY-MM is refused, naming the flag.
+    let bad = period_cmd(d, "close", "2026-1");
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--period"), "{bad:?}");
+    // The fixed list is gone, with a message that says what replaced it.
+    let old = dedupd().args(["dedupe", "--input", "-", "--output", "-", "--closed-period", "acme:2026-10"]).output();
+    let old = old.expect("run");
+    assert!(!old.status.success());
+    assert!(String::from_utf8_lossy(&old.stderr).contains("dedupd period close"), "{old:?}");
+}

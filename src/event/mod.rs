@@ -33,5 +33,5 @@ pub use quantity::{parse_decimal, QuantityError};
 pub use reason::{RejectReason, Rejection};
 pub use routing::{crc32, identity_key, murmur2, Partitioner};
 pub use validate::{
-    parse_timestamp, ClosedPeriod, Limits, UnknownFields, Validator, DAY_MS, OUTPUT_READ_CEILING_BYTES,
+    parse_timestamp, ClosedPeriod, ClosedPeriods, Limits, UnknownFields, Validator, DAY_MS, OUTPUT_READ_CEILING_BYTES,
 };

@@ -80,7 +80,7 @@ impl Default for Limits {
 }
 
 /// A (tenant, calendar month UTC) closed for usage: invoices for it are final.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ClosedPeriod {
     pub tenant_id: String,
     pub year: i32,
@@ -99,6 +99,57 @@ impl ClosedPeriod {
             return Err(format!("{s:?} is not tenant:YYYY-MM"));
         }
         Ok(ClosedPeriod { tenant_id: tenant.to_owned(), year, month })
+    }
+}
+
+/// The (tenant, month) pairs closed for usage right now, shared: every
+/// validator cloned from one set sees a period close the moment whoever
+/// follows the periods (the worker's periods-topic reader, or the state
+/// directory's period book offline) replaces the set. Reads take a shared
+/// lock per usage event; the set changes only when an operator closes or
+/// reopens a period.
+#[derive(Clone, Default)]
+pub struct ClosedPeriods(std::sync::Arc<std::sync::RwLock<std::collections::BTreeSet<ClosedPeriod>>>);
+
+impl ClosedPeriods {
+    pub fn of(list: impl IntoIterator<Item = ClosedPeriod>) -> ClosedPeriods {
+        let set = ClosedPeriods::default();
+        set.replace(list);
+        set
+    }
+
+    /// Makes `list` the closed set, for every validator sharing it.
+    pub fn replace(&self, list: impl IntoIterator<Item = ClosedPeriod>) {
+        let fresh: std::collections::BTreeSet<ClosedPeriod> = list.into_iter().collect();
+        *self.0.write().unwrap_or_else(std::sync::PoisonError::into_inner) = fresh;
+    }
+
+    pub fn list(&self) -> Vec<ClosedPeriod> {
+        self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner).iter().cloned().collect()
+    }
+
+    fn find(&self, tenant_id: &str, timestamp_ms: i64) -> Option<ClosedPeriod> {
+        let set = self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if set.is_empty() {
+            return None;
+        }
+        let t = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(timestamp_ms) * 1_000_000).ok()?;
+        let probe = ClosedPeriod { tenant_id: tenant_id.to_owned(), year: t.year(), month: u8::from(t.month()) };
+        set.get(&probe).cloned()
+    }
+}
+
+impl std::fmt::Debug for ClosedPeriods {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.list().iter().map(|p| format!("{}:{}-{:02}", p.tenant_id, p.year, p.month))).finish()
+    }
+}
+
+/// Two sets are equal when they hold the same periods now (settings compare
+/// by what they say, not by which handle they share).
+impl PartialEq for ClosedPeriods {
+    fn eq(&self, other: &ClosedPeriods) -> bool {
+        self.list() == other.list()
     }
 }
 
@@ -133,14 +184,25 @@ impl UnknownFields {
 #[derive(Clone, Debug)]
 pub struct Validator {
     limits: Limits,
-    closed: Vec<ClosedPeriod>,
+    closed: ClosedPeriods,
     deriver: IdDeriver,
     unknown_fields: UnknownFields,
 }
 
 impl Validator {
     pub fn new(limits: Limits, closed: Vec<ClosedPeriod>, derive_salt: &str) -> Validator {
+        Validator::sharing(limits, ClosedPeriods::of(closed), derive_salt)
+    }
+
+    /// A validator that rejects usage into whatever `closed` holds at the
+    /// moment of each call.
+    pub fn sharing(limits: Limits, closed: ClosedPeriods, derive_salt: &str) -> Validator {
         Validator { limits, closed, deriver: IdDeriver::new(derive_salt), unknown_fields: UnknownFields::Reject }
+    }
+
+    /// The closed set this validator reads (shared, see [`ClosedPeriods`]).
+    pub fn closed_periods(&self) -> &ClosedPeriods {
+        &self.closed
     }
 
     /// The same validator with `policy` for fields schema v1 does not define.
@@ -361,7 +423,7 @@ impl Validator {
             ));
         }
         if kind == EventKind::Usage && input {
-            if let Some(p) = self.closed_period_of(tenant_id, timestamp_ms) {
+            if let Some(p) = self.closed.find(tenant_id, timestamp_ms) {
                 return Err(Rejection::new(
                     ClosedPeriod,
                     format!(
@@ -455,14 +517,6 @@ impl Validator {
             ));
         }
         Ok(())
-    }
-
-    fn closed_period_of(&self, tenant_id: &str, timestamp_ms: i64) -> Option<&ClosedPeriod> {
-        if self.closed.is_empty() {
-            return None;
-        }
-        let t = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(timestamp_ms) * 1_000_000).ok()?;
-        self.closed.iter().find(|p| p.tenant_id == tenant_id && p.year == t.year() && p.month == u8::from(t.month()))
     }
 }
 

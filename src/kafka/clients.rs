@@ -268,6 +268,7 @@ mod tests {
                 conflicts: "c".into(),
                 rejected: "r".into(),
                 rollups: None,
+                periods: None,
             },
         );
         s.kafka_properties = vec![

@@ -326,6 +326,7 @@ pub async fn demo(settings: DemoSettings, parts: WorkerParts) -> Result<DemoRepo
         conflicts: "usage-conflicts".into(),
         rejected: "usage-rejected".into(),
         rollups: Some("usage-rollups".into()),
+        periods: None,
     };
     let (brokers, _mock_guard) = start_mock_cluster(settings.partitions, &topics)?;
     let clock: Arc<dyn Clock> = parts.clock.clone();

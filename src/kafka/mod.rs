@@ -24,6 +24,7 @@ pub mod demo;
 pub mod engine;
 mod error;
 mod partition;
+pub mod periods;
 pub mod publisher;
 pub mod records;
 pub mod repair;

@@ -73,6 +73,7 @@ impl RouteSettings {
             conflicts: rejected.clone(),
             rejected,
             rollups: None,
+            periods: None,
         };
         RouteSettings { run: RunSettings::new(brokers, group, topics) }
     }

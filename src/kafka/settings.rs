@@ -19,6 +19,10 @@ pub struct Topics {
     /// Hourly rollups and adjustments of the usage ledger (`--rollups-topic`),
     /// compacted; none published when `None`.
     pub rollups: Option<String>,
+    /// The compacted topic of closed and reopened billing periods
+    /// (`--periods-topic`), followed so usage into a closed period is
+    /// rejected; no period is closed when `None`.
+    pub periods: Option<String>,
 }
 
 /// Bounds on one batch of one partition.

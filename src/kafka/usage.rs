@@ -61,36 +61,13 @@ impl Brokers {
 
 /// Calls `f` on every committed record of `topic`, partition by partition
 /// in offset order, up to the end each partition had when the read began.
-fn read_topic(
+pub(crate) fn read_topic(
     brokers: &Brokers,
     topic: &str,
     mut f: impl FnMut(i32, i64, Option<&[u8]>, &rdkafka::message::BorrowedMessage<'_>) -> Result<(), KafkaError>,
 ) -> Result<(), KafkaError> {
     let consumer = brokers.consumer()?;
-    let md = consumer.fetch_metadata(Some(topic), brokers.timeout).map_err(KafkaError::client("fetching metadata"))?;
-    let partitions: Vec<i32> = md
-        .topics()
-        .iter()
-        .find(|t| t.name() == topic && t.error().is_none())
-        .map(|t| t.partitions().iter().map(|p| p.id()).collect())
-        .unwrap_or_default();
-    if partitions.is_empty() {
-        return Err(KafkaError::TopicMissing { topic: topic.to_owned(), brokers: brokers.servers.clone() });
-    }
-    let mut ends: BTreeMap<i32, i64> = BTreeMap::new();
-    let mut tpl = TopicPartitionList::new();
-    for p in partitions {
-        let (low, high) =
-            consumer.fetch_watermarks(topic, p, brokers.timeout).map_err(KafkaError::client("fetching watermarks"))?;
-        if high > low {
-            ends.insert(p, high);
-            tpl.add_partition_offset(topic, p, Offset::Beginning).map_err(KafkaError::client("assigning"))?;
-        }
-    }
-    if ends.is_empty() {
-        return Ok(());
-    }
-    consumer.assign(&tpl).map_err(KafkaError::client("assigning"))?;
+    let mut ends = assign_from_beginning(&consumer, topic, &brokers.servers, brokers.timeout)?;
     let mut last_progress = Instant::now();
     while !ends.is_empty() {
         if last_progress.elapsed() > brokers.timeout {
@@ -120,6 +97,39 @@ fn read_topic(
         }
     }
     Ok(())
+}
+
+/// Assigns every partition of `topic` to `consumer` from its beginning and
+/// returns the end of each non-empty one: where a read of the whole topic
+/// as it stands now stops.
+pub(crate) fn assign_from_beginning(
+    consumer: &BaseConsumer,
+    topic: &str,
+    servers: &str,
+    timeout: Duration,
+) -> Result<BTreeMap<i32, i64>, KafkaError> {
+    let md = consumer.fetch_metadata(Some(topic), timeout).map_err(KafkaError::client("fetching metadata"))?;
+    let partitions: Vec<i32> = md
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic && t.error().is_none())
+        .map(|t| t.partitions().iter().map(|p| p.id()).collect())
+        .unwrap_or_default();
+    if partitions.is_empty() {
+        return Err(KafkaError::TopicMissing { topic: topic.to_owned(), brokers: servers.to_owned() });
+    }
+    let mut ends = BTreeMap::new();
+    let mut tpl = TopicPartitionList::new();
+    for p in partitions {
+        let (low, high) =
+            consumer.fetch_watermarks(topic, p, timeout).map_err(KafkaError::client("fetching watermarks"))?;
+        if high > low {
+            ends.insert(p, high);
+        }
+        tpl.add_partition_offset(topic, p, Offset::Beginning).map_err(KafkaError::client("assigning"))?;
+    }
+    consumer.assign(&tpl).map_err(KafkaError::client("assigning"))?;
+    Ok(ends)
 }
 
 /// What the rollups topic holds: every rollup with its partition, and every

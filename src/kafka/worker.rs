@@ -621,6 +621,21 @@ pub async fn run(
     let s = settings.clone();
     let timeout = settings.operation_timeout;
     let layout = blocking(move || clients::check_topics(&s, timeout)).await??;
+    // Closed periods are known before the first batch is classified, and
+    // followed until the worker stops (dropped with this function's frame).
+    let _periods = match &settings.topics.periods {
+        Some(topic) => Some(
+            crate::kafka::periods::PeriodFollower::start(
+                &settings,
+                topic,
+                validator.closed_periods().clone(),
+                metrics.clone(),
+                timeout,
+            )
+            .await?,
+        ),
+        None => None,
+    };
 
     let engine = Arc::new(Mutex::new(engine));
     let (server_stop, server_stop_rx) = watch::channel(false);

@@ -17,10 +17,13 @@
 //!
 //! - `rollup`: the fold (pure).
 //! - `period`: calendar months in UTC (pure).
+//! - `book`: periods closed and reopened, snapshots, pending (pure, plus the
+//!   state directory's `periods.json`).
 //! - `query`: filtering and grouping rollups (pure).
 //! - `check`: comparing held rollups with refolded events (pure).
 //! - `store`: the durable tier in `<state-dir>/ledger` (sync, RocksDB).
 
+mod book;
 mod check;
 #[cfg(test)]
 mod model_tests;
@@ -31,6 +34,10 @@ mod store;
 
 use std::collections::BTreeMap;
 
+pub use book::{
+    period_totals, CounterOfTenant, CounterTotal, PeriodAction, PeriodBook, PeriodChange, PeriodLine, PeriodRecord,
+    PeriodReport, PeriodStatus, PERIODS_FILE,
+};
 pub use check::{compare_rollups, unexplained_rollups, HeldRollups};
 pub use period::Period;
 pub use query::{parse_bound, GroupBy, UsageAnswer, UsageQuery};
@@ -158,6 +165,19 @@ impl Ledger {
         self.rollups(&query.tenant_id, query.customer_id.as_deref(), |k, _, r| rollups.push((k, r)))?;
         let adjustments = self.adjustments(&query.tenant_id)?;
         Ok(UsageAnswer::of(query, rollups.iter().map(|(k, r)| (k, r)), adjustments))
+    }
+
+    /// What one tenant's `period` holds now in this ledger, per customer
+    /// and meter (see [`period_totals`]).
+    pub fn period_totals(
+        &self,
+        tenant_id: &str,
+        period: Period,
+    ) -> Result<std::collections::BTreeMap<CounterOfTenant, CounterTotal>, LedgerError> {
+        let mut rollups = Vec::new();
+        self.rollups(tenant_id, None, |k, _, r| rollups.push((k, r)))?;
+        let adjustments = self.adjustments(tenant_id)?;
+        Ok(period_totals(tenant_id, period, rollups.iter().map(|(k, r)| (k, r)), adjustments.iter()))
     }
 
     /// Every adjustment of `tenant`.

@@ -198,3 +198,187 @@ proptest! {
         prop_assert_eq!(got_late, late);
     }
 }
+
+// ---- periods: close, reopen, snapshots and pending ----
+
+/// October and November 2023 around `NOW` (2023-11-14T22:13Z): an event is
+/// `hours_back` before the end of the chosen month's slice.
+const MONTHS: [i64; 2] = [NOW - 20 * 24 * HOUR_MS, NOW];
+
+#[derive(Clone, Debug)]
+enum PeriodStep {
+    /// New events through validation (`month`, customer, meter, hours back, quantity, correction).
+    Batch(i32, Vec<(usize, u8, u8, i64, i64, bool)>),
+    Replay(i32),
+    Close(usize),
+    Reopen(usize),
+    Restart,
+    Repair,
+}
+
+fn period_step() -> impl Strategy<Value = PeriodStep> {
+    let event = (0usize..2, 0u8..3, 0u8..2, 0i64..30, -5i64..50, any::<bool>());
+    prop_oneof![
+        6 => (0..PARTITIONS, prop::collection::vec(event, 1..10)).prop_map(|(p, e)| PeriodStep::Batch(p, e)),
+        1 => (0..PARTITIONS).prop_map(PeriodStep::Replay),
+        2 => (0usize..2).prop_map(PeriodStep::Close),
+        1 => (0usize..2).prop_map(PeriodStep::Reopen),
+        1 => Just(PeriodStep::Restart),
+        1 => Just(PeriodStep::Repair),
+    ]
+}
+
+type CounterTotals = BTreeMap<super::CounterOfTenant, super::CounterTotal>;
+
+impl Model {
+    /// What `period` holds now per (customer, meter): its on-time events
+    /// and its late ones, with each counter's watermark.
+    fn period_totals(&self, period: super::Period) -> CounterTotals {
+        let (on_time, late) = self.on_time_and_late();
+        let mut watermarks: BTreeMap<(String, String), i64> = BTreeMap::new();
+        for e in &on_time {
+            let w = watermarks.entry((e.customer_id.clone(), e.meter.clone())).or_insert(e.timestamp_ms);
+            *w = (*w).max(e.timestamp_ms);
+        }
+        let mut totals = CounterTotals::new();
+        for e in on_time.into_iter().chain(late).filter(|e| super::Period::of_ms(e.timestamp_ms) == period) {
+            let t = totals.entry((e.customer_id.clone(), e.meter.clone())).or_default();
+            t.quantity += e.quantity;
+            if e.kind == EventKind::Usage {
+                t.events += 1;
+            } else {
+                t.corrections += 1;
+            }
+        }
+        for (c, t) in &mut totals {
+            t.watermark_ms = watermarks.get(c).copied();
+        }
+        totals
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Periods against the model: usage into a closed month is rejected by
+    /// validation and corrections are not; a close freezes exactly what the
+    /// model holds for the month at that moment, whatever restarts and
+    /// repairs come after; reopen discards it; `period show` gives the
+    /// snapshot, pending (the month now minus the snapshot) and net (the
+    /// month now).
+    #[test]
+    fn snapshots_pending_and_net_equal_the_model(steps in prop::collection::vec(period_step(), 1..30)) {
+        use super::{Period, PeriodAction, PeriodBook, PeriodStatus};
+        use crate::event::{to_canonical_json, CorrectionRef, RejectReason};
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let periods = MONTHS.map(Period::of_ms);
+        let mut model = Model { output: BTreeMap::new() };
+        let mut frozen: BTreeMap<Period, CounterTotals> = BTreeMap::new();
+        let validator = settings().validator();
+        let mut state = open(dir.path());
+        let mut n = 0u64;
+        let mut last_batch: BTreeMap<i32, Vec<StoredEvent>> = BTreeMap::new();
+        for step in steps {
+            match step {
+                PeriodStep::Batch(p, events) => {
+                    let log = model.output.entry(p).or_default();
+                    let mut batch = Vec::new();
+                    for (month, customer, meter, hours_back, qty, correction) in events {
+                        n += 1;
+                        let mut s = sample_event_at(n, p, log.len() as i64, NOW);
+                        let e = &mut s.event;
+                        e.tenant_id = "acme".into();
+                        e.event_id_derived = false;
+                        e.customer_id = format!("cus_{customer}");
+                        e.meter = format!("m{meter}");
+                        e.timestamp_ms = MONTHS[month] - hours_back * HOUR_MS - (n as i64 % 1000);
+                        let is_correction = correction && qty < 0;
+                        e.kind = if is_correction { EventKind::Correction } else { EventKind::Usage };
+                        e.correction_ref = is_correction
+                            .then(|| CorrectionRef { original_event_id: "evt_00000001".into(), reason: None });
+                        e.quantity = Decimal::from(if is_correction { qty } else { qty.abs() });
+                        let closed = frozen.contains_key(&Period::of_ms(e.timestamp_ms));
+                        match validator.validate(to_canonical_json(e).as_bytes(), NOW) {
+                            Err(r) => {
+                                prop_assert_eq!(r.reason, RejectReason::ClosedPeriod, "{}", r);
+                                prop_assert!(closed && !is_correction, "rejected into an open month, or a correction");
+                                continue;
+                            }
+                            Ok(_) => prop_assert!(!closed || is_correction, "usage accepted into a closed month"),
+                        }
+                        s.key.id_hash = id_hash(&e.tenant_id, &e.event_id);
+                        s.key.payload_hash = payload_hash(e);
+                        log.push(s.clone());
+                        batch.push(s);
+                    }
+                    state.apply_published(p, &batch, NOW).expect("apply");
+                    last_batch.insert(p, batch);
+                }
+                PeriodStep::Replay(p) => {
+                    if let Some(batch) = last_batch.get(&p) {
+                        state.apply_published(p, batch, NOW).expect("replay");
+                    }
+                }
+                PeriodStep::Close(m) | PeriodStep::Reopen(m) => {
+                    let action = if matches!(step, PeriodStep::Close(_)) { PeriodAction::Close } else { PeriodAction::Reopen };
+                    let period = periods[m];
+                    let mut book = PeriodBook::load(dir.path()).expect("book");
+                    let now = state.ledger().expect("ledger").period_totals("acme", period).expect("totals");
+                    match book.act(action, "acme", period, NOW, &now) {
+                        Ok((Some(record), _)) => {
+                            book.insert(record);
+                            book.save(dir.path()).expect("save");
+                            if action == PeriodAction::Close {
+                                prop_assert_eq!(&now, &model.period_totals(period), "snapshot of {}", period);
+                                frozen.insert(period, now);
+                            } else {
+                                frozen.remove(&period);
+                            }
+                        }
+                        Ok((None, _)) => prop_assert!(false, "close and reopen always change the book"),
+                        // Closing a closed month or reopening an open one is
+                        // refused and changes nothing.
+                        Err(_) => prop_assert_eq!(frozen.contains_key(&period), action == PeriodAction::Close),
+                    }
+                    validator.closed_periods().replace(book.closed());
+                }
+                PeriodStep::Restart => {
+                    state.close().expect("close");
+                    state = open(dir.path());
+                    repair(&mut state, &model);
+                    validator.closed_periods().replace(PeriodBook::load(dir.path()).expect("book").closed());
+                }
+                PeriodStep::Repair => {
+                    state.close().expect("close");
+                    std::fs::remove_dir_all(dir.path().join("ledger")).expect("lose the ledger");
+                    state = open(dir.path());
+                    repair(&mut state, &model);
+                }
+            }
+        }
+        state.close().expect("close");
+        for period in periods {
+            let report = crate::state::period(dir.path(), PeriodAction::Show, "acme", period, NOW).expect("show");
+            let want_status = if frozen.contains_key(&period) { PeriodStatus::Closed } else { PeriodStatus::Open };
+            prop_assert_eq!(report.status, want_status);
+            let now = model.period_totals(period);
+            let snapshot = frozen.get(&period).cloned().unwrap_or_default();
+            let zero = super::CounterTotal::default();
+            for line in &report.lines {
+                let c = (line.customer_id.clone(), line.meter.clone());
+                let (cur, snap) = (now.get(&c).unwrap_or(&zero), snapshot.get(&c));
+                prop_assert_eq!(line.net, cur.quantity, "net of {:?} in {}", c, period);
+                prop_assert_eq!(line.frozen.as_ref(), snap, "frozen of {:?} in {}", c, period);
+                let base = snap.map_or(Decimal::ZERO, |s| s.quantity);
+                let want_pending = if want_status == PeriodStatus::Closed { cur.quantity - base } else { Decimal::ZERO };
+                prop_assert_eq!(line.pending_quantity, want_pending, "pending of {:?} in {}", c, period);
+            }
+            let listed: usize = report.lines.len();
+            let mut want: Vec<_> = now.keys().chain(snapshot.keys()).collect();
+            want.sort();
+            want.dedup();
+            prop_assert_eq!(listed, want.len(), "every counter of {} is listed", period);
+        }
+    }
+}

@@ -90,6 +90,8 @@ pub enum OfflineError {
     StateAheadOfOutput { path: String, lines: u64, checkpoint: i64, state_dir: String },
     #[error("output file {path} line {line} is not a dedupd event ({why}); refusing to repair from it")]
     CorruptOutput { path: String, line: u64, why: String },
+    #[error("the state directory's closed periods: {0}")]
+    Periods(String),
     #[error(transparent)]
     State(#[from] StateError),
 }
@@ -179,6 +181,10 @@ pub fn run_dedupe_with_progress(
                 return Err(OfflineError::StateNeedsOutputFile);
             };
             let mut state = LocalState::open(Some(dir), settings.clone(), false)?;
+            // Periods closed with `dedupd period close --state-dir` take no
+            // usage; the book is read once, at the start of the run.
+            let book = crate::ledger::PeriodBook::load(dir).map_err(OfflineError::Periods)?;
+            validator.closed_periods().replace(book.closed());
             state.assign(OFFLINE_PARTITION, clock.now_ms())?;
             let lines = repair_from_output(&mut state, path, dir, &validator, clock)?;
             let output = open_append_output(path, lines, settings.fsync.clone())?;

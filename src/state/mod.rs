@@ -32,7 +32,7 @@ use crate::storage::{
 };
 
 pub use crate::storage::StoredEvent;
-pub use tools::{inspect, usage, verify_ledger, verify_state_dir, LedgerCheck};
+pub use tools::{inspect, period, usage, verify_ledger, verify_state_dir, LedgerCheck};
 
 /// Failure of a state tier. Any of these stops the batch: guessing would
 /// risk a double count or a lost event.
@@ -46,6 +46,8 @@ pub enum StateError {
     Keystore(#[from] KeystoreError),
     #[error(transparent)]
     Ledger(#[from] LedgerError),
+    #[error("periods: {0}")]
+    Period(String),
     #[error("cannot create state directory {dir}: {source}")]
     CreateDir { dir: PathBuf, source: std::io::Error },
     #[error("partition {partition} is not assigned to this process")]

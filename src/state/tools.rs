@@ -1,5 +1,5 @@
 //! The operator commands on a state directory: `dedupd verify`,
-//! `dedupd inspect` and `dedupd usage`.
+//! `dedupd inspect`, `dedupd usage` and `dedupd period`.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -7,7 +7,8 @@ use std::path::Path;
 use crate::config::EngineSettings;
 use crate::event::{format_timestamp_ms, id_hash, to_canonical_json};
 use crate::ledger::{
-    compare_rollups, unexplained_rollups, Adjustment, HeldRollups, LedgerMaps, LedgerStore, UsageAnswer, UsageQuery,
+    compare_rollups, unexplained_rollups, Adjustment, HeldRollups, LedgerMaps, LedgerStore, Period, PeriodAction,
+    PeriodBook, PeriodReport, UsageAnswer, UsageQuery,
 };
 use crate::storage::FileStatus;
 
@@ -138,6 +139,30 @@ pub fn inspect(
 pub fn usage(state_dir: &Path, query: &UsageQuery) -> Result<UsageAnswer, StateError> {
     let store = LedgerStore::open_read_only(&state_dir.join("ledger"))?;
     Ok(crate::ledger::Ledger::Durable(Box::new(store)).answer(query)?)
+}
+
+/// `dedupd period close|reopen|show --state-dir`: the period book of a
+/// state directory (`periods.json`), snapshots taken from its ledger.
+/// Read-only on the ledger and without the directory's lock; a
+/// `dedupd dedupe` already running keeps the closed set it started with, so
+/// close periods between runs.
+pub fn period(
+    state_dir: &Path,
+    action: PeriodAction,
+    tenant_id: &str,
+    period: Period,
+    now_ms: i64,
+) -> Result<PeriodReport, StateError> {
+    let book = PeriodBook::load(state_dir).map_err(StateError::Period)?;
+    let ledger = crate::ledger::Ledger::Durable(Box::new(LedgerStore::open_read_only(&state_dir.join("ledger"))?));
+    let now = ledger.period_totals(tenant_id, period)?;
+    let (changed, report) = book.act(action, tenant_id, period, now_ms, &now).map_err(StateError::Period)?;
+    if let Some(record) = changed {
+        let mut book = book;
+        book.insert(record);
+        book.save(state_dir).map_err(StateError::Period)?;
+    }
+    Ok(report)
 }
 
 /// What `dedupd usage verify` found: the ledger refolded from the accepted

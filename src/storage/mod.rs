@@ -83,6 +83,13 @@ pub use fs::{AppendFile, FileSystem, RealFs};
 pub fn create_dir_durable(dir: &std::path::Path) -> Result<(), StorageError> {
     fsutil::create_dir_durable(&RealFs, dir)
 }
+
+/// Replaces `path` with `bytes` atomically and durably (temporary file,
+/// fsync, rename, fsync of the directory): a crash leaves the old file or
+/// the new one, never half of either.
+pub fn write_file_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<(), StorageError> {
+    fsutil::write_atomic(&RealFs, path, bytes, None, None)
+}
 pub use lock::StateDirLock;
 pub use manifest::Manifest;
 pub use segment::SegmentMeta;

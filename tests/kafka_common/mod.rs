@@ -40,6 +40,7 @@ pub fn topics(prefix: &str) -> Topics {
         conflicts: format!("{prefix}-conflicts"),
         rejected: format!("{prefix}-rejected"),
         rollups: None,
+        periods: None,
     }
 }
 

@@ -162,6 +162,9 @@ impl Tansu {
         if let Some(rollups) = &t.rollups {
             self.create_topic(rollups, 2);
         }
+        if let Some(periods) = &t.periods {
+            self.create_topic(periods, 1);
+        }
     }
 }
 
