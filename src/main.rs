@@ -100,7 +100,9 @@ enum Command {
     },
     /// Usage totals from the ledger of a state directory: rollups summed over
     /// the partitions it holds, grouped, with the late events that became
-    /// adjustments. Read-only; works beside a running worker.
+    /// adjustments. Read-only; works beside a running worker. (`--group-by
+    /// dimension:KEY` refolds the accepted events instead: from the output
+    /// topic, or from a state directory it opens and locks.)
     #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
     Usage {
         #[command(subcommand)]
@@ -174,11 +176,20 @@ enum Command {
 #[derive(clap::Args, Clone, Debug)]
 struct UsageArgs {
     /// Answer from this state directory (its partitions' share).
-    #[arg(long, env = "DEDUPD_STATE_DIR", required_unless_present = "rollups_topic", conflicts_with = "rollups_topic")]
+    #[arg(
+        long,
+        env = "DEDUPD_STATE_DIR",
+        required_unless_present_any = ["rollups_topic", "output_topic"],
+        conflicts_with_all = ["rollups_topic", "output_topic"]
+    )]
     state_dir: Option<PathBuf>,
     /// Answer from the rollups topic (every partition's share).
     #[arg(long, env = "DEDUPD_ROLLUPS_TOPIC", requires = "brokers")]
     rollups_topic: Option<String>,
+    /// For `--group-by dimension:KEY` (not kept in rollups): answer from
+    /// the output topic's accepted events, every partition's.
+    #[arg(long, env = "DEDUPD_OUTPUT_TOPIC", requires = "brokers")]
+    output_topic: Option<String>,
     #[arg(long, env = "DEDUPD_BROKERS")]
     brokers: Option<String>,
     #[arg(long, required = true)]
@@ -199,6 +210,10 @@ struct UsageArgs {
     /// table or json.
     #[arg(long, default_value = "table")]
     format: String,
+    /// `--lateness` and `--config` of the workers, for `dimension:KEY`
+    /// (the events are refolded as the workers folded them).
+    #[command(flatten)]
+    tuning: TuningArgs,
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -587,8 +602,20 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(if drift.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
         Command::Usage { check: None, query: q } => {
-            let UsageArgs { state_dir, rollups_topic, brokers, tenant, customer, meter, from, to, group_by, format } =
-                q;
+            let UsageArgs {
+                state_dir,
+                rollups_topic,
+                output_topic,
+                brokers,
+                tenant,
+                customer,
+                meter,
+                from,
+                to,
+                group_by,
+                format,
+                tuning,
+            } = q;
             let query = dedupd::ledger::UsageQuery::parse(
                 tenant,
                 customer,
@@ -601,12 +628,31 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             if format != "table" && format != "json" {
                 anyhow::bail!("--format {format:?}: expected table or json");
             }
-            let answer = match (state_dir, rollups_topic, brokers) {
-                (_, Some(topic), Some(brokers)) => {
-                    dedupd::kafka::usage::usage_from_topic(&usage_brokers(brokers), &topic, &query)?
+            let answer = if query.needs_events() {
+                // Dimension values are not in the rollups: refold the events.
+                let (settings, _) = engine_settings(&tuning)?;
+                match (state_dir, output_topic, brokers) {
+                    (_, Some(topic), Some(brokers)) => dedupd::kafka::usage::usage_from_output(
+                        &usage_brokers(brokers),
+                        &topic,
+                        &settings.validator(),
+                        &settings.lateness,
+                        &query,
+                    )?,
+                    (Some(dir), ..) => dedupd::state::usage_from_events(&dir, &query, settings)?,
+                    _ => anyhow::bail!(
+                        "--group-by dimension:KEY is answered from the accepted events: give --state-dir, or \
+                         --brokers and --output-topic"
+                    ),
                 }
-                (Some(dir), ..) => dedupd::state::usage(&dir, &query)?,
-                _ => anyhow::bail!("give --state-dir, or --brokers and --rollups-topic"),
+            } else {
+                match (state_dir, rollups_topic, brokers) {
+                    (_, Some(topic), Some(brokers)) => {
+                        dedupd::kafka::usage::usage_from_topic(&usage_brokers(brokers), &topic, &query)?
+                    }
+                    (Some(dir), ..) => dedupd::state::usage(&dir, &query)?,
+                    _ => anyhow::bail!("give --state-dir, or --brokers and --rollups-topic"),
+                }
             };
             if format == "json" {
                 println!("{}", serde_json::to_string_pretty(&answer.to_json())?);

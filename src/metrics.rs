@@ -1084,6 +1084,12 @@ impl MetricsServer {
                     get("to").as_deref(),
                     get("group_by").as_deref(),
                 ) {
+                    Ok(q) if q.needs_events() => {
+                        let why = "group_by=dimension:KEY is answered from the accepted events, which a worker \
+                                   does not scan while it serves: use `dedupd usage --group-by dimension:KEY` with \
+                                   --brokers --output-topic (the deployment) or --state-dir (a stopped worker)";
+                        return json(StatusCode::BAD_REQUEST, serde_json::json!({"error": why}));
+                    }
                     Ok(q) => q,
                     Err(why) => return json(StatusCode::BAD_REQUEST, serde_json::json!({"error": why})),
                 };
@@ -1304,6 +1310,9 @@ mod tests {
         assert!(bad.starts_with("HTTP/1.1 400") && bad.contains("backwards"), "{bad}");
         let missing = get("/v1/usage?from=2023-11&to=2023-12".into()).await;
         assert!(missing.starts_with("HTTP/1.1 400") && missing.contains("tenant is required"), "{missing}");
+        // Dimension values are not in the worker's rollups: refused with the way to ask.
+        let dims = get("/v1/usage?tenant=acme&from=2023-11&to=2023-12&group_by=dimension%3Aregion".into()).await;
+        assert!(dims.starts_with("HTTP/1.1 400") && dims.contains("--output-topic"), "{dims}");
         let _ = tx.send(());
         task.await.expect("join").expect("serve");
     }

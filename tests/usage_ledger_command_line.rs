@@ -168,6 +168,7 @@ fn bad_questions_get_clear_errors_and_change_nothing() {
     fails(&["--tenant", "acme", "--from", "2026-13", "--to", "2027-01"], "is not a time");
     fails(&["--tenant", "acme", "--from", "2026-11", "--to", "2026-12", "--group-by", "week"], "group-by \"week\"");
     fails(&["--tenant", "acme", "--from", "2026-11", "--to", "2026-12", "--format", "xml"], "--format");
+    fails(&["--tenant", "acme", "--from", "2026-11", "--to", "2026-12", "--group-by", "dimension:"], "dimension:KEY");
     assert_eq!(std::fs::read_dir(state.join("ledger")).expect("ledger").count(), before);
 
     // A meter override of a setting that does not exist is refused, naming it.
@@ -186,6 +187,41 @@ fn bad_questions_get_clear_errors_and_change_nothing() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// Dimension values are not kept in rollups: `--group-by dimension:KEY`
+/// refolds the accepted events, late ones still adjustments, and its total
+/// equals the rollups' total of the same range.
+#[test]
+fn usage_by_dimension_is_refolded_from_the_accepted_events() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let now = now_ms();
+    let base = now - now.rem_euclid(HOUR_MS) - HOUR_MS + HOUR_MS / 2;
+    let with_region = |id: &str, qty: &str, ts: i64, region: &str| {
+        line(id, "cus_1", "api_calls", qty, ts).replace('}', &format!(r#","dimensions":{{"region":"{region}"}}}}"#))
+    };
+    let lines = [
+        with_region("d1", "1", base, "eu"),
+        with_region("d2", "2", base + 1, "us"),
+        with_region("d3", "4", base + 2, "eu"),
+        line("d4", "cus_2", "api_calls", "8", base),
+        with_region("d1", "1", base, "eu"), // a retry: counted once
+        with_region("late", "16", base - 72 * HOUR_MS, "eu"),
+    ];
+    assert!(dedupe_into(dir.path(), "dims", &lines).is_empty());
+    let state = dir.path().join("state");
+    let (from, to) = (base - 100 * HOUR_MS, base + HOUR_MS);
+    let by_region = usage_json(&state, &["--group-by", "dimension:region"], from, to);
+    let rows: Vec<(String, Decimal)> = by_region["rows"]
+        .as_array()
+        .expect("rows")
+        .iter()
+        .map(|r| (r["group"].as_str().expect("group").to_owned(), dec(&r["sum"])))
+        .collect();
+    assert_eq!(rows, [("(none)".to_owned(), 8.into()), ("eu".to_owned(), 5.into()), ("us".to_owned(), 2.into())]);
+    assert_eq!(by_region["adjustments"][0]["event_id"], "late", "the late event is an adjustment here too");
+    let whole = usage_json(&state, &[], from, to);
+    assert_eq!(dec(&by_region["net"]), dec(&whole["net"]), "same total as the rollups");
 }
 
 /// `dedupd dedupe` of `lines` into `dir`'s state and output; returns the

@@ -173,6 +173,49 @@ pub fn usage_from_topic(brokers: &Brokers, topic: &str, query: &UsageQuery) -> R
     ))
 }
 
+/// Every partition's accepted events, in offset order, as the output topic
+/// holds them now; and one line per record that does not read back.
+type OutputEvents = BTreeMap<i32, Vec<(i64, crate::event::UsageEvent)>>;
+
+fn read_output_events(
+    brokers: &Brokers,
+    output_topic: &str,
+    validator: &Validator,
+) -> Result<(OutputEvents, Vec<String>), KafkaError> {
+    let mut by_partition = OutputEvents::new();
+    let mut unreadable = Vec::new();
+    read_topic(brokers, output_topic, |p, o, value, m| {
+        match parse_output(validator, Position::new(p, o), m.headers(), value) {
+            Ok(stored) => by_partition.entry(p).or_default().push((o, stored.event)),
+            Err(why) => unreadable.push(format!("output partition {p} offset {o} does not read back: {why}")),
+        }
+        Ok(())
+    })?;
+    Ok((by_partition, unreadable))
+}
+
+/// Answers `query` from the output topic's accepted events (every
+/// partition refolded with `lateness`, as the workers folded it): how a
+/// grouping the rollups do not keep (`dimension:KEY`) is answered for the
+/// whole deployment. Covers what output retention still holds.
+pub fn usage_from_output(
+    brokers: &Brokers,
+    output_topic: &str,
+    validator: &Validator,
+    lateness: &Lateness,
+    query: &UsageQuery,
+) -> Result<UsageAnswer, KafkaError> {
+    let (by_partition, unreadable) = read_output_events(brokers, output_topic, validator)?;
+    if let Some(first) = unreadable.first() {
+        // A total that skipped a record would misbill.
+        return Err(KafkaError::Task {
+            detail: format!("{} output records do not read back: {first}", unreadable.len()),
+        });
+    }
+    UsageAnswer::of_events(query, lateness, by_partition.values().map(Vec::as_slice))
+        .map_err(|e| KafkaError::Task { detail: e.to_string() })
+}
+
 /// What `dedupd usage verify` found between the output and rollups topics.
 #[derive(Debug, Default)]
 pub struct TopicCheck {
@@ -194,15 +237,7 @@ pub fn verify_topics(
     validator: &Validator,
     lateness: &Lateness,
 ) -> Result<TopicCheck, KafkaError> {
-    let mut by_partition: BTreeMap<i32, Vec<(i64, crate::event::UsageEvent)>> = BTreeMap::new();
-    let mut unreadable = Vec::new();
-    read_topic(brokers, output_topic, |p, o, value, m| {
-        match parse_output(validator, Position::new(p, o), m.headers(), value) {
-            Ok(stored) => by_partition.entry(p).or_default().push((o, stored.event)),
-            Err(why) => unreadable.push(format!("output partition {p} offset {o} does not read back: {why}")),
-        }
-        Ok(())
-    })?;
+    let (by_partition, unreadable) = read_output_events(brokers, output_topic, validator)?;
     let RollupsTopic { rollups, adjustments } = read_rollups(brokers, rollups_topic)?;
     const SIDES: (&str, &str) = ("rollups topic", "output topic's events");
     let mut stored: HeldRollups = rollups.into_iter().map(|(k, p, r)| ((k, p), r)).collect();

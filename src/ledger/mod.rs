@@ -40,7 +40,7 @@ pub use book::{
 };
 pub use check::{compare_rollups, unexplained_rollups, HeldRollups};
 pub use period::Period;
-pub use query::{parse_bound, GroupBy, UsageAnswer, UsageQuery};
+pub use query::{parse_bound, GroupBy, UsageAnswer, UsageQuery, NO_DIMENSION};
 pub use rollup::{
     hour_of, Adjustment, AdjustmentReason, CounterKey, FoldError, Folded, HourKey, Lateness, LedgerMaps, Rollup,
     DEFAULT_LATENESS_MS, HOUR_MS,
@@ -161,6 +161,11 @@ impl Ledger {
     /// Answers `query` from this ledger: its rollups of the query's tenant
     /// (and customer) and their adjustments.
     pub fn answer(&self, query: &UsageQuery) -> Result<UsageAnswer, LedgerError> {
+        if query.needs_events() {
+            return Err(LedgerError::Query(
+                "grouping by dimension is answered from the accepted events, not from rollups".into(),
+            ));
+        }
         let mut rollups = Vec::new();
         self.rollups(&query.tenant_id, query.customer_id.as_deref(), |k, _, r| rollups.push((k, r)))?;
         let adjustments = self.adjustments(&query.tenant_id)?;

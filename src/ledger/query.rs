@@ -7,6 +7,9 @@ use super::period::civil_from_days;
 use super::rollup::{HourKey, Rollup, HOUR_MS};
 use super::Period;
 
+/// The row of events without the grouping dimension.
+pub const NO_DIMENSION: &str = "(none)";
+
 /// How a query's rows are grouped.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum GroupBy {
@@ -15,6 +18,11 @@ pub enum GroupBy {
     Period,
     Customer,
     Meter,
+    /// By the value of one dimension (`dimension:KEY`). Rollups are kept per
+    /// customer, meter and hour, not per dimension value (values are
+    /// unbounded), so this grouping is answered by refolding the accepted
+    /// events themselves: [`UsageAnswer::of_events`].
+    Dimension(String),
 }
 
 impl GroupBy {
@@ -25,10 +33,10 @@ impl GroupBy {
             "period" => Ok(GroupBy::Period),
             "customer" => Ok(GroupBy::Customer),
             "meter" => Ok(GroupBy::Meter),
-            other if other.starts_with("dimension:") => {
-                Err(format!("group-by {other}: rollups are kept per customer, meter and hour, not per dimension value"))
-            }
-            other => Err(format!("group-by {other:?}: expected hour, day, period, customer or meter")),
+            other => match other.strip_prefix("dimension:") {
+                Some(key) if !key.is_empty() => Ok(GroupBy::Dimension(key.to_owned())),
+                _ => Err(format!("group-by {other:?}: expected hour, day, period, customer, meter or dimension:KEY")),
+            },
         }
     }
 }
@@ -107,6 +115,26 @@ impl UsageQuery {
             Some(GroupBy::Period) => Period::of_ms(key.hour_ms).to_string(),
             Some(GroupBy::Customer) => key.counter.customer_id.clone(),
             Some(GroupBy::Meter) => key.counter.meter.clone(),
+            // Not a property of the hour; see `of_events`.
+            Some(GroupBy::Dimension(_)) => "total".to_owned(),
+        }
+    }
+
+    /// Whether the query needs the accepted events, not only the rollups.
+    pub fn needs_events(&self) -> bool {
+        matches!(self.group_by, Some(GroupBy::Dimension(_)))
+    }
+
+    /// The row label of a selected event: its hour's, or the value of the
+    /// grouping dimension (`(none)` when the event does not carry it).
+    fn event_label(&self, key: &HourKey, event: &crate::event::UsageEvent) -> String {
+        match &self.group_by {
+            Some(GroupBy::Dimension(d)) => event
+                .dimensions
+                .iter()
+                .find(|(k, _)| k == d)
+                .map_or_else(|| NO_DIMENSION.to_owned(), |(_, v)| v.clone()),
+            _ => self.label(key),
         }
     }
 
@@ -164,6 +192,54 @@ mod tests {
         let backwards = UsageQuery { to_ms: day, ..q };
         assert!(backwards.check().unwrap_err().contains("backwards"));
     }
+
+    #[test]
+    fn rows_by_dimension_come_from_the_events_and_agree_with_the_rollups() {
+        use crate::storage::testutil::sample_event_at;
+        let day = 1_700_006_400_000;
+        let mut partitions: Vec<Vec<(i64, crate::event::UsageEvent)>> = vec![Vec::new(), Vec::new()];
+        for n in 0..40u64 {
+            let mut e = sample_event_at(n, 0, 0, day).event;
+            e.tenant_id = "t".into();
+            e.kind = crate::event::EventKind::Usage;
+            e.quantity = Decimal::from(n);
+            e.timestamp_ms = day + (n as i64 % 5) * HOUR_MS;
+            e.dimensions = match n % 3 {
+                0 => vec![("region".into(), "eu".into())],
+                1 => vec![("region".into(), "us".into()), ("tier".into(), "gold".into())],
+                _ => Vec::new(),
+            };
+            let log = &mut partitions[(n % 2) as usize];
+            log.push((log.len() as i64, e));
+        }
+        let q = UsageQuery {
+            tenant_id: "t".into(),
+            customer_id: None,
+            meter: None,
+            from_ms: day,
+            to_ms: day + 24 * HOUR_MS,
+            group_by: Some(GroupBy::parse("dimension:region").expect("grouping")),
+        };
+        let lateness = crate::ledger::Lateness::default();
+        let by_region = UsageAnswer::of_events(&q, &lateness, partitions.iter().map(Vec::as_slice)).expect("fold");
+        let want = |r: u64| Decimal::from((0..40u64).filter(|n| n % 3 == r).sum::<u64>());
+        assert_eq!(by_region.rows["eu"].sum, want(0));
+        assert_eq!(by_region.rows["us"].sum, want(1));
+        assert_eq!(by_region.rows[NO_DIMENSION].sum, want(2));
+        // The same events by day equal what their rollups say.
+        let by_day = UsageQuery { group_by: Some(GroupBy::Day), ..q };
+        let from_events = UsageAnswer::of_events(&by_day, &lateness, partitions.iter().map(Vec::as_slice)).expect("f");
+        let mut rollups = Vec::new();
+        for events in &partitions {
+            let mut maps = crate::ledger::LedgerMaps::default();
+            maps.fold(&lateness, events.iter().map(|(o, e)| (e, *o))).expect("fold");
+            rollups.extend(maps.hours);
+        }
+        let from_rollups = UsageAnswer::of(&by_day, rollups.iter().map(|(k, r)| (k, r)), Vec::new());
+        assert_eq!(from_events.rolled_up(), from_rollups.rolled_up());
+        assert_eq!(from_events.rows["2023-11-15"].count, 40);
+        assert!(GroupBy::parse("dimension:").is_err());
+    }
 }
 
 /// A query's answer: rows of summed rollups, and the adjustments (events
@@ -193,6 +269,39 @@ impl UsageAnswer {
             .collect();
         adjustments.sort_by(|a, b| (a.event_ms, &a.event_id).cmp(&(b.event_ms, &b.event_id)));
         UsageAnswer { rows: query.total(rollups), adjustments }
+    }
+
+    /// Answers `query` from the accepted events themselves, each
+    /// partition's in output order (what its rollups were folded from):
+    /// each partition is refolded with `lateness` so late events are
+    /// adjustments exactly as in the ledger, and on-time events are summed
+    /// into rows by [`UsageQuery`]'s label, or by dimension value. Any
+    /// grouping works; only `dimension:KEY` needs it.
+    pub fn of_events<'a>(
+        query: &UsageQuery,
+        lateness: &super::Lateness,
+        partitions: impl IntoIterator<Item = &'a [(i64, crate::event::UsageEvent)]>,
+    ) -> Result<UsageAnswer, super::FoldError> {
+        let mut rows: BTreeMap<String, Rollup> = BTreeMap::new();
+        let mut adjustments = Vec::new();
+        for events in partitions {
+            let mut maps = super::LedgerMaps::default();
+            let folded = maps.fold(lateness, events.iter().map(|(o, e)| (e, *o)))?;
+            let late: std::collections::BTreeSet<i64> = folded.adjustments.iter().map(|a| a.output_offset).collect();
+            adjustments.extend(folded.adjustments);
+            for (offset, e) in events {
+                let key = HourKey {
+                    counter: std::sync::Arc::new(super::CounterKey::of(e)),
+                    hour_ms: super::hour_of(e.timestamp_ms),
+                };
+                if !late.contains(offset) && query.selects(&key) {
+                    rows.entry(query.event_label(&key, e)).or_default().fold(e)?;
+                }
+            }
+        }
+        let mut answer = UsageAnswer::of(query, std::iter::empty(), adjustments);
+        answer.rows = rows;
+        Ok(answer)
     }
 
     /// Sum of every row.

@@ -46,6 +46,8 @@ pub enum LedgerError {
     Fold(#[from] FoldError),
     #[error("no ledger at {dir}: the state directory was never used with the ledger on")]
     Missing { dir: String },
+    #[error("{0}")]
+    Query(String),
 }
 
 const ROLLUP_VERSION: u8 = 1;

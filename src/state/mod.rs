@@ -32,7 +32,7 @@ use crate::storage::{
 };
 
 pub use crate::storage::StoredEvent;
-pub use tools::{inspect, period, usage, verify_ledger, verify_state_dir, LedgerCheck};
+pub use tools::{inspect, period, usage, usage_from_events, verify_ledger, verify_state_dir, LedgerCheck};
 
 /// Failure of a state tier. Any of these stops the batch: guessing would
 /// risk a double count or a lost event.

@@ -165,6 +165,49 @@ pub fn period(
     Ok(report)
 }
 
+/// The accepted events of partition `p` the ledger has folded (up to its
+/// checkpoint), in output order: what its rollups were folded from.
+fn applied_events(state: &LocalState, ledger: &LedgerStore, p: i32) -> Result<Vec<StoredEvent>, StateError> {
+    let upto = ledger.checkpoint(p)?;
+    let mut events: Vec<StoredEvent> = Vec::new();
+    state.for_each_stored(p, |e| {
+        if upto.is_some_and(|c| e.key.output.offset <= c) {
+            events.push(e.clone());
+        }
+    })?;
+    events.sort_by_key(|e| e.key.output.offset);
+    Ok(events)
+}
+
+/// `dedupd usage --group-by dimension:KEY --state-dir`: the query answered
+/// from the accepted events of the usage store (each partition refolded as
+/// the ledger folded it), since rollups do not keep dimension values. Opens
+/// (and locks) the directory like `usage verify`: run it on a stopped
+/// worker or a copy, with the worker's `--lateness` and `--config`. Events
+/// the usage store has aged out (`--retention`) are not in the answer.
+pub fn usage_from_events(
+    state_dir: &Path,
+    query: &UsageQuery,
+    settings: EngineSettings,
+) -> Result<UsageAnswer, StateError> {
+    let lateness = settings.lateness.clone();
+    let state = LocalState::open(Some(state_dir), settings, false)?;
+    let Some(crate::ledger::Ledger::Durable(ledger)) = state.ledger() else {
+        return Err(StateError::Ledger(crate::ledger::LedgerError::Missing {
+            dir: state_dir.join("ledger").display().to_string(),
+        }));
+    };
+    let mut partitions = Vec::new();
+    if let Some(d) = &state.durable {
+        for p in d.usage.partitions() {
+            let events = applied_events(&state, ledger, p)?;
+            partitions.push(events.into_iter().map(|e| (e.key.output.offset, e.event)).collect::<Vec<_>>());
+        }
+    }
+    UsageAnswer::of_events(query, &lateness, partitions.iter().map(Vec::as_slice))
+        .map_err(|e| StateError::Ledger(e.into()))
+}
+
 /// What `dedupd usage verify` found: the ledger refolded from the accepted
 /// events of the usage store, against the ledger as stored.
 #[derive(Debug, Default)]
@@ -213,14 +256,7 @@ pub fn verify_ledger(state_dir: &Path, settings: EngineSettings) -> Result<Ledge
     partitions.sort_unstable();
     partitions.dedup();
     for p in partitions {
-        let upto = ledger.checkpoint(p)?;
-        let mut events: Vec<StoredEvent> = Vec::new();
-        state.for_each_stored(p, |e| {
-            if upto.is_some_and(|c| e.key.output.offset <= c) {
-                events.push(e.clone());
-            }
-        })?;
-        events.sort_by_key(|e| e.key.output.offset);
+        let events = applied_events(&state, ledger, p)?;
         check.events += events.len() as u64;
         let mut maps = LedgerMaps::default();
         let folded = maps
