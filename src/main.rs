@@ -142,6 +142,8 @@ enum Command {
         /// table or json.
         #[arg(long, default_value = "table")]
         format: String,
+        #[command(flatten)]
+        client: ClientArgs,
     },
     /// Where and when an event was seen.
     Inspect {
@@ -170,6 +172,52 @@ enum Command {
         #[arg(long)]
         offline: bool,
     },
+}
+
+/// The security and tuning properties of the operator commands' Kafka
+/// clients (`usage`, `usage verify`, `period`): the same forms as `run`'s.
+#[derive(clap::Args, Clone, Debug, Default)]
+struct ClientArgs {
+    /// Extra librdkafka property `key=value` (TLS, SASL); repeatable; merged
+    /// over DEDUPD_KAFKA_PROPERTIES (one `key=value` per line).
+    #[arg(long = "kafka-property", value_name = "KEY=VALUE")]
+    kafka_properties: Vec<String>,
+    /// A secret property from a file or a variable: `KEY=file:PATH` or
+    /// `KEY=env:VAR`; repeatable.
+    #[arg(long = "kafka-secret", value_name = "KEY=file:PATH|env:VAR")]
+    kafka_secrets: Vec<String>,
+}
+
+/// librdkafka properties, `(key, value)` in order.
+type Properties = Vec<(String, String)>;
+
+/// The librdkafka properties of one command, lowest precedence first: the
+/// config file's list, DEDUPD_KAFKA_PROPERTIES, the flags, then the
+/// secrets; returns them with the names of the secret keys (masked in logs).
+fn kafka_properties(
+    from_file: &[String],
+    flags: &[String],
+    secrets: &[String],
+    env: &dyn Fn(&str) -> Option<String>,
+) -> anyhow::Result<(Properties, Vec<String>)> {
+    let from_env = env("DEDUPD_KAFKA_PROPERTIES").map(|t| dedupd::config::property_lines(&t)).unwrap_or_default();
+    let mut properties = dedupd::config::merge_kafka_properties(&[
+        PropertySource { name: "config file `kafka_properties`", entries: from_file },
+        PropertySource { name: "DEDUPD_KAFKA_PROPERTIES", entries: &from_env },
+        PropertySource { name: "--kafka-property", entries: flags },
+    ])
+    .map_err(|why| anyhow::anyhow!("invalid `kafka_properties`: {why}"))?;
+    let mut secret_keys = Vec::new();
+    for spec in secrets {
+        let (k, v) = dedupd::config::resolve_kafka_secret(spec, env)
+            .map_err(|why| anyhow::anyhow!("invalid `kafka_secrets` (flag --kafka-secret): {why}"))?;
+        match properties.iter_mut().find(|(pk, _)| *pk == k) {
+            Some(slot) => slot.1 = v,
+            None => properties.push((k.clone(), v)),
+        }
+        secret_keys.push(k);
+    }
+    Ok((properties, secret_keys))
 }
 
 /// `dedupd usage`'s query.
@@ -214,6 +262,8 @@ struct UsageArgs {
     /// (the events are refolded as the workers folded them).
     #[command(flatten)]
     tuning: TuningArgs,
+    #[command(flatten)]
+    client: ClientArgs,
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -237,6 +287,8 @@ enum UsageCheck {
         rollups_topic: Option<String>,
         #[command(flatten)]
         tuning: TuningArgs,
+        #[command(flatten)]
+        client: ClientArgs,
     },
 }
 
@@ -379,23 +431,13 @@ impl RunArgs {
                 anyhow::anyhow!("invalid `metrics_addr` (flag --metrics-addr, env DEDUPD_METRICS_ADDR): {a:?}: {e}")
             })?);
         }
-        let from_file = file.kafka_properties.clone().unwrap_or_default();
-        let from_env = env("DEDUPD_KAFKA_PROPERTIES").map(|t| dedupd::config::property_lines(&t)).unwrap_or_default();
-        s.kafka_properties = dedupd::config::merge_kafka_properties(&[
-            PropertySource { name: "config file `kafka_properties`", entries: &from_file },
-            PropertySource { name: "DEDUPD_KAFKA_PROPERTIES", entries: &from_env },
-            PropertySource { name: "--kafka-property", entries: &self.kafka_properties },
-        ])
-        .map_err(|why| anyhow::anyhow!("invalid `kafka_properties`: {why}"))?;
-        for spec in file.kafka_secrets.iter().flatten().chain(&self.kafka_secrets) {
-            let (k, v) = dedupd::config::resolve_kafka_secret(spec, env)
-                .map_err(|why| anyhow::anyhow!("invalid `kafka_secrets` (flag --kafka-secret): {why}"))?;
-            match s.kafka_properties.iter_mut().find(|(pk, _)| *pk == k) {
-                Some(slot) => slot.1 = v,
-                None => s.kafka_properties.push((k.clone(), v)),
-            }
-            s.kafka_secret_keys.push(k);
-        }
+        let secrets: Vec<String> = file.kafka_secrets.iter().flatten().chain(&self.kafka_secrets).cloned().collect();
+        (s.kafka_properties, s.kafka_secret_keys) = kafka_properties(
+            file.kafka_properties.as_deref().unwrap_or_default(),
+            &self.kafka_properties,
+            &secrets,
+            env,
+        )?;
         if let Some(n) = self.batch_max_records.or(file.batch_max_records) {
             if n == 0 {
                 anyhow::bail!("invalid `batch_max_records` (flag --batch-max-records): must be at least 1");
@@ -511,8 +553,10 @@ fn progress_bar(total_bytes: Option<u64>) -> Option<indicatif::ProgressBar> {
 
 /// The brokers of the usage commands (plaintext: they take no security
 /// properties yet).
-fn usage_brokers(servers: String) -> dedupd::kafka::usage::Brokers {
-    dedupd::kafka::usage::Brokers { servers, properties: Vec::new(), timeout: std::time::Duration::from_secs(30) }
+fn usage_brokers(servers: String, client: &ClientArgs) -> anyhow::Result<dedupd::kafka::usage::Brokers> {
+    let env = |k: &str| std::env::var(k).ok();
+    let (properties, _) = kafka_properties(&[], &client.kafka_properties, &client.kafka_secrets, &env)?;
+    Ok(dedupd::kafka::usage::Brokers { servers, properties, timeout: std::time::Duration::from_secs(30) })
 }
 
 fn engine_settings(tuning: &TuningArgs) -> anyhow::Result<(EngineSettings, FileConfig)> {
@@ -569,13 +613,13 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(if clean { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
         Command::Usage {
-            check: Some(UsageCheck::Verify { state_dir, brokers, output_topic, rollups_topic, tuning }),
+            check: Some(UsageCheck::Verify { state_dir, brokers, output_topic, rollups_topic, tuning, client }),
             ..
         } => {
             let (settings, _) = engine_settings(&tuning)?;
             let (events, hours, adjustments, drift) = match (state_dir, brokers, output_topic, rollups_topic) {
                 (_, Some(brokers), Some(output), Some(rollups)) => {
-                    let brokers = usage_brokers(brokers);
+                    let brokers = usage_brokers(brokers, &client)?;
                     let validator = settings.validator();
                     let c = dedupd::kafka::usage::verify_topics(
                         &brokers,
@@ -615,6 +659,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 group_by,
                 format,
                 tuning,
+                client,
             } = q;
             let query = dedupd::ledger::UsageQuery::parse(
                 tenant,
@@ -633,7 +678,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 let (settings, _) = engine_settings(&tuning)?;
                 match (state_dir, output_topic, brokers) {
                     (_, Some(topic), Some(brokers)) => dedupd::kafka::usage::usage_from_output(
-                        &usage_brokers(brokers),
+                        &usage_brokers(brokers, &client)?,
                         &topic,
                         &settings.validator(),
                         &settings.lateness,
@@ -648,7 +693,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 match (state_dir, rollups_topic, brokers) {
                     (_, Some(topic), Some(brokers)) => {
-                        dedupd::kafka::usage::usage_from_topic(&usage_brokers(brokers), &topic, &query)?
+                        dedupd::kafka::usage::usage_from_topic(&usage_brokers(brokers, &client)?, &topic, &query)?
                     }
                     (Some(dir), ..) => dedupd::state::usage(&dir, &query)?,
                     _ => anyhow::bail!("give --state-dir, or --brokers and --rollups-topic"),
@@ -661,7 +706,17 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Period { action, tenant, period, state_dir, periods_topic, rollups_topic, brokers, format } => {
+        Command::Period {
+            action,
+            tenant,
+            period,
+            state_dir,
+            periods_topic,
+            rollups_topic,
+            brokers,
+            format,
+            client,
+        } => {
             use dedupd::ledger::{Period, PeriodAction};
             let period = Period::parse(&period).map_err(|why| anyhow::anyhow!("--period: {why}"))?;
             if format != "table" && format != "json" {
@@ -675,7 +730,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let now_ms = dedupd::classify::Clock::now_ms(&SystemClock);
             let report = match (state_dir, periods_topic, rollups_topic, brokers) {
                 (_, Some(periods), Some(rollups), Some(brokers)) => dedupd::kafka::periods::act_on_topics(
-                    &usage_brokers(brokers),
+                    &usage_brokers(brokers, &client)?,
                     &periods,
                     &rollups,
                     action,

@@ -171,6 +171,31 @@ fn bad_questions_get_clear_errors_and_change_nothing() {
     fails(&["--tenant", "acme", "--from", "2026-11", "--to", "2026-12", "--group-by", "dimension:"], "dimension:KEY");
     assert_eq!(std::fs::read_dir(state.join("ledger")).expect("ledger").count(), before);
 
+    // The Kafka readers take run's security properties: a bad one reaches
+    // the client (refused before any connection), a malformed one is named.
+    for (cmd, flags) in [
+        (vec!["usage", "--tenant", "acme", "--from", "2026-11", "--to", "2026-12"], vec!["--rollups-topic", "r"]),
+        (
+            vec!["period", "show", "--tenant", "acme", "--period", "2026-11"],
+            vec!["--periods-topic", "p", "--rollups-topic", "r"],
+        ),
+    ] {
+        let run = |prop: &str| {
+            let out = dedupd()
+                .args(&cmd)
+                .args(&flags)
+                .args(["--brokers", "127.0.0.1:9", "--kafka-property", prop])
+                .output()
+                .expect("run");
+            assert!(!out.status.success(), "{cmd:?} {prop}");
+            String::from_utf8_lossy(&out.stderr).into_owned()
+        };
+        let err = run("security.protocol=carrier-pigeon");
+        assert!(err.contains("security.protocol"), "{cmd:?}: {err}");
+        let err = run("no-equals-sign");
+        assert!(err.contains("kafka_properties"), "{cmd:?}: {err}");
+    }
+
     // A meter override of a setting that does not exist is refused, naming it.
     let config = dir.path().join("dedupd.toml");
     std::fs::write(&config, "[meters.api_calls]\nlateness = \"6h\"\nlatenes = \"1h\"\n").expect("write");

@@ -15,12 +15,12 @@ use crate::kafka::settings::{DeliveryMode, RunSettings};
 /// Which kind of client a configuration is for (selects the scoped
 /// `consumer.`/`producer.` pass-through properties).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum ClientKind {
+pub(crate) enum ClientKind {
     Consumer,
     Producer,
 }
 
-fn apply_properties(cfg: &mut ClientConfig, props: &[(String, String)], kind: ClientKind) {
+pub(crate) fn apply_properties(cfg: &mut ClientConfig, props: &[(String, String)], kind: ClientKind) {
     for (k, v) in props {
         if let Some(k) = k.strip_prefix("consumer.") {
             if kind == ClientKind::Consumer {

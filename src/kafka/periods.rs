@@ -100,9 +100,7 @@ fn publish(brokers: &Brokers, topic: &str, record: &PeriodRecord) -> Result<(), 
     cfg.set("bootstrap.servers", &brokers.servers)
         .set("client.id", "dedupd-period")
         .set("message.timeout.ms", brokers.timeout.as_millis().to_string());
-    for (k, v) in &brokers.properties {
-        cfg.set(k, v);
-    }
+    crate::kafka::clients::apply_properties(&mut cfg, &brokers.properties, crate::kafka::clients::ClientKind::Producer);
     // Forced: a close is acknowledged by every in-sync replica, once.
     cfg.set("acks", "all").set("enable.idempotence", "true");
     let producer: FutureProducer = cfg.create().map_err(KafkaError::client("creating the periods producer"))?;

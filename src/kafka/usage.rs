@@ -31,7 +31,8 @@ use crate::ledger::{
 };
 
 /// How to reach the brokers: bootstrap servers and extra librdkafka
-/// properties (security settings).
+/// properties (security settings; `consumer.`/`producer.` scoped as for
+/// `dedupd run`).
 #[derive(Clone, Debug)]
 pub struct Brokers {
     pub servers: String,
@@ -49,9 +50,11 @@ impl Brokers {
             .set("enable.auto.commit", "false")
             .set("auto.offset.reset", "earliest")
             .set("fetch.wait.max.ms", "5");
-        for (k, v) in &self.properties {
-            cfg.set(k, v);
-        }
+        crate::kafka::clients::apply_properties(
+            &mut cfg,
+            &self.properties,
+            crate::kafka::clients::ClientKind::Consumer,
+        );
         // Forced: only committed records count, and the read ends at each
         // partition's end.
         cfg.set("isolation.level", "read_committed").set("enable.partition.eof", "true");
