@@ -896,4 +896,40 @@ mod tests {
         g.reset();
         assert!(!g.observe(200_000, 5000, 500, stall));
     }
+
+    /// The transactional offset commit gets group metadata only from a live
+    /// member: none before the consumer has joined, none once it has left
+    /// (librdkafka clears the member id), none once it is gone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn group_metadata_is_offered_only_while_the_consumer_is_a_member() {
+        use rdkafka::config::ClientConfig;
+        let mock = rdkafka::mocking::MockCluster::new(1).expect("mock cluster");
+        mock.create_topic("members", 2, 1).expect("topic");
+        let consumer: StreamConsumer = ClientConfig::new()
+            .set("bootstrap.servers", mock.bootstrap_servers())
+            .set("group.id", "members-group")
+            .set("session.timeout.ms", "6000")
+            .create()
+            .expect("consumer");
+        let consumer = Arc::new(consumer);
+        let slot = Arc::new(OnceLock::new());
+        assert!(slot.set(Arc::downgrade(&consumer)).is_ok());
+        let metadata = live_group_metadata(slot);
+        assert!(metadata().is_none(), "not a member before joining");
+        consumer.subscribe(&["members"]).expect("subscribe");
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while consumer.assignment().map(|a| a.count()).unwrap_or(0) == 0 {
+            assert!(std::time::Instant::now() < deadline, "never joined the mock cluster's group");
+            let _ = tokio::time::timeout(Duration::from_millis(100), consumer.recv()).await;
+        }
+        assert!(metadata().is_some(), "a member's metadata is offered");
+        consumer.unsubscribe();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while metadata().is_some() {
+            assert!(std::time::Instant::now() < deadline, "metadata still offered after leaving the group");
+            let _ = tokio::time::timeout(Duration::from_millis(100), consumer.recv()).await;
+        }
+        drop(consumer);
+        assert!(metadata().is_none(), "a dropped consumer offers nothing");
+    }
 }
