@@ -1,5 +1,5 @@
 #!/bin/bash
-# Creates dedupd's four topics (and the router's raw topic) on the compose broker, or checks them when they
+# Creates dedupd's four topics (and the router's raw topic, the ledger's rollups and periods topics) on the compose broker, or checks them when they
 # exist. Run by the kafka-init service (docker-compose.yml); idempotent.
 #
 # Input and output must have the same partition count: input partition p
@@ -19,6 +19,10 @@ rejected_topic="${REJECTED_TOPIC:-usage-events-rejected}"
 # `router` profile); any partition count works, it only bounds the router's
 # parallelism.
 raw_topic="${RAW_TOPIC:-usage-events-raw}"
+# The usage ledger's hourly rollups (each key's latest value is its total)
+# and the billing periods closed with `dedupd period close`: both compacted.
+rollups_topic="${ROLLUPS_TOPIC:-usage-rollups}"
+periods_topic="${PERIODS_TOPIC:-usage-periods}"
 # Overridable so scripts/check-deploy can run this script against a fake.
 topics="${KAFKA_TOPICS_SH:-/opt/kafka/bin/kafka-topics.sh}"
 
@@ -43,6 +47,9 @@ create "$output_topic" --config "retention.ms=${output_retention_ms}" \
 create "$conflicts_topic" --config retention.ms=2592000000
 create "$rejected_topic" --config retention.ms=2592000000
 create "$raw_topic" --config retention.ms=604800000
+create "$rollups_topic" --config cleanup.policy=compact
+"$topics" --bootstrap-server "$bootstrap" --create --if-not-exists \
+    --topic "$periods_topic" --partitions 1 --replication-factor 1 --config cleanup.policy=compact
 
 input_count="$(partition_count "$input_topic")"
 output_count="$(partition_count "$output_topic")"

@@ -124,7 +124,7 @@ impl RunSettings {
         let d = |d: Duration| humantime::format_duration(d).to_string();
         format!(
             "brokers={} group={} instance_id={} delivery={:?} input={} output={} conflicts={} rejected={} \
-             batch_max_records={} batch_max_wait={} operation_timeout={} revoke_timeout={} stall_timeout={} \
+             rollups={} periods={} batch_max_records={} batch_max_wait={} operation_timeout={} revoke_timeout={} stall_timeout={} \
              on_output_gap={:?} partitioner={} on_misrouted={} metrics_addr={} kafka_properties=[{}]",
             self.brokers,
             self.group,
@@ -134,6 +134,8 @@ impl RunSettings {
             self.topics.output,
             self.topics.conflicts,
             self.topics.rejected,
+            self.topics.rollups.as_deref().unwrap_or("-"),
+            self.topics.periods.as_deref().unwrap_or("-"),
             self.batch.max_records,
             d(self.batch.max_wait),
             d(self.operation_timeout),
