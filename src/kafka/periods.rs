@@ -147,13 +147,18 @@ impl PeriodFollower {
             .spawn(move || follow(consumer, &topic, &brokers, Known { closed, metrics }, &flag, timeout, ready_tx))
             .map_err(|e| KafkaError::Task { detail: format!("starting the periods reader: {e}") })?;
         let follower = PeriodFollower { stop, thread: Some(thread) };
-        let ready = tokio::task::spawn_blocking(move || ready_rx.recv_timeout(timeout + Duration::from_secs(1)))
+        // The thread answers within its own deadlines (metadata, watermarks,
+        // then `timeout` to read to the end); this wait only guards against
+        // a thread that never answers.
+        let ready = tokio::task::spawn_blocking(move || ready_rx.recv_timeout(timeout * 4))
             .await
             .map_err(|e| KafkaError::Task { detail: e.to_string() })?;
         match ready {
             Ok(Ok(())) => Ok(follower),
             Ok(Err(e)) => Err(e),
-            Err(_) => Err(KafkaError::Task { detail: "the periods reader stopped before reading its topic".into() }),
+            Err(_) => Err(KafkaError::Task {
+                detail: format!("the periods reader did not finish reading its topic within {:?}", timeout * 4),
+            }),
         }
     }
 }
