@@ -61,6 +61,18 @@ pub fn classify_batch(
         inputs.iter().map(|m| InputRecord { source: Position::new(partition, m.offset), payload: m.payload }).collect();
     let classified = engine.classify(partition, &records_in, now_ms, layout.placement.as_ref())?;
     let outcomes = classified.outcomes;
+    // The originals of conflicts with earlier batches, read together: a
+    // storm of them against one segment reads it once.
+    let wanted: Vec<(IdHash, i64)> = outcomes
+        .iter()
+        .filter_map(|o| match o {
+            Outcome::Conflict { id_hash, tier, first, .. } if *tier != Tier::Batch => {
+                Some((*id_hash, first.first_seen_ms))
+            }
+            _ => None,
+        })
+        .collect();
+    let mut originals = if wanted.is_empty() { Vec::new() } else { engine.originals(partition, &wanted) }.into_iter();
     let mut summary = BatchClassified { partition, misrouted: classified.misrouted, ..Default::default() };
     let mut records = Vec::with_capacity(inputs.len());
     let mut accepted = Vec::new();
@@ -91,11 +103,8 @@ pub fn classify_batch(
             Outcome::Conflict { event, id_hash, payload_hash, tier, first } => {
                 summary.conflict += 1;
                 *tenants.entry(event.tenant_id.clone()).or_default() += 1;
-                let original = if tier == Tier::Batch {
-                    in_batch.get(&id_hash).cloned()
-                } else {
-                    engine.original(partition, &id_hash, first.first_seen_ms)
-                };
+                let original =
+                    if tier == Tier::Batch { in_batch.get(&id_hash).cloned() } else { originals.next().flatten() };
                 records.push(conflict_record(
                     &event,
                     id_hash,

@@ -72,6 +72,11 @@ pub trait Engine: Send + 'static {
     /// The accepted event with this id, first seen at `first_seen_ms`, if
     /// local state still holds it (one segment read, never a history scan).
     fn original(&self, partition: i32, id: &IdHash, first_seen_ms: i64) -> Option<UsageEvent>;
+    /// [`original`](Self::original) for each of a batch's conflicts, in the
+    /// order asked; engines that can read several at once override it.
+    fn originals(&self, partition: i32, wanted: &[(IdHash, i64)]) -> Vec<Option<UsageEvent>> {
+        wanted.iter().map(|(id, first_seen_ms)| self.original(partition, id, *first_seen_ms)).collect()
+    }
     /// What applying `accepted` (in output order) would change in the
     /// usage ledger, read-only: the rollups and adjustments a batch
     /// publishes with its events. `None` when no ledger is kept.
@@ -184,6 +189,17 @@ impl Engine for StateEngine {
             .apply_published(partition, events, now_ms)
             .map(|_| ())
             .map_err(state_error("apply", partition))
+    }
+
+    fn originals(&self, partition: i32, wanted: &[(IdHash, i64)]) -> Vec<Option<UsageEvent>> {
+        match self.state.as_ref().map(|s| s.originals_seen_at(partition, wanted)) {
+            Some(Ok(found)) => found,
+            Some(Err(e)) => {
+                tracing::warn!(partition, error = %e, "reading conflicts' originals failed");
+                vec![None; wanted.len()]
+            }
+            None => vec![None; wanted.len()],
+        }
     }
 
     fn original(&self, partition: i32, id: &IdHash, first_seen_ms: i64) -> Option<UsageEvent> {

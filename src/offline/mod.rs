@@ -28,7 +28,7 @@ use std::time::Instant;
 
 use crate::classify::{Clock, InputRecord, Outcome, SeenKey};
 use crate::config::{EngineSettings, FsyncPolicy};
-use crate::event::{id_hash, payload_hash, write_canonical_json, Position, UsageEvent, Validator};
+use crate::event::{id_hash, payload_hash, write_canonical_json, IdHash, Position, UsageEvent, Validator};
 use crate::state::{LocalState, StateError, StoredEvent};
 
 pub use lines::{read_bounded_line, Line};
@@ -289,6 +289,20 @@ pub fn run_dedupe_with_progress(
             source,
         })?;
 
+        // The originals of conflicts with earlier batches, read together
+        // (only when conflicts are reported): one read per segment.
+        let wanted: Vec<(IdHash, i64)> = outcomes
+            .iter()
+            .filter_map(|o| match o {
+                Outcome::Conflict { id_hash, first, .. } if conflicts.is_some() && first.batch_index.is_none() => {
+                    Some((*id_hash, first.first_seen_ms))
+                }
+                _ => None,
+            })
+            .collect();
+        let mut originals =
+            if wanted.is_empty() { Vec::new() } else { state.originals_seen_at(OFFLINE_PARTITION, &wanted)? }
+                .into_iter();
         for (i, o) in outcomes.iter().enumerate() {
             let line_no = first_offset as u64 + i as u64 + 1;
             match o {
@@ -299,7 +313,7 @@ pub fn run_dedupe_with_progress(
                     if let Some(w) = conflicts.as_mut() {
                         let original: Option<UsageEvent> = match first.batch_index {
                             Some(j) => accepted_in_batch[j].map(|k| published[k].event.clone()),
-                            None => state.original_seen_at(OFFLINE_PARTITION, id_hash, first.first_seen_ms)?,
+                            None => originals.next().flatten(),
                         };
                         let differs = original.as_ref().map(|orig| orig.differing_fields(event));
                         w.conflict(line_no, event, id_hash, payload_hash, *tier, first, differs.as_deref(), &batch[i])?;

@@ -399,6 +399,21 @@ impl LocalState {
         }
     }
 
+    /// [`original_seen_at`](Self::original_seen_at) for a batch's
+    /// conflicts at once: a segment holding several originals is read once.
+    pub fn originals_seen_at(
+        &self,
+        partition: i32,
+        wanted: &[(IdHash, i64)],
+    ) -> Result<Vec<Option<UsageEvent>>, StateError> {
+        match &self.durable {
+            None => Ok(vec![None; wanted.len()]),
+            Some(d) => {
+                Ok(d.usage.get_first_seen_many(partition, wanted)?.into_iter().map(|s| s.map(|s| s.event)).collect())
+            }
+        }
+    }
+
     /// The ledger's changes if `accepted` (in output order, with the output
     /// offsets they will have) were applied now: the rollups and adjustments
     /// a batch publishes in its own transaction. `None` with the ledger off.

@@ -205,6 +205,19 @@ pub(crate) struct SegmentFile {
     bytes: Vec<u8>,
     rows: usize,
     columns: Vec<ColumnEntry>,
+    /// Decompressed columns, and an index of each, kept for more reads of
+    /// this file (see [`SegmentFile::keeping_columns`]); `None`: each read
+    /// decompresses and walks its column.
+    kept: Option<std::cell::RefCell<Kept>>,
+}
+
+/// What a [`SegmentFile::keeping_columns`] file keeps, by column id.
+#[derive(Default)]
+struct Kept {
+    raw: Vec<Option<std::rc::Rc<Vec<u8>>>>,
+    /// Per column: delta columns' values, string columns' entry start
+    /// offsets, the dimension count column's prefix sums.
+    index: Vec<Option<std::rc::Rc<Vec<i64>>>>,
 }
 
 impl SegmentFile {
@@ -281,7 +294,18 @@ impl SegmentFile {
             }
         }
         let rows = usize::try_from(rows).map_err(|_| corrupt(f, "row count overflow".into()))?;
-        Ok(SegmentFile { path: path.into(), bytes, rows, columns })
+        Ok(SegmentFile { path: path.into(), bytes, rows, columns, kept: None })
+    }
+
+    /// The same file, keeping each column it decompresses for the next
+    /// read: several rows of one segment (a batch's conflict originals)
+    /// cost one decompression per column, not one per row. Holds the
+    /// decompressed columns until dropped, so only for short lookups, never
+    /// for whole-segment passes.
+    pub(crate) fn keeping_columns(mut self) -> SegmentFile {
+        let n = self.columns.len();
+        self.kept = Some(std::cell::RefCell::new(Kept { raw: vec![None; n], index: vec![None; n] }));
+        self
     }
 
     pub(crate) fn rows(&self) -> usize {
@@ -292,8 +316,54 @@ impl SegmentFile {
         self.bytes.len()
     }
 
+    /// One column, checksummed and decompressed (or as kept, see
+    /// [`SegmentFile::keeping_columns`]).
+    fn column(&self, id: u8) -> Result<std::rc::Rc<Vec<u8>>, StorageError> {
+        if let Some(kept) = &self.kept {
+            if let Some(raw) = &kept.borrow().raw[id as usize] {
+                return Ok(raw.clone());
+            }
+            let raw = std::rc::Rc::new(self.decompress(id)?);
+            kept.borrow_mut().raw[id as usize] = Some(raw.clone());
+            return Ok(raw);
+        }
+        Ok(std::rc::Rc::new(self.decompress(id)?))
+    }
+
+    /// The kept index of column `id` (built on first use by `build`), or
+    /// `None` when this file keeps nothing: the caller walks the column.
+    fn kept_index(
+        &self,
+        id: u8,
+        build: impl FnOnce(&mut Reader<'_>) -> Result<Vec<i64>, DecodeError>,
+    ) -> Result<Option<std::rc::Rc<Vec<i64>>>, StorageError> {
+        let Some(kept) = &self.kept else { return Ok(None) };
+        if let Some(index) = &kept.borrow().index[id as usize] {
+            return Ok(Some(index.clone()));
+        }
+        let raw = self.column(id)?;
+        let mut r = Reader::new(&raw);
+        let index = std::rc::Rc::new(build(&mut r).map_err(|e| self.err(id, e))?);
+        kept.borrow_mut().index[id as usize] = Some(index.clone());
+        Ok(Some(index))
+    }
+
+    /// Start offsets of every entry of a string column, `skip` passing one.
+    fn entry_starts(
+        r: &mut Reader<'_>,
+        skip: fn(&mut Reader<'_>) -> Result<(), DecodeError>,
+    ) -> Result<Vec<i64>, DecodeError> {
+        let mut starts = Vec::new();
+        while !r.is_empty() {
+            starts.push(r.position() as i64);
+            skip(r)?;
+        }
+        starts.push(r.position() as i64);
+        Ok(starts)
+    }
+
     /// Checksums and decompresses one column.
-    fn column(&self, id: u8) -> Result<Vec<u8>, StorageError> {
+    fn decompress(&self, id: u8) -> Result<Vec<u8>, StorageError> {
         let c = self.columns[id as usize];
         let start = c.offset as usize;
         let stored = &self.bytes[start..start + c.stored_len as usize];
@@ -394,6 +464,19 @@ impl SegmentFile {
 
     /// The value of a delta-encoded column at `row`.
     fn delta_at(&self, id: u8, row: usize) -> Result<i64, StorageError> {
+        let rows = self.rows;
+        let values = self.kept_index(id, |r| {
+            let mut out = Vec::with_capacity(rows);
+            let mut prev = 0i64;
+            for _ in 0..rows {
+                prev = prev.wrapping_add(unzigzag(r.varint()?));
+                out.push(prev);
+            }
+            Ok(out)
+        })?;
+        if let Some(values) = values {
+            return values.get(row).copied().ok_or_else(|| self.err(id, DecodeError(format!("no row {row}"))));
+        }
         let raw = self.column(id)?;
         let mut r = Reader::new(&raw);
         let mut v = 0i64;
@@ -416,6 +499,12 @@ impl SegmentFile {
     /// Entries `skip..skip + take` of a string column, the others passed over.
     fn strings_at(&self, id: u8, skip: usize, take: usize) -> Result<Vec<String>, StorageError> {
         let raw = self.column(id)?;
+        let starts = self.kept_index(id, |r| Self::entry_starts(r, |r| r.skip_str()))?;
+        if let Some(starts) = starts {
+            let start = starts.get(skip).copied().ok_or_else(|| self.err(id, DecodeError(format!("no entry {skip}"))))?;
+            let mut r = Reader::new(&raw[start as usize..]);
+            return (0..take).map(|_| r.str()).collect::<Result<Vec<_>, _>>().map_err(|e| self.err(id, e));
+        }
         let mut r = Reader::new(&raw);
         (|| {
             for _ in 0..skip {
@@ -428,6 +517,11 @@ impl SegmentFile {
 
     fn opt_string_at(&self, id: u8, row: usize) -> Result<Option<String>, StorageError> {
         let raw = self.column(id)?;
+        let starts = self.kept_index(id, |r| Self::entry_starts(r, |r| r.skip_opt_str()))?;
+        if let Some(starts) = starts {
+            let start = starts.get(row).copied().ok_or_else(|| self.err(id, DecodeError(format!("no row {row}"))))?;
+            return Reader::new(&raw[start as usize..]).opt_str().map_err(|e| self.err(id, e));
+        }
         let mut r = Reader::new(&raw);
         (|| {
             for _ in 0..row {
@@ -458,7 +552,22 @@ impl SegmentFile {
                 .pop()
                 .ok_or_else(|| self.err(id, DecodeError("column shorter than row count".into())))
         };
-        let (dims_before, dims_here) = {
+        let rows = self.rows;
+        let prefix = self.kept_index(col::DIM_COUNT, |r| {
+            let mut sums = Vec::with_capacity(rows + 1);
+            let mut total = 0i64;
+            sums.push(0);
+            for _ in 0..rows {
+                let n = i64::try_from(r.varint()?).map_err(|_| DecodeError("dimension count overflow".into()))?;
+                total = total.checked_add(n).ok_or_else(|| DecodeError("dimension count overflow".into()))?;
+                sums.push(total);
+            }
+            Ok(sums)
+        })?;
+        let (dims_before, dims_here) = if let Some(sums) = prefix {
+            let (a, b) = (sums[row], sums[row + 1]);
+            (a as usize, (b - a) as usize)
+        } else {
             let raw = self.column(col::DIM_COUNT)?;
             let mut r = Reader::new(&raw);
             let mut before = 0usize;

@@ -483,6 +483,96 @@ impl UsageStore {
         Ok(self.memtable.get(Some(partition), id).cloned())
     }
 
+    /// [`get_first_seen`](Self::get_first_seen) for many events at once (a
+    /// batch's conflict originals): each segment holding some of them has
+    /// its sidecar read once and each column decompressed once, however
+    /// many of them it holds. Answers in the order asked.
+    pub fn get_first_seen_many(
+        &self,
+        partition: i32,
+        wanted: &[(IdHash, i64)],
+    ) -> Result<Vec<Option<StoredEvent>>, StorageError> {
+        self.check_poison()?;
+        let mut found: Vec<Option<StoredEvent>> = vec![None; wanted.len()];
+        // Each event, by the first segment whose first-seen range holds it.
+        let mut by_segment: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        let mut elsewhere = Vec::new();
+        for (i, (_, first_seen_ms)) in wanted.iter().enumerate() {
+            match self
+                .manifest
+                .segments
+                .iter()
+                .position(|m| (m.min_first_seen_ms..=m.max_first_seen_ms).contains(first_seen_ms))
+            {
+                Some(s) => by_segment.entry(s).or_default().push(i),
+                None => elsewhere.push(i),
+            }
+        }
+        for (s, asked) in by_segment {
+            let meta = &self.manifest.segments[s];
+            let ids: HashSet<IdHash> = asked.iter().map(|&i| wanted[i].0).collect();
+            let rows = self.rows_in_segment(meta, partition, &ids)?;
+            if !rows.is_empty() {
+                let seg_path = segment::segment_path(&self.seg_dir, meta.id);
+                let segment = SegmentFile::open(self.fs.as_ref(), &seg_path)?.keeping_columns();
+                for &i in &asked {
+                    if let Some(&row) = rows.get(&wanted[i].0) {
+                        found[i] = Some(self.row_of(&segment, &seg_path, row)?);
+                    }
+                }
+            }
+            // Not in its first candidate: the one-at-a-time path looks
+            // through every candidate and the memtable, as it always has.
+            for &i in &asked {
+                if found[i].is_none() {
+                    found[i] = self.get_first_seen(partition, &wanted[i].0, wanted[i].1)?;
+                }
+            }
+        }
+        for i in elsewhere {
+            found[i] = self.memtable.get(Some(partition), &wanted[i].0).cloned();
+        }
+        Ok(found)
+    }
+
+    /// The rows of `ids` (of `partition`) in one segment, from its sidecar
+    /// (or its key columns when the sidecar cannot be read).
+    fn rows_in_segment(
+        &self,
+        meta: &SegmentMeta,
+        partition: i32,
+        ids: &HashSet<IdHash>,
+    ) -> Result<std::collections::HashMap<IdHash, u32>, StorageError> {
+        let entries = self.sidecar_entries(meta)?;
+        Ok(entries
+            .into_iter()
+            .filter(|e| e.key.output.partition == partition && ids.contains(&e.key.id_hash))
+            .map(|e| (e.key.id_hash, e.row))
+            .collect())
+    }
+
+    /// A segment's sidecar entries, or, when the sidecar cannot be read,
+    /// the same built from the segment's key columns.
+    fn sidecar_entries(&self, meta: &SegmentMeta) -> Result<Vec<SidecarEntry>, StorageError> {
+        match sidecar::read(self.fs.as_ref(), &sidecar::sidecar_path(&self.seg_dir, meta.id), meta.id) {
+            Ok(entries) => Ok(entries),
+            Err(_) => {
+                let seg_path = segment::segment_path(&self.seg_dir, meta.id);
+                let keys = SegmentFile::open(self.fs.as_ref(), &seg_path)?.read_keys()?;
+                Ok(keys.into_iter().enumerate().map(|(row, key)| SidecarEntry { key, row: row as u32 }).collect())
+            }
+        }
+    }
+
+    /// One row of an opened segment, refusing a row the sidecar names
+    /// beyond the segment's end.
+    fn row_of(&self, segment: &SegmentFile, seg_path: &Path, row: u32) -> Result<StoredEvent, StorageError> {
+        if row as usize >= segment.rows() {
+            return Err(StorageError::corrupt(seg_path, 0, format!("sidecar names row {row} beyond the segment")));
+        }
+        segment.read_row(row as usize)
+    }
+
     /// Looks `id` up in one segment: its sidecar (or, when the sidecar
     /// cannot be read, the segment's key columns), then the one row.
     fn find_in_segment(
@@ -491,27 +581,14 @@ impl UsageStore {
         partition: Option<i32>,
         id: &IdHash,
     ) -> Result<Option<StoredEvent>, StorageError> {
-        let seg_path = segment::segment_path(&self.seg_dir, meta.id);
-        let entries = match sidecar::read(self.fs.as_ref(), &sidecar::sidecar_path(&self.seg_dir, meta.id), meta.id) {
-            Ok(entries) => entries,
-            Err(_) => {
-                let keys = SegmentFile::open(self.fs.as_ref(), &seg_path)?.read_keys()?;
-                keys.into_iter().enumerate().map(|(row, key)| SidecarEntry { key, row: row as u32 }).collect()
-            }
-        };
+        let entries = self.sidecar_entries(meta)?;
         // A linear pass over 68-byte entries of one segment.
         let hit =
             entries.iter().find(|e| e.key.id_hash == *id && partition.is_none_or(|p| e.key.output.partition == p));
         let Some(hit) = hit else { return Ok(None) };
+        let seg_path = segment::segment_path(&self.seg_dir, meta.id);
         let segment = SegmentFile::open(self.fs.as_ref(), &seg_path)?;
-        if hit.row as usize >= segment.rows() {
-            return Err(StorageError::corrupt(
-                &seg_path,
-                0,
-                format!("sidecar names row {} beyond the segment", hit.row),
-            ));
-        }
-        Ok(Some(segment.read_row(hit.row as usize)?))
+        Ok(Some(self.row_of(&segment, &seg_path, hit.row)?))
     }
 
     /// Calls `f` on every stored event: segments in order (oldest first), then
@@ -876,5 +953,39 @@ mod tests {
         let (none, n) = reads(&|| store.get_first_seen(0, &late.key.id_hash, 1).expect("lookup"));
         assert!(none.is_none());
         assert_eq!(n, 0);
+
+        // A batch's originals at once: the same answers as one at a time, in
+        // the order asked, and each segment read once however many it holds.
+        let mut memtable_event = sample_event_at(999, 0, 999, 1_700_000_000_000 + 30 * minute);
+        memtable_event.event.event_id = "in-the-memtable".into();
+        memtable_event.key.id_hash = crate::event::id_hash(&memtable_event.event.tenant_id, "in-the-memtable");
+        store.append(std::slice::from_ref(&memtable_event)).expect("append");
+        let mut wanted: Vec<(IdHash, i64)> =
+            events[180..190].iter().map(|e| (e.key.id_hash, e.key.first_seen_ms)).collect();
+        wanted.push((events[3].key.id_hash, events[3].key.first_seen_ms));
+        wanted.push((events[185].key.id_hash, events[185].key.first_seen_ms)); // asked twice
+        wanted.push((memtable_event.key.id_hash, memtable_event.key.first_seen_ms));
+        wanted.push((IdHash([7; 16]), late.key.first_seen_ms)); // unknown id, in a segment's range
+        wanted.push((late.key.id_hash, 1)); // a time no segment covers
+        let one_at_a_time: Vec<Option<StoredEvent>> =
+            wanted.iter().map(|(id, t)| store.get_first_seen(0, id, *t).expect("lookup")).collect();
+        let (many, n) = {
+            let before = fs.reads.load(std::sync::atomic::Ordering::SeqCst);
+            let many = store.get_first_seen_many(0, &wanted).expect("lookup");
+            (many, fs.reads.load(std::sync::atomic::Ordering::SeqCst) - before)
+        };
+        assert_eq!(many, one_at_a_time);
+        assert_eq!(many[12].as_ref(), Some(&memtable_event));
+        assert!(many[13].is_none() && many[14].is_none());
+        // Segment 18 (ten originals and the unknown id) and segment 0: one
+        // sidecar and one segment each, plus the unknown id's retry of its
+        // one candidate (a sidecar, no segment).
+        assert_eq!(n, 5, "one read of each sidecar and segment, not one per original");
+        assert!(store.get_first_seen_many(1, &wanted).expect("lookup").iter().all(Option::is_none));
+        // Every row of every segment at once, through the kept columns and
+        // their indexes: each reads back whole.
+        let all: Vec<(IdHash, i64)> = events.iter().map(|e| (e.key.id_hash, e.key.first_seen_ms)).collect();
+        let got = store.get_first_seen_many(0, &all).expect("lookup");
+        assert_eq!(got, events.iter().cloned().map(Some).collect::<Vec<_>>());
     }
 }
