@@ -553,6 +553,25 @@ fn progress_bar(total_bytes: Option<u64>) -> Option<indicatif::ProgressBar> {
 
 /// The brokers of the usage commands (plaintext: they take no security
 /// properties yet).
+/// `--format` of the report commands: `table` or `json`, refused otherwise
+/// before any work is done.
+fn check_format(format: &str) -> anyhow::Result<()> {
+    if format != "table" && format != "json" {
+        anyhow::bail!("--format {format:?}: expected table or json");
+    }
+    Ok(())
+}
+
+/// Prints a report as `--format` asks: pretty JSON, or the table.
+fn print_report(format: &str, json: serde_json::Value, table: impl FnOnce() -> String) -> anyhow::Result<()> {
+    if format == "json" {
+        println!("{}", serde_json::to_string_pretty(&json)?);
+    } else {
+        print!("{}", table());
+    }
+    Ok(())
+}
+
 fn usage_brokers(servers: String, client: &ClientArgs) -> anyhow::Result<dedupd::kafka::usage::Brokers> {
     let env = |k: &str| std::env::var(k).ok();
     let (properties, _) = kafka_properties(&[], &client.kafka_properties, &client.kafka_secrets, &env)?;
@@ -670,9 +689,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 group_by.as_deref(),
             )
             .map_err(|why| anyhow::anyhow!(why))?;
-            if format != "table" && format != "json" {
-                anyhow::bail!("--format {format:?}: expected table or json");
-            }
+            check_format(&format)?;
             let answer = if query.needs_events() {
                 // Dimension values are not in the rollups: refold the events.
                 let (settings, _) = engine_settings(&tuning)?;
@@ -699,11 +716,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     _ => anyhow::bail!("give --state-dir, or --brokers and --rollups-topic"),
                 }
             };
-            if format == "json" {
-                println!("{}", serde_json::to_string_pretty(&answer.to_json())?);
-            } else {
-                print!("{}", answer.to_table());
-            }
+            print_report(&format, answer.to_json(), || answer.to_table())?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Period {
@@ -719,9 +732,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         } => {
             use dedupd::ledger::{Period, PeriodAction};
             let period = Period::parse(&period).map_err(|why| anyhow::anyhow!("--period: {why}"))?;
-            if format != "table" && format != "json" {
-                anyhow::bail!("--format {format:?}: expected table or json");
-            }
+            check_format(&format)?;
             let action = match action.as_str() {
                 "close" => PeriodAction::Close,
                 "reopen" => PeriodAction::Reopen,
@@ -741,11 +752,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 (Some(dir), ..) => dedupd::state::period(&dir, action, &tenant, period, now_ms)?,
                 _ => anyhow::bail!("give --state-dir, or --brokers, --periods-topic and --rollups-topic"),
             };
-            if format == "json" {
-                println!("{}", serde_json::to_string_pretty(&report.to_json())?);
-            } else {
-                print!("{}", report.to_table());
-            }
+            print_report(&format, report.to_json(), || report.to_table())?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect { state_dir, tenant, event_id, tuning } => {

@@ -117,6 +117,22 @@ fn repair(state: &mut LocalState, model: &Model) {
     }
 }
 
+/// Gives `s` its identity hashes and publishes it: the partition's output
+/// log and the batch being applied.
+fn publish_into(log: &mut Vec<StoredEvent>, batch: &mut Vec<StoredEvent>, mut s: StoredEvent) {
+    s.key.id_hash = id_hash(&s.event.tenant_id, &s.event.event_id);
+    s.key.payload_hash = payload_hash(&s.event);
+    log.push(s.clone());
+    batch.push(s);
+}
+
+/// The last published batch of partition `p` applied again (repair overlap).
+fn replay(state: &mut LocalState, last_batch: &BTreeMap<i32, Vec<StoredEvent>>, p: i32) {
+    if let Some(batch) = last_batch.get(&p) {
+        state.apply_published(p, batch, NOW).expect("replay");
+    }
+}
+
 fn query(dir: &std::path::Path) -> UsageAnswer {
     let q = UsageQuery {
         tenant_id: "acme".into(),
@@ -155,19 +171,12 @@ proptest! {
                         e.timestamp_ms = NOW - hours_back * HOUR_MS - (n as i64 % 1000);
                         e.kind = if correction && qty < 0 { EventKind::Correction } else { EventKind::Usage };
                         e.quantity = Decimal::from(if e.kind == EventKind::Usage { qty.abs() } else { qty });
-                        s.key.id_hash = id_hash(&e.tenant_id, &e.event_id);
-                        s.key.payload_hash = payload_hash(e);
-                        log.push(s.clone());
-                        batch.push(s);
+                        publish_into(log, &mut batch, s);
                     }
                     state.apply_published(p, &batch, NOW).expect("apply");
                     last_batch.insert(p, batch);
                 }
-                Step::Replay(p) => {
-                    if let Some(batch) = last_batch.get(&p) {
-                        state.apply_published(p, batch, NOW).expect("replay");
-                    }
-                }
+                Step::Replay(p) => replay(&mut state, &last_batch, p),
                 Step::Restart => {
                     state.close().expect("close");
                     state = open(dir.path());
@@ -307,19 +316,12 @@ proptest! {
                             }
                             Ok(_) => prop_assert!(!closed || is_correction, "usage accepted into a closed month"),
                         }
-                        s.key.id_hash = id_hash(&e.tenant_id, &e.event_id);
-                        s.key.payload_hash = payload_hash(e);
-                        log.push(s.clone());
-                        batch.push(s);
+                        publish_into(log, &mut batch, s);
                     }
                     state.apply_published(p, &batch, NOW).expect("apply");
                     last_batch.insert(p, batch);
                 }
-                PeriodStep::Replay(p) => {
-                    if let Some(batch) = last_batch.get(&p) {
-                        state.apply_published(p, batch, NOW).expect("replay");
-                    }
-                }
+                PeriodStep::Replay(p) => replay(&mut state, &last_batch, p),
                 PeriodStep::Close(m) | PeriodStep::Reopen(m) => {
                     let action = if matches!(step, PeriodStep::Close(_)) { PeriodAction::Close } else { PeriodAction::Reopen };
                     let period = periods[m];

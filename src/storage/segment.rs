@@ -501,7 +501,8 @@ impl SegmentFile {
         let raw = self.column(id)?;
         let starts = self.kept_index(id, |r| Self::entry_starts(r, |r| r.skip_str()))?;
         if let Some(starts) = starts {
-            let start = starts.get(skip).copied().ok_or_else(|| self.err(id, DecodeError(format!("no entry {skip}"))))?;
+            let start =
+                starts.get(skip).copied().ok_or_else(|| self.err(id, DecodeError(format!("no entry {skip}"))))?;
             let mut r = Reader::new(&raw[start as usize..]);
             return (0..take).map(|_| r.str()).collect::<Result<Vec<_>, _>>().map_err(|e| self.err(id, e));
         }
