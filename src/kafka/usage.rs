@@ -290,8 +290,7 @@ fn parse_ledger_record(value: &[u8]) -> Result<LedgerRecord, String> {
     let dec = |s: String| s.parse::<Decimal>().map_err(|e| format!("{s:?}: {e}"));
     let time = |s: String| crate::ledger::parse_bound(&s);
     let partition = v["partition"].as_i64().and_then(|p| i32::try_from(p).ok()).ok_or("no partition")?;
-    let counter =
-        CounterKey { tenant_id: text("tenant_id")?, customer_id: text("customer_id")?, meter: text("meter")? };
+    let counter = CounterKey::new(text("tenant_id")?, text("customer_id")?, text("meter")?);
     match v["type"].as_str() {
         Some("rollup") => {
             let hour_ms = time(text("hour")?)?;
@@ -338,7 +337,7 @@ mod tests {
     #[test]
     fn rollup_and_adjustment_records_read_back_to_what_was_published() {
         let key = HourKey {
-            counter: Arc::new(CounterKey { tenant_id: "t".into(), customer_id: "c\"q".into(), meter: "m".into() }),
+            counter: Arc::new(CounterKey::new("t".into(), "c\"q".into(), "m".into())),
             hour_ms: 1_700_000_000_000 - 1_700_000_000_000 % 3_600_000,
         };
         let rollup = Rollup {

@@ -15,11 +15,13 @@ pub type HeldRollups = BTreeMap<(HourKey, i32), Rollup>;
 /// lines ("ledger", "events"). Returns how many hours were compared.
 pub fn compare_rollups(
     p: i32,
-    refolded: BTreeMap<HourKey, Rollup>,
+    refolded: impl IntoIterator<Item = (HourKey, Rollup)>,
     held: &mut HeldRollups,
     (held_by, events_from): (&str, &str),
     drift: &mut Vec<String>,
 ) -> usize {
+    // Reported in key order, whatever order the refold kept them in.
+    let refolded: BTreeMap<HourKey, Rollup> = refolded.into_iter().collect();
     let compared = refolded.len();
     for (key, want) in refolded {
         let hour = crate::event::format_timestamp_ms(key.hour_ms);

@@ -45,7 +45,7 @@ pub use rollup::{
     hour_of, Adjustment, AdjustmentReason, CounterKey, FoldError, Folded, HourKey, Lateness, LedgerMaps, Rollup,
     DEFAULT_LATENESS_MS, HOUR_MS,
 };
-pub use store::{LedgerError, LedgerStore, Preview};
+pub use store::{LedgerError, LedgerStore, Preview, WRITE_BEHIND};
 
 use crate::event::UsageEvent;
 
@@ -195,6 +195,23 @@ impl Ledger {
                 .filter(|a| a.counter.tenant_id == tenant_id)
                 .cloned()
                 .collect()),
+        }
+    }
+
+    /// Writes what the durable store has folded but not written (see
+    /// [`LedgerStore`]); nothing to do in memory.
+    pub fn write_pending(&self) -> Result<(), LedgerError> {
+        match self {
+            Ledger::Durable(store) => store.write_pending(),
+            Ledger::Memory(_) => Ok(()),
+        }
+    }
+
+    /// Whether folded changes have waited long enough to be written.
+    pub fn write_due(&self) -> bool {
+        match self {
+            Ledger::Durable(store) => store.write_due(),
+            Ledger::Memory(_) => false,
         }
     }
 

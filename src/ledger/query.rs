@@ -157,14 +157,7 @@ mod tests {
     use rust_decimal::Decimal;
 
     fn key(customer: &str, hour_ms: i64) -> HourKey {
-        HourKey {
-            counter: std::sync::Arc::new(CounterKey {
-                tenant_id: "t".into(),
-                customer_id: customer.into(),
-                meter: "m".into(),
-            }),
-            hour_ms,
-        }
+        HourKey { counter: std::sync::Arc::new(CounterKey::new("t".into(), customer.into(), "m".into())), hour_ms }
     }
 
     fn rollup(sum: i64) -> Rollup {

@@ -10,6 +10,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use hashbrown::{Equivalent, HashMap};
 use rust_decimal::Decimal;
 
 use crate::event::{EventKind, UsageEvent};
@@ -18,20 +19,95 @@ use crate::event::{EventKind, UsageEvent};
 pub const HOUR_MS: i64 = 3_600_000;
 
 /// The counter an event adds to: one customer's usage of one meter.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+///
+/// Carries the hash of its three names, computed once when it is built: a
+/// batch looks each event's counter and hour up in several maps, and
+/// hashing three strings each time was most of the ledger's cost. Order
+/// and equality are those of the names (the hash is the last field and
+/// equal names have equal hashes). Build it with [`CounterKey::new`] or
+/// [`CounterKey::of`]; the names are read-only in spirit.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct CounterKey {
     pub tenant_id: String,
     pub customer_id: String,
     pub meter: String,
+    hash: u64,
 }
 
 impl CounterKey {
+    pub fn new(tenant_id: String, customer_id: String, meter: String) -> CounterKey {
+        let hash = counter_hash(&tenant_id, &customer_id, &meter);
+        CounterKey { tenant_id, customer_id, meter, hash }
+    }
+
     pub fn of(event: &UsageEvent) -> CounterKey {
+        let r = CounterRef::of(event);
         CounterKey {
             tenant_id: event.tenant_id.clone(),
             customer_id: event.customer_id.clone(),
             meter: event.meter.clone(),
+            hash: r.hash,
         }
+    }
+}
+
+impl std::hash::Hash for CounterKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write_u64(self.hash);
+    }
+}
+
+impl std::fmt::Debug for CounterKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CounterKey")
+            .field("tenant_id", &self.tenant_id)
+            .field("customer_id", &self.customer_id)
+            .field("meter", &self.meter)
+            .finish()
+    }
+}
+
+/// The names' hash: one seeded hasher for the whole process, so a counter
+/// built from stored names and one borrowed from an event agree.
+fn counter_hash(tenant_id: &str, customer_id: &str, meter: &str) -> u64 {
+    use std::hash::BuildHasher;
+    static HASHER: std::sync::OnceLock<hashbrown::DefaultHashBuilder> = std::sync::OnceLock::new();
+    HASHER.get_or_init(Default::default).hash_one((tenant_id, customer_id, meter))
+}
+
+/// An event's counter, borrowed: finds a held counter without building one
+/// (three strings and a reference count) per event. Hashes as the
+/// [`CounterKey`] of the same names does.
+pub(crate) struct CounterRef<'a> {
+    tenant_id: &'a str,
+    customer_id: &'a str,
+    meter: &'a str,
+    hash: u64,
+}
+
+impl<'a> CounterRef<'a> {
+    pub(crate) fn of(event: &'a UsageEvent) -> CounterRef<'a> {
+        CounterRef {
+            tenant_id: &event.tenant_id,
+            customer_id: &event.customer_id,
+            meter: &event.meter,
+            hash: counter_hash(&event.tenant_id, &event.customer_id, &event.meter),
+        }
+    }
+}
+
+impl std::hash::Hash for CounterRef<'_> {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write_u64(self.hash);
+    }
+}
+
+impl Equivalent<Arc<CounterKey>> for CounterRef<'_> {
+    fn equivalent(&self, key: &Arc<CounterKey>) -> bool {
+        self.hash == key.hash
+            && self.tenant_id == key.tenant_id
+            && self.customer_id == key.customer_id
+            && self.meter == key.meter
     }
 }
 
@@ -196,12 +272,15 @@ pub struct Adjustment {
 
 /// A partition's ledger held in maps: what the durable store loads for a
 /// batch (the counters and hours it touches), and the whole ledger in
-/// memory-only state and in the reference model of the tests.
+/// memory-only state and in the reference model of the tests. Hash maps:
+/// a batch looks up each event's counter and hour, and ordered maps over
+/// three strings cost a dozen string comparisons a lookup.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LedgerMaps {
-    pub hours: BTreeMap<HourKey, Rollup>,
+    pub hours: HashMap<HourKey, Rollup>,
     /// Largest event time folded in per counter (late events excluded).
-    pub watermarks: BTreeMap<Arc<CounterKey>, i64>,
+    /// Also where a batch finds each event's shared counter.
+    pub watermarks: HashMap<Arc<CounterKey>, i64>,
 }
 
 /// What folding a batch changed.
@@ -222,12 +301,16 @@ impl LedgerMaps {
         lateness: &Lateness,
         events: impl IntoIterator<Item = (&'a UsageEvent, i64)>,
     ) -> Result<Folded, FoldError> {
-        let mut hours = std::collections::BTreeSet::new();
-        let mut counters = std::collections::BTreeSet::new();
+        let mut hours: Vec<HourKey> = Vec::new();
+        let mut counters: Vec<Arc<CounterKey>> = Vec::new();
         let mut adjustments = Vec::new();
         for (event, offset) in events {
-            let counter = Arc::new(CounterKey::of(event));
-            let watermark = self.watermarks.get(&counter).copied();
+            // A counter with hours always has a watermark: a counter is
+            // built only the first time a partition folds it.
+            let (counter, watermark) = match self.watermarks.get_key_value(&CounterRef::of(event)) {
+                Some((counter, w)) => (counter.clone(), Some(*w)),
+                None => (Arc::new(CounterKey::of(event)), None),
+            };
             if lateness.is_late(event, watermark) {
                 adjustments.push(Adjustment {
                     period: super::Period::of_ms(event.timestamp_ms),
@@ -243,13 +326,17 @@ impl LedgerMaps {
             }
             let key = HourKey { counter: counter.clone(), hour_ms: hour_of(event.timestamp_ms) };
             self.hours.entry(key.clone()).or_default().fold(event)?;
-            hours.insert(key);
+            hours.push(key);
             if watermark.is_none_or(|w| event.timestamp_ms > w) {
                 self.watermarks.insert(counter.clone(), event.timestamp_ms);
-                counters.insert(counter);
+                counters.push(counter);
             }
         }
-        Ok(Folded { hours: hours.into_iter().collect(), counters: counters.into_iter().collect(), adjustments })
+        hours.sort_unstable();
+        hours.dedup();
+        counters.sort_unstable();
+        counters.dedup();
+        Ok(Folded { hours, counters, adjustments })
     }
 }
 

@@ -1,12 +1,14 @@
 //! The ledger's durable tier: rollups, counter watermarks, adjustments and a
 //! checkpoint per partition, in RocksDB under `<state-dir>/ledger` (sync).
 //!
-//! A batch's changes and its checkpoint go in one write batch, so after any
-//! crash the ledger is exactly the fold of its partition's output up to its
-//! checkpoint, and repair re-folds what follows. Writes go through RocksDB's
-//! WAL without an fsync each: a process crash loses nothing, a host crash
-//! can lose the last batches, and their checkpoint with them, which repair
-//! then re-applies from the output topic (the source of truth).
+//! Folded changes are written behind, many batches at a time, with the
+//! checkpoint in the same write batch, so after any crash the ledger is
+//! exactly the fold of its partition's output up to its checkpoint. What
+//! follows is folded again on the next start: from the usage store's
+//! memtable when it still holds all of it (local state writes the ledger
+//! before every memtable flush, so after a process crash it does), else by
+//! repair from the output topic (the source of truth). Writes go through
+//! RocksDB's WAL without an fsync each.
 //!
 //! Keys (strings length-prefixed, integers big-endian with the sign bit
 //! flipped so byte order is numeric order):
@@ -30,7 +32,8 @@ use rust_decimal::Decimal;
 use crate::event::{EventKind, UsageEvent};
 
 use super::rollup::{
-    hour_of, Adjustment, AdjustmentReason, CounterKey, FoldError, Folded, HourKey, Lateness, LedgerMaps, Rollup,
+    hour_of, Adjustment, AdjustmentReason, CounterKey, CounterRef, FoldError, Folded, HourKey, Lateness, LedgerMaps,
+    Rollup,
 };
 use super::Period;
 
@@ -56,6 +59,11 @@ const ADJUSTMENT_VERSION: u8 = 1;
 /// Cached hours and watermarks past which clean entries are dropped.
 const CACHE_MAX_ENTRIES: usize = 1_000_000;
 
+/// The longest folded changes wait unwritten while batches keep coming: a
+/// read-only query of the state directory (`dedupd usage --state-dir`)
+/// sees the ledger at most this far behind the running process.
+pub const WRITE_BEHIND: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// A batch folded by [`LedgerStore::preview`], kept for its apply.
 struct Previewed {
     partition: i32,
@@ -72,28 +80,32 @@ struct Previewed {
 /// events in the same order (an event's fields are fixed by its identity
 /// once accepted).
 fn fingerprint(events: &[(&UsageEvent, i64)]) -> [u8; 32] {
-    let mut h = blake3::Hasher::new();
-    h.update(&(events.len() as u64).to_le_bytes());
+    // Gathered first and hashed in one call: blake3 per short field costs
+    // more in calls than in hashing.
+    let mut bytes = Vec::with_capacity(8 + events.len() * 48);
+    bytes.extend_from_slice(&(events.len() as u64).to_le_bytes());
     for (e, _) in events {
         for s in [&e.tenant_id, &e.event_id] {
-            h.update(&(s.len() as u64).to_le_bytes());
-            h.update(s.as_bytes());
+            bytes.extend_from_slice(&(s.len() as u64).to_le_bytes());
+            bytes.extend_from_slice(s.as_bytes());
         }
     }
-    *h.finalize().as_bytes()
+    *blake3::hash(&bytes).as_bytes()
 }
 
 /// The durable ledger of every partition this state directory has seen.
 ///
 /// [`apply`](Self::apply) folds into an in-memory cache of hours and
-/// watermarks and writes the batch's changes in one key-ordered write batch
-/// with the checkpoint, through RocksDB's WAL without an fsync: a process
-/// crash loses nothing, so a restart repairs only the batches in flight
-/// (what the crash tests check). Writing behind, every few tens of
-/// thousands of events, was measured too: it made restarts repair that
-/// much more output and bought little, since the cache had already taken
-/// the reads off RocksDB. Reads go to the cache first: the hours a batch
-/// touches are mostly the hours the batch before touched.
+/// watermarks; [`write_pending`](Self::write_pending) writes every change
+/// since the last write in one key-ordered write batch with the
+/// checkpoints. Local state calls it before each usage-store flush and at
+/// least every [`WRITE_BEHIND`] (and every query does), so a counter-hour
+/// that many batches touch is written once, not once per batch: the write
+/// was half the ledger's cost when every batch wrote. A restart folds the
+/// unwritten batches again from the usage store's memtable (see the
+/// module doc), so it still repairs only the batches in flight. Reads go
+/// to the cache first: the hours a batch touches are mostly the hours the
+/// batch before touched.
 pub struct LedgerStore {
     db: DB,
     dir: String,
@@ -116,6 +128,8 @@ struct Cache {
     /// Last output offset folded, per partition, written or not.
     checkpoints: HashMap<i32, i64>,
     dirty_checkpoints: HashSet<i32>,
+    /// When folded changes were last written (`None`: never, this process).
+    written_at: Option<std::time::Instant>,
 }
 
 impl std::fmt::Debug for LedgerStore {
@@ -208,7 +222,7 @@ impl LedgerStore {
     }
 
     /// Folds `events` in; those at or below the checkpoint are skipped
-    /// (idempotent by output offset). Written behind (see the type's doc).
+    /// (idempotent by output offset). Not written yet: see the type's doc.
     pub fn apply(
         &self,
         partition: i32,
@@ -258,21 +272,27 @@ impl LedgerStore {
         cache.adjustments.extend(folded.adjustments.iter().map(|a| (partition, a.clone())));
         cache.checkpoints.insert(partition, last);
         cache.dirty_checkpoints.insert(partition);
-        self.write(&mut cache)?;
         Ok(folded)
     }
 
-    /// Writes what is folded but not yet written (nothing, after an
-    /// `apply` that returned), in one write batch with the checkpoints.
+    /// Writes what is folded but not yet written, in one write batch with
+    /// the checkpoints.
     pub fn write_pending(&self) -> Result<(), LedgerError> {
         let mut cache = self.cache();
         self.write(&mut cache)
+    }
+
+    /// Whether folded changes have waited [`WRITE_BEHIND`] or longer.
+    pub fn write_due(&self) -> bool {
+        let cache = self.cache();
+        !cache.dirty_checkpoints.is_empty() && cache.written_at.is_none_or(|t| t.elapsed() >= WRITE_BEHIND)
     }
 
     fn write(&self, cache: &mut Cache) -> Result<(), LedgerError> {
         if cache.dirty_checkpoints.is_empty() {
             return Ok(());
         }
+        cache.written_at = Some(std::time::Instant::now());
         // Put in key order: RocksDB's memtable inserts a sorted run far
         // faster than scattered keys (each insert starts where the last
         // one ended).
@@ -320,7 +340,9 @@ impl LedgerStore {
     }
 
     /// The hours and counters `events` can touch, from the cache or else the
-    /// store (and then cached).
+    /// store (and then cached). Each event's counter is found by reference
+    /// (see [`CounterRef`]); one is built only for a counter the cache has
+    /// never seen.
     fn load(
         &self,
         cache: &mut Cache,
@@ -332,49 +354,93 @@ impl LedgerStore {
         let mut missing_counters: Vec<Arc<CounterKey>> = Vec::new();
         let hours_held = cache.hours.entry(partition).or_default();
         let watermarks_held = cache.watermarks.entry(partition).or_default();
+        // The cache holds every counter and hour the batch touched before
+        // (placeholders included), so it is asked first and `maps` only
+        // written: an event repeating a counter or an hour of the batch
+        // overwrites an entry with the same value.
         for (e, _) in events {
-            let counter = Arc::new(CounterKey::of(e));
-            let hour = HourKey { counter: counter.clone(), hour_ms: hour_of(e.timestamp_ms) };
-            if !maps.watermarks.contains_key(&counter) {
-                match watermarks_held.get(&counter) {
-                    Some(Some(w)) => {
+            let counter = match watermarks_held.get_key_value(&CounterRef::of(e)) {
+                Some((counter, w)) => {
+                    if let Some(w) = w {
                         maps.watermarks.insert(counter.clone(), *w);
                     }
-                    Some(None) => {}
-                    None => missing_counters.push(counter),
+                    counter.clone()
                 }
-            }
-            if let std::collections::btree_map::Entry::Vacant(slot) = maps.hours.entry(hour) {
-                match hours_held.get(slot.key()) {
-                    Some(Some(r)) => {
-                        slot.insert(r.clone());
-                    }
-                    Some(None) => {}
-                    None => missing_hours.push(slot.into_key()),
+                None => {
+                    // Absent until the read below says otherwise, so an
+                    // event of the same counter later in the batch does not
+                    // ask again.
+                    let counter = Arc::new(CounterKey::of(e));
+                    watermarks_held.insert(counter.clone(), None);
+                    missing_counters.push(counter.clone());
+                    counter
+                }
+            };
+            let hour = HourKey { counter, hour_ms: hour_of(e.timestamp_ms) };
+            match hours_held.get(&hour) {
+                Some(Some(r)) => {
+                    maps.hours.insert(hour, r.clone());
+                }
+                Some(None) => {}
+                None => {
+                    hours_held.insert(hour.clone(), None);
+                    missing_hours.push(hour);
                 }
             }
         }
-        missing_hours.sort();
-        missing_hours.dedup();
-        missing_counters.sort();
-        missing_counters.dedup();
-        let got = self.db.multi_get(missing_hours.iter().map(|k| hour_key(k, partition)));
-        for (key, value) in missing_hours.into_iter().zip(got) {
-            let value = value.map_err(self.rocks())?.map(|v| decode_rollup(&v)).transpose()?;
+        // Sorted: RocksDB reads a sorted batch of keys block by block.
+        missing_hours.sort_unstable();
+        missing_counters.sort_unstable();
+        let read = self.read_missing(partition, &missing_hours, &missing_counters);
+        let (hours, watermarks) = match read {
+            Ok(read) => read,
+            Err(e) => {
+                // The placeholders say "absent" without having asked.
+                for key in &missing_hours {
+                    hours_held.remove(key);
+                }
+                for counter in &missing_counters {
+                    watermarks_held.remove(counter);
+                }
+                return Err(e);
+            }
+        };
+        for (key, value) in missing_hours.into_iter().zip(hours) {
             if let Some(r) = &value {
                 maps.hours.insert(key.clone(), r.clone());
             }
             hours_held.insert(key, value);
         }
-        let got = self.db.multi_get(missing_counters.iter().map(|c| watermark_key(partition, c)));
-        for (counter, value) in missing_counters.into_iter().zip(got) {
-            let value = value.map_err(self.rocks())?.map(|v| read_i64(&v, "watermark")).transpose()?;
+        for (counter, value) in missing_counters.into_iter().zip(watermarks) {
             if let Some(w) = value {
                 maps.watermarks.insert(counter.clone(), w);
             }
             watermarks_held.insert(counter, value);
         }
         Ok(maps)
+    }
+
+    /// The stored rollups of `hours` and watermarks of `counters`, in order.
+    #[allow(clippy::type_complexity)]
+    fn read_missing(
+        &self,
+        partition: i32,
+        hours: &[HourKey],
+        counters: &[Arc<CounterKey>],
+    ) -> Result<(Vec<Option<Rollup>>, Vec<Option<i64>>), LedgerError> {
+        let rollups = self
+            .db
+            .multi_get(hours.iter().map(|k| hour_key(k, partition)))
+            .into_iter()
+            .map(|v| v.map_err(self.rocks())?.map(|v| decode_rollup(&v)).transpose())
+            .collect::<Result<_, _>>()?;
+        let watermarks = self
+            .db
+            .multi_get(counters.iter().map(|c| watermark_key(partition, c)))
+            .into_iter()
+            .map(|v| v.map_err(self.rocks())?.map(|v| read_i64(&v, "watermark")).transpose())
+            .collect::<Result<_, _>>()?;
+        Ok((rollups, watermarks))
     }
 
     /// Every rollup of `tenant` (and `customer`, when given), of every
@@ -586,7 +652,7 @@ fn read_i64(b: &[u8], what: &'static str) -> Result<i64, LedgerError> {
 fn decode_hour_key(k: &[u8]) -> Result<(HourKey, i32), LedgerError> {
     let mut r = Reader { bytes: k, what: "rollup key" };
     r.u8()?;
-    let counter = CounterKey { tenant_id: r.str()?, customer_id: r.str()?, meter: r.str()? };
+    let counter = CounterKey::new(r.str()?, r.str()?, r.str()?);
     let hour_ms = r.i64()?;
     let partition = r.i32()?;
     r.end()?;
@@ -671,7 +737,7 @@ fn decode_adjustment(b: &[u8]) -> Result<Adjustment, LedgerError> {
     if version != ADJUSTMENT_VERSION {
         return Err(corrupt(format!("unknown version {version}")));
     }
-    let counter = CounterKey { tenant_id: r.str()?, customer_id: r.str()?, meter: r.str()? };
+    let counter = CounterKey::new(r.str()?, r.str()?, r.str()?);
     let period = Period { year: r.i32()?, month: r.u8()? };
     let event_id = r.str()?;
     let kind = EventKind::from_code(r.u8()?).ok_or_else(|| corrupt("unknown event kind".into()))?;
@@ -703,16 +769,22 @@ mod tests {
         model.fold(&lateness, with_offsets.iter().copied()).expect("fold");
         {
             let store = LedgerStore::open(dir.path()).expect("open");
-            store.apply(3, &lateness, &with_offsets[..4]).expect("apply");
+            store.apply(3, &lateness, &with_offsets[..3]).expect("apply");
+            store.write_pending().expect("write");
+            store.apply(3, &lateness, &with_offsets[3..4]).expect("apply");
+            assert_eq!(store.checkpoint(3).expect("checkpoint"), Some(3), "folded counts within the process");
             // Dropped without a flush: a crash.
         }
         {
             let store = LedgerStore::open(dir.path()).expect("reopen");
-            assert_eq!(store.checkpoint(3).expect("checkpoint"), Some(3), "what was applied survives a crash");
+            // Local state folds the unwritten batch again from the usage
+            // store; the store alone keeps exactly what it wrote.
+            assert_eq!(store.checkpoint(3).expect("checkpoint"), Some(2), "what was written survives a crash");
             // Repair replays from before the checkpoint; a replay overlapping
             // what is held folds only the new offsets.
             store.apply(3, &lateness, &with_offsets).expect("apply again");
             assert_eq!(store.checkpoint(3).expect("checkpoint"), Some(5));
+            store.write_pending().expect("write");
         }
         let store = LedgerStore::open(dir.path()).expect("reopen");
         let mut held = std::collections::BTreeMap::new();

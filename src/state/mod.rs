@@ -191,7 +191,34 @@ impl LocalState {
         let mut state = LocalState::in_memory(settings, detect_replays);
         state.ledger = ledger;
         state.durable = Some(Durable { dir: dir.to_owned(), usage, keys: Box::new(keys), recovery, _lock: Some(lock) });
+        state.catch_up_ledger()?;
         Ok(state)
+    }
+
+    /// Folds into the ledger what the usage store holds past the ledger's
+    /// checkpoint, for every partition whose missing events are all still
+    /// in the memtable: the batches the ledger had folded but not written
+    /// when the process stopped. Any other gap is left to repair from the
+    /// output topic. Returns how many events were folded.
+    fn catch_up_ledger(&mut self) -> Result<usize, StateError> {
+        let (Some(ledger), Some(d)) = (&mut self.ledger, &self.durable) else {
+            return Ok(0);
+        };
+        let mut folded = 0;
+        for p in d.usage.partitions() {
+            let written = ledger.checkpoint(p)?;
+            if written >= d.usage.checkpoint(p) {
+                continue;
+            }
+            let Some(events) = d.usage.unflushed_after(p, written) else {
+                continue;
+            };
+            let accepted: Vec<(&UsageEvent, i64)> = events.iter().map(|e| (&e.event, e.key.output.offset)).collect();
+            ledger.apply(p, &self.settings.lateness, &accepted)?;
+            folded += accepted.len();
+        }
+        ledger.write_pending()?;
+        Ok(folded)
     }
 
     /// Durable state on another filesystem and key store than the real
@@ -362,6 +389,22 @@ impl LocalState {
         let Some(last) = fresh.last().map(|e| e.key.output.offset) else {
             return Ok(0);
         };
+        // The ledger folds first and writes behind. A restart catches it up
+        // from the usage store's memtable only, so it writes now when its
+        // events will not all be there: before the usage store moves its
+        // memtable into a segment, and when the usage store already holds
+        // some of them (the ledger is being repaired behind it).
+        if let Some(ledger) = &mut self.ledger {
+            let accepted: Vec<(&UsageEvent, i64)> = fresh.iter().map(|e| (&e.event, e.key.output.offset)).collect();
+            ledger.apply(partition, &self.settings.lateness, &accepted)?;
+            let first = fresh[0].key.output.offset;
+            let not_in_memtable = self.durable.as_ref().is_some_and(|d| {
+                d.usage.flush_due(fresh.len()) || d.usage.checkpoint(partition).is_some_and(|u| u >= first)
+            });
+            if not_in_memtable || ledger.write_due() {
+                ledger.write_pending()?;
+            }
+        }
         match &mut self.durable {
             None => {
                 self.memory_checkpoints.insert(partition, last);
@@ -373,10 +416,6 @@ impl LocalState {
                 let keys: Vec<_> = fresh.iter().map(|e| e.key).collect();
                 d.keys.apply_batch(partition, &keys, last)?;
             }
-        }
-        if let Some(ledger) = &mut self.ledger {
-            let accepted: Vec<(&UsageEvent, i64)> = fresh.iter().map(|e| (&e.event, e.key.output.offset)).collect();
-            ledger.apply(partition, &self.settings.lateness, &accepted)?;
         }
         if let Some(classifier) = self.partitions.get_mut(&partition) {
             classifier.commit(fresh.iter().map(|e| &e.key), now_ms);
@@ -449,6 +488,11 @@ impl LocalState {
             c.evict_expired(now_ms);
         }
         if let Some(d) = &mut self.durable {
+            if let Some(ledger) = &self.ledger {
+                if d.usage.flush_due(0) || ledger.write_due() {
+                    ledger.write_pending()?;
+                }
+            }
             d.usage.maintain(now_ms)?;
             if now_ms.saturating_sub(self.last_age_out_ms) >= AGE_OUT_EVERY_MS {
                 d.keys.age_out(now_ms)?;

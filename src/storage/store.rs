@@ -361,6 +361,33 @@ impl UsageStore {
         self.memtable.len()
     }
 
+    /// Whether the next `append` of `incoming` events, or the next
+    /// `maintain`, moves the memtable into a segment.
+    pub fn flush_due(&self, incoming: usize) -> bool {
+        self.memtable.len() + incoming >= self.opts.memtable_max_events
+    }
+
+    /// Every stored event of `partition` above output offset `after`, in
+    /// output order, when they are all still in the memtable (rebuilt from
+    /// the WAL after a crash); `None` when a segment may hold some of them.
+    /// What a tier that writes behind (the ledger) catches up from locally.
+    pub fn unflushed_after(&self, partition: i32, after: Option<i64>) -> Option<Vec<&StoredEvent>> {
+        // The manifest's checkpoint is the highest offset ever flushed for
+        // the partition: everything above it is in the memtable.
+        if let Some(flushed) = self.manifest.checkpoints.get(&partition) {
+            if after.is_none_or(|a| a < *flushed) {
+                return None;
+            }
+        }
+        Some(
+            self.memtable
+                .events()
+                .iter()
+                .filter(|e| e.key.output.partition == partition && after.is_none_or(|a| e.key.output.offset > a))
+                .collect(),
+        )
+    }
+
     /// WAL bytes written but not yet fsynced (always 0 with `FsyncPolicy::Always`
     /// once `append` returned): what a power loss could take.
     pub fn unsynced_wal_bytes(&self) -> u64 {
