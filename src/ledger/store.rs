@@ -51,6 +51,10 @@ pub enum LedgerError {
     Missing { dir: String },
     #[error("{0}")]
     Query(String),
+    /// A write the tests made fail (see `Cache::fail_next_write`).
+    #[cfg(test)]
+    #[error("ledger store: injected write failure")]
+    InjectedWriteFailure,
 }
 
 const ROLLUP_VERSION: u8 = 1;
@@ -61,7 +65,9 @@ const CACHE_MAX_ENTRIES: usize = 1_000_000;
 
 /// The longest folded changes wait unwritten while batches keep coming: a
 /// read-only query of the state directory (`dedupd usage --state-dir`)
-/// sees the ledger at most this far behind the running process.
+/// sees the ledger about this far behind a process applying batches. When
+/// batches stop, the next write comes from the worker's maintenance tick
+/// (every 5 s), so an idle worker's last folds can wait that long.
 pub const WRITE_BEHIND: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A batch folded by [`LedgerStore::preview`], kept for its apply.
@@ -130,6 +136,9 @@ struct Cache {
     dirty_checkpoints: HashSet<i32>,
     /// When folded changes were last written (`None`: never, this process).
     written_at: Option<std::time::Instant>,
+    /// Tests: the next write fails as a full disk would make RocksDB's.
+    #[cfg(test)]
+    fail_next_write: bool,
 }
 
 impl std::fmt::Debug for LedgerStore {
@@ -297,28 +306,28 @@ impl LedgerStore {
         // faster than scattered keys (each insert starts where the last
         // one ended).
         let mut puts: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
-        for (p, keys) in cache.dirty_hours.drain() {
-            let held = cache.hours.get(&p);
+        for (p, keys) in &cache.dirty_hours {
+            let held = cache.hours.get(p);
             for key in keys {
-                if let Some(Some(r)) = held.and_then(|h| h.get(&key)) {
-                    puts.push((hour_key(&key, p), encode_rollup(r)));
+                if let Some(Some(r)) = held.and_then(|h| h.get(key)) {
+                    puts.push((hour_key(key, *p), encode_rollup(r)));
                 }
             }
         }
-        for (p, counters) in cache.dirty_watermarks.drain() {
-            let held = cache.watermarks.get(&p);
+        for (p, counters) in &cache.dirty_watermarks {
+            let held = cache.watermarks.get(p);
             for counter in counters {
-                if let Some(Some(w)) = held.and_then(|h| h.get(&counter)) {
-                    puts.push((watermark_key(p, &counter), flip(*w).to_vec()));
+                if let Some(Some(w)) = held.and_then(|h| h.get(counter)) {
+                    puts.push((watermark_key(*p, counter), flip(*w).to_vec()));
                 }
             }
         }
-        for (p, a) in cache.adjustments.drain(..) {
-            puts.push((adjustment_key(&a, p), encode_adjustment(&a)));
+        for (p, a) in &cache.adjustments {
+            puts.push((adjustment_key(a, *p), encode_adjustment(a)));
         }
-        for p in cache.dirty_checkpoints.drain() {
-            if let Some(c) = cache.checkpoints.get(&p) {
-                puts.push((checkpoint_key(p), flip(*c).to_vec()));
+        for p in &cache.dirty_checkpoints {
+            if let Some(c) = cache.checkpoints.get(p) {
+                puts.push((checkpoint_key(*p), flip(*c).to_vec()));
             }
         }
         puts.sort_unstable_by(|a, b| a.0.cmp(&b.0));
@@ -326,7 +335,20 @@ impl LedgerStore {
         for (k, v) in &puts {
             batch.put(k, v);
         }
+        // What is pending stays pending until RocksDB has taken it: a
+        // failed write (a full disk, say) must not drop folded hours and
+        // adjustments while a later write stores a checkpoint past them.
+        // The next write puts them again (each put is the latest value, so
+        // writing twice is harmless).
+        #[cfg(test)]
+        if std::mem::take(&mut cache.fail_next_write) {
+            return Err(LedgerError::InjectedWriteFailure);
+        }
         self.db.write(batch).map_err(self.rocks())?;
+        cache.dirty_hours.clear();
+        cache.dirty_watermarks.clear();
+        cache.adjustments.clear();
+        cache.dirty_checkpoints.clear();
         // Everything is clean now: bound the cache by dropping it whole
         // when it has grown past its size (the next batches reload the
         // hours they touch).
@@ -797,6 +819,37 @@ mod tests {
             .collect();
         assert!(want.len() >= 2, "the scan covers more than one customer of the tenant");
         assert_eq!(held, want);
+    }
+
+    #[test]
+    fn a_failed_write_keeps_its_changes_pending_for_the_next_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let t = 1_700_000_000_000;
+        // Each event its own customer, so each batch touches hours no other
+        // batch does: a batch dropped from the write would be missing whole.
+        let events: Vec<UsageEvent> =
+            (0..6).map(|i| sample_event_at(i, 3, i as i64, t + i as i64 * 1000).event).collect();
+        let with_offsets: Vec<(&UsageEvent, i64)> = events.iter().zip(0..).collect();
+        let lateness = Lateness::default();
+        let mut model = LedgerMaps::default();
+        model.fold(&lateness, with_offsets.iter().copied()).expect("fold");
+        {
+            let store = LedgerStore::open(dir.path()).expect("open");
+            store.apply(3, &lateness, &with_offsets[..2]).expect("apply");
+            store.write_pending().expect("write");
+            store.apply(3, &lateness, &with_offsets[2..4]).expect("apply");
+            store.cache().fail_next_write = true;
+            assert!(matches!(store.write_pending(), Err(LedgerError::InjectedWriteFailure)));
+            store.apply(3, &lateness, &with_offsets[4..]).expect("apply");
+            store.write_pending().expect("the disk has room again");
+            // Dropped without a flush: a crash right after the write.
+        }
+        let store = LedgerStore::open(dir.path()).expect("reopen");
+        assert_eq!(store.checkpoint(3).expect("checkpoint"), Some(5));
+        let mut held = std::collections::BTreeMap::new();
+        store.all_rollups(|k, p, r| assert!(held.insert((k, p), r).is_none())).expect("scan");
+        let want: std::collections::BTreeMap<_, _> = model.hours.into_iter().map(|(k, r)| ((k, 3), r)).collect();
+        assert_eq!(held, want, "the hours of the batch whose write failed were written by the next one");
     }
 
     #[test]

@@ -9,8 +9,13 @@
 //! below it, so repair can replay the output freely and a crash between two
 //! tiers' writes heals on the next apply.
 //!
-//! Order of apply: usage store (the WAL fsync is the durability point), then
-//! key store, then hot cache. The state directory is locked for one process.
+//! Order of apply: the ledger folds the batch (and writes behind, see
+//! [`LedgerStore`]), then the usage store (the WAL fsync is the durability
+//! point), key store and hot cache. The ledger is written before every
+//! memtable flush, so the batches it folded but had not written when a
+//! process died are still in the usage store's memtable (rebuilt from its
+//! WAL): opening the directory folds them again (`catch_up_ledger`). The
+//! state directory is locked for one process.
 //!
 //! Sync: no tokio, no rdkafka. Methods may block on fsync.
 
@@ -173,6 +178,28 @@ impl LocalState {
         detect_replays: bool,
         observer: Arc<dyn StorageObserver>,
     ) -> Result<LocalState, StateError> {
+        let mut state = LocalState::open_uncaught(state_dir, settings, detect_replays, observer)?;
+        state.catch_up_ledger()?;
+        Ok(state)
+    }
+
+    /// Opens a state directory for a tool that reads it (`inspect`, `usage
+    /// verify`, a dimension query), leaving the ledger as written. Catching
+    /// the ledger up folds the unwritten batches with the opener's
+    /// `--lateness`, which is only right for the worker that will go on
+    /// from there: a tool run with other settings would write its own
+    /// on-time/late verdicts for good. So a tool answers as of the ledger's
+    /// last written checkpoint, and the worker's next start catches up.
+    pub fn open_for_reading(state_dir: &Path, settings: EngineSettings) -> Result<LocalState, StateError> {
+        LocalState::open_uncaught(Some(state_dir), settings, false, Arc::new(NoopObserver))
+    }
+
+    fn open_uncaught(
+        state_dir: Option<&Path>,
+        settings: EngineSettings,
+        detect_replays: bool,
+        observer: Arc<dyn StorageObserver>,
+    ) -> Result<LocalState, StateError> {
         let Some(dir) = state_dir else {
             return Ok(LocalState::in_memory(settings, detect_replays));
         };
@@ -191,7 +218,6 @@ impl LocalState {
         let mut state = LocalState::in_memory(settings, detect_replays);
         state.ledger = ledger;
         state.durable = Some(Durable { dir: dir.to_owned(), usage, keys: Box::new(keys), recovery, _lock: Some(lock) });
-        state.catch_up_ledger()?;
         Ok(state)
     }
 

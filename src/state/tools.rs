@@ -87,7 +87,7 @@ pub fn inspect(
     settings: EngineSettings,
 ) -> Result<serde_json::Value, StateError> {
     let id = id_hash(tenant_id, event_id);
-    let state = LocalState::open(Some(state_dir), settings, false)?;
+    let state = LocalState::open_for_reading(state_dir, settings)?;
     let mut answer = serde_json::json!({
         "tenant_id": tenant_id,
         "event_id": event_id,
@@ -191,7 +191,7 @@ pub fn usage_from_events(
     settings: EngineSettings,
 ) -> Result<UsageAnswer, StateError> {
     let lateness = settings.lateness.clone();
-    let state = LocalState::open(Some(state_dir), settings, false)?;
+    let state = LocalState::open_for_reading(state_dir, settings)?;
     let Some(crate::ledger::Ledger::Durable(ledger)) = state.ledger() else {
         return Err(StateError::Ledger(crate::ledger::LedgerError::Missing {
             dir: state_dir.join("ledger").display().to_string(),
@@ -233,7 +233,7 @@ pub fn verify_ledger(state_dir: &Path, settings: EngineSettings) -> Result<Ledge
     use std::collections::BTreeMap;
 
     let lateness = settings.lateness.clone();
-    let state = LocalState::open(Some(state_dir), settings, false)?;
+    let state = LocalState::open_for_reading(state_dir, settings)?;
     let Some(crate::ledger::Ledger::Durable(ledger)) = state.ledger() else {
         return Err(StateError::Ledger(crate::ledger::LedgerError::Missing {
             dir: state_dir.join("ledger").display().to_string(),
