@@ -687,6 +687,57 @@ async fn a_worker_fenced_by_another_process_with_its_instance_id_stops_and_says_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fenced_worker_gives_up_its_retrying_batches_instead_of_publishing_behind_the_new_owner() {
+    let topics = topics("fenced-retrying");
+    let mock = cluster(&topics, PARTITIONS);
+    let brokers = mock.bootstrap_servers();
+    let s = scenario(2000, 0, 0, 0);
+    let producer = traffic_producer(&brokers);
+    let (half1, half2) = s.records.split_at(s.records.len() / 2);
+    produce_traffic(&producer, &topics.input, PARTITIONS, half1).await.expect("produce");
+    let mut settings = settings(&brokers, "fenced-retrying", &topics, DeliveryMode::ExactlyOnce);
+    settings.instance_id = Some("pod-0".into());
+    // Longer than the test waits below: a worker that finishes its batches
+    // on the way out would otherwise abort the whole test process.
+    settings.revoke_timeout = Duration::from_secs(120);
+    let (_stop, worker, metrics) = spawn_worker(settings);
+    let first = half1.len() as u64;
+    assert!(wait_until(Duration::from_secs(60), || buckets_total(&metrics) >= first).await, "first half");
+
+    // Every transaction now aborts, so the second half's batches back off
+    // and retry...
+    let aborted_before = metrics.transactions(false);
+    mock.request_errors(RDKafkaApiKey::AddPartitionsToTxn, &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_PRODUCER_ID; 5000]);
+    produce_traffic(&producer, &topics.input, PARTITIONS, half2).await.expect("produce");
+    assert!(
+        wait_until(Duration::from_secs(60), || metrics.transactions(false) >= aborted_before + 3).await,
+        "the fault did not happen: no batch is retrying"
+    );
+    // ...when another process takes over this worker's --instance-id.
+    mock.request_errors(RDKafkaApiKey::Heartbeat, &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_FENCED_INSTANCE_ID; 20]);
+    // The partitions are no longer this process's: it must give them up at
+    // once, not go on retrying batches the new owner will consume.
+    let released = wait_until(Duration::from_secs(30), || metrics.assigned_partitions() == 0).await;
+    // Only now could a retry succeed: one that did would publish the second
+    // half behind the new owner's repair, which in at-least-once mode (or
+    // with a broker slow to fence) bills it twice.
+    mock.clear_request_errors(RDKafkaApiKey::AddPartitionsToTxn);
+    assert!(released, "a fenced worker kept retrying its batches instead of giving its partitions up");
+    let err = tokio::time::timeout(Duration::from_secs(60), worker)
+        .await
+        .expect("a fenced worker must stop on its own")
+        .expect("join")
+        .expect_err("and fail");
+    assert!(matches!(err, KafkaError::ConsumerFatal { .. }), "{err}");
+    let second: std::collections::HashSet<&[u8]> = half2.iter().filter_map(|r| r.key.as_deref()).collect();
+    let late = read_topic(&brokers, &topics.output)
+        .iter()
+        .filter(|r| r.key.as_deref().is_some_and(|k| second.contains(k)))
+        .count();
+    assert_eq!(late, 0, "a fenced worker published after losing its partitions");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lost_assignment_abandons_its_batches_and_output_stays_exactly_once() {
     let topics = topics("lost");
     let mock = cluster(&topics, PARTITIONS);

@@ -788,10 +788,16 @@ pub async fn run(
     tracing::info!(fatal = fatal.is_some(), "stopping: finishing in-flight batches");
 
     // Stop every partition task; each finishes (or abandons, if unpublished)
-    // its batch. The wait is bounded by revoke_timeout.
+    // its batch. The wait is bounded by revoke_timeout. After a fatal error
+    // the partitions are given up as lost: a fenced process (another one
+    // holds its --instance-id, or its transactional id) no longer owns
+    // them, so a batch waiting to retry its publish must not publish again
+    // behind the new owner's repair; one whose publish is in flight still
+    // ends as the broker decides, and the next owner repairs from the output.
     let owned: Vec<i32> = consumer.context().tasks().keys().copied().collect();
     let ctx_consumer = consumer.clone();
-    blocking(move || ctx_consumer.context().revoke(&owned, false)).await?;
+    let lost = fatal.is_some();
+    blocking(move || ctx_consumer.context().revoke(&owned, lost)).await?;
 
     drop(shared.publisher.clone());
     flush_and_leave(&producer, consumer, timeout).await?;
