@@ -23,6 +23,25 @@
 //!   smaller owned set after a cooperative revocation, starts a rebalance.
 //!   Kafka also rebalances when the leader rejoins; the model has no leader
 //!   duty, so it does not.
+//! - **A static member's new incarnation** (JoinGroup with its instance id
+//!   and no member id) takes the old member's place, and the old member id
+//!   is fenced (FENCED_INSTANCE_ID) from then on. Kafka's classic
+//!   coordinator then answers with the old assignment and no rebalance when
+//!   the group is Stable and the subscription unchanged, and rebalances in
+//!   any other state. By default ([`StaticRejoin::RebalanceUnlessSettled`])
+//!   the model takes that quiet path only when, besides, no cooperative
+//!   hand-over is under way: every subscribed partition is assigned to a
+//!   member of the generation and the old incarnation owned nothing outside
+//!   its assignment. Otherwise it rebalances. This is a deliberate
+//!   divergence: in Kafka, an incarnation killed after it was told to give a
+//!   partition up (withheld from everyone for the cooperative second round)
+//!   and before it rejoined leaves that partition assigned to no one until
+//!   some other rebalance, because its replacement gets the old assignment
+//!   quietly and the second round lived only in the killed process (see
+//!   "A partition nobody owns" in `docs/runbook.md`). The simulator's
+//!   liveness check would report every such schedule as a stall;
+//!   [`StaticRejoin::Kafka`] keeps the faithful behaviour for the unit test
+//!   that shows the stall.
 //!
 //! Cooperative invariant: a partition moves only through a generation in
 //! which nobody is assigned it. When the target owner differs from the
@@ -253,6 +272,17 @@ impl Group {
         }
     }
 
+    /// No cooperative hand-over is under way: every partition of a
+    /// subscribed topic is in the assignment of a member of the generation.
+    fn nothing_withheld(&self, partitions: &BTreeMap<String, i32>) -> bool {
+        let assigned: BTreeSet<&TopicPartition> =
+            self.members.values().filter(|m| m.in_generation).flat_map(|m| m.assignment.iter()).collect();
+        let topics: BTreeSet<&String> = self.members.values().flat_map(|m| m.topics.iter()).collect();
+        topics.into_iter().all(|t| {
+            (0..partitions.get(t).copied().unwrap_or(0)).all(|p| assigned.contains(&TopicPartition::new(t.clone(), p)))
+        })
+    }
+
     /// Which member each partition is assigned to in the current
     /// generation, counting only members that completed SyncGroup.
     pub fn synced_owners(&self) -> BTreeMap<TopicPartition, Vec<String>> {
@@ -274,12 +304,27 @@ pub struct SessionBounds {
     pub max_ms: i64,
 }
 
+/// What the coordinator does when a static member's new incarnation
+/// replaces the old one (see the module documentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StaticRejoin {
+    /// Kafka's classic coordinator: the old assignment and no rebalance
+    /// whenever the group is Stable and the subscription unchanged, even in
+    /// the middle of a cooperative hand-over (which then stalls).
+    Kafka,
+    /// As Kafka, but only when no partition is withheld and the old
+    /// incarnation owned nothing outside its assignment; else a rebalance.
+    #[default]
+    RebalanceUnlessSettled,
+}
+
 /// All groups of the cluster.
 #[derive(Debug, Clone, Default)]
 pub struct GroupCoordinator {
     groups: BTreeMap<String, Group>,
     next_member: u64,
     next_record_seq: u64,
+    pub static_rejoin: StaticRejoin,
 }
 
 impl GroupCoordinator {
@@ -311,6 +356,7 @@ impl GroupCoordinator {
         }
         self.next_member += 1;
         let fresh_id = format!("{}-{}", req.group_instance_id.as_deref().unwrap_or("member"), self.next_member);
+        let static_rejoin = self.static_rejoin;
         let group = self.groups.entry(req.group_id.clone()).or_insert_with(|| Group::new(&req.group_id));
 
         let member_id = if req.member_id.is_empty() {
@@ -318,6 +364,9 @@ impl GroupCoordinator {
                 req.group_instance_id.as_ref().and_then(|instance| group.static_members.get(instance).cloned());
             match replaced {
                 Some(old_id) => {
+                    // Read before the old member leaves the map: its
+                    // assignment counts.
+                    let nothing_withheld = group.nothing_withheld(partitions);
                     // KIP-345: a static member restarting takes its old slot and
                     // assignment; the old incarnation is fenced from now on.
                     let Some(mut member) = group.members.remove(&old_id) else {
@@ -331,14 +380,29 @@ impl GroupCoordinator {
                     if let Some(instance) = &req.group_instance_id {
                         group.static_members.insert(instance.clone(), fresh_id.clone());
                     }
-                    let stable = matches!(group.state, GroupState::Stable | GroupState::CompletingRebalance);
-                    if stable && unchanged && member.in_generation {
+                    let settled = match static_rejoin {
+                        StaticRejoin::Kafka => true,
+                        StaticRejoin::RebalanceUnlessSettled => {
+                            nothing_withheld && member.owned.is_subset(&member.assignment)
+                        }
+                    };
+                    if group.state == GroupState::Stable && unchanged && member.in_generation && settled {
                         // The new incarnation learns its (old) assignment by
-                        // SyncGroup; no rebalance, as in Kafka.
+                        // SyncGroup; no rebalance, as in Kafka, which also
+                        // stores the new incarnation's subscription (it owns
+                        // nothing yet).
                         member.synced = false;
+                        member.owned = req.owned;
                         group.members.insert(fresh_id.clone(), member);
                         return Ok(group.joined_answer(&fresh_id));
                     }
+                    // Any other state (Kafka rebalances in CompletingRebalance
+                    // too: the leader may be assigning under the old member
+                    // id), or a hand-over under way: the new incarnation is
+                    // not part of the generation, so the code below starts a
+                    // rebalance (or joins the one being prepared).
+                    member.in_generation = false;
+                    member.synced = false;
                     group.members.insert(fresh_id.clone(), member);
                 }
                 None => {
@@ -779,6 +843,63 @@ mod tests {
         assert_eq!(gc.heartbeat("g", &stale, 11), Err(ErrorCode::FencedInstanceId));
         let fresh = GroupMetadata { member_id: new, group_instance_id: Some("worker-1".into()), generation };
         assert_eq!(gc.sync("g", &fresh, 11).unwrap().len(), 4);
+    }
+
+    /// The cooperative hand-over of generation 2: `a` (static) is told to
+    /// give partitions up for `b`; they are withheld from both. Returns the
+    /// coordinator, `a`'s join request and `b`'s member id.
+    fn static_member_in_the_middle_of_a_hand_over(
+        rejoin: StaticRejoin,
+    ) -> (GroupCoordinator, JoinGroupRequest, String) {
+        let mut gc = GroupCoordinator { static_rejoin: rejoin, ..GroupCoordinator::default() };
+        let static_meta = |id: &str, generation| GroupMetadata {
+            member_id: id.into(),
+            group_instance_id: Some("worker-a".into()),
+            generation,
+        };
+        let mut a_req = join_req("", &[]);
+        a_req.group_instance_id = Some("worker-a".into());
+        let (a, _) = joined(gc.join(a_req.clone(), 0, BOUNDS, &parts()).unwrap());
+        gc.sync("g", &static_meta(&a, 1), 0).unwrap();
+        let JoinOutcome::Pending { member_id: b } = gc.join(join_req("", &[]), 1, BOUNDS, &parts()).unwrap() else {
+            panic!("b should wait for a");
+        };
+        let mut a_rejoin = join_req(&a, &[0, 1, 2, 3]);
+        a_rejoin.group_instance_id = Some("worker-a".into());
+        joined(gc.join(a_rejoin, 2, BOUNDS, &parts()).unwrap());
+        joined(gc.join(join_req(&b, &[]), 2, BOUNDS, &parts()).unwrap());
+        assert_eq!(gc.sync("g", &static_meta(&a, 2), 3).unwrap().len(), 2);
+        assert!(gc.sync("g", &meta(&b, 2), 3).unwrap().is_empty());
+        assert_eq!(gc.group("g").unwrap().state, GroupState::Stable);
+        (gc, a_req, b)
+    }
+
+    #[test]
+    fn a_static_member_replaced_mid_hand_over_leaves_partitions_unowned_in_kafka_but_not_in_the_model() {
+        // Kafka: `a` is killed before its second round; its new incarnation
+        // gets the old assignment quietly and nobody is ever assigned the
+        // two withheld partitions (the runbook's "partition nobody owns").
+        let (mut gc, a_req, b) = static_member_in_the_middle_of_a_hand_over(StaticRejoin::Kafka);
+        let (a2, generation) = joined(gc.join(a_req.clone(), 10, BOUNDS, &parts()).unwrap());
+        assert_eq!(generation, 2, "no rebalance");
+        let a2_meta = GroupMetadata { member_id: a2, group_instance_id: Some("worker-a".into()), generation };
+        assert_eq!(gc.sync("g", &a2_meta, 11).unwrap().len(), 2);
+        assert_eq!(gc.heartbeat("g", &meta(&b, 2), 12), Ok(()), "b is never asked to rejoin");
+        let owners = gc.group("g").unwrap().synced_owners();
+        assert_eq!(owners.len(), 2, "two partitions assigned to no one, for good: {owners:?}");
+
+        // The model's default: the replacement starts a rebalance, and the
+        // next generation assigns every partition.
+        let (mut gc, a_req, b) = static_member_in_the_middle_of_a_hand_over(StaticRejoin::RebalanceUnlessSettled);
+        let JoinOutcome::Pending { member_id: a2 } = gc.join(a_req, 10, BOUNDS, &parts()).unwrap() else {
+            panic!("the replacement must rebalance");
+        };
+        assert_eq!(gc.heartbeat("g", &meta(&b, 2), 11), Err(ErrorCode::RebalanceInProgress));
+        let (_, generation) = joined(gc.join(join_req(&b, &[]), 12, BOUNDS, &parts()).unwrap());
+        assert_eq!(generation, 3);
+        let a2_meta = GroupMetadata { member_id: a2, group_instance_id: Some("worker-a".into()), generation };
+        let total = gc.sync("g", &a2_meta, 13).unwrap().len() + gc.sync("g", &meta(&b, 3), 13).unwrap().len();
+        assert_eq!(total, 4);
     }
 
     #[test]
