@@ -37,6 +37,8 @@ pub enum Violation {
     Stalled { deadline_ms: i64, detail: String },
     #[error("worker {worker}'s local state does not open after the schedule and a last power loss: {detail}")]
     StateUnreadable { worker: usize, detail: String },
+    #[error("the model broker broke one of its own invariants: {detail}")]
+    BrokerInvariant { detail: String },
 }
 
 /// Records of `topic` a read_committed consumer sees, partition by

@@ -7,10 +7,11 @@
 //! goes down, the coordinator moves, workers crash (the process alone, or
 //! with a power loss that takes unsynced writes and directory entries) and
 //! restart, or pause past their session (zombies), transaction markers land
-//! late, and a worker's disk fails writes or fsyncs or fills up for a while. After the faults stop the workers must finish all
-//! input within a bounded simulated time, and the checks of
-//! [`check`] hold. Everything is a function of the seed: a failing seed
-//! replays exactly and prints its trace.
+//! late, and a worker's disk fails writes or fsyncs or fills up for a while.
+//! After the faults stop the workers must finish all input within a bounded
+//! simulated time, and the checks of [`check`] hold; the model broker's own
+//! invariants are checked as the schedule runs. Everything is a function of
+//! the seed: a failing seed replays exactly and prints its trace.
 //!
 //! What runs for real: the partition life ([`crate::pipeline::PartitionLife`])
 //! and transaction endings, batch classification and record formats
@@ -58,6 +59,8 @@ const WORKERS: usize = 2;
 const FAULTS_END_MS: i64 = 40_000;
 /// Once faults stop, all input must be processed within this long.
 const LIVENESS_MS: i64 = 150_000;
+/// How often, in simulated time, the model broker's invariants are checked.
+const BROKER_CHECK_EVERY_MS: i64 = 100;
 
 /// What one schedule runs.
 #[derive(Clone, Copy, Debug)]
@@ -256,6 +259,7 @@ pub struct World {
     next_request_owner: BTreeMap<u64, (usize, u32)>,
     /// Disk-side randomness (what a crash takes), apart from the rest.
     pub(crate) disk_rng: SimRng,
+    next_broker_check_ms: i64,
 }
 
 impl World {
@@ -289,6 +293,7 @@ impl World {
             report: Report::default(),
             next_request_owner: BTreeMap::new(),
             disk_rng,
+            next_broker_check_ms: 0,
         };
         for i in 0..WORKERS {
             let always = world.faults.sync_every == 1;
@@ -352,9 +357,19 @@ impl World {
                 }
                 self.fire(timer);
             }
+            // Every step would cost a quarter more time per schedule (the
+            // log checks walk every entry); a tenth of a simulated second
+            // still sees any state that outlives a round trip.
+            if self.now_ms >= self.next_broker_check_ms {
+                self.next_broker_check_ms = self.now_ms + BROKER_CHECK_EVERY_MS;
+                self.check_broker();
+            }
             if !self.violations.is_empty() {
                 break;
             }
+        }
+        if self.violations.is_empty() {
+            self.check_broker();
         }
         if !done && self.violations.is_empty() {
             let detail = self.progress_summary();
@@ -377,6 +392,22 @@ impl World {
             Ok(report)
         } else {
             Err(Failure { config: self.config, violations: self.violations, trace: self.trace })
+        }
+    }
+
+    /// The model broker's own invariants (one owner per partition among
+    /// synced members, logs, transactions), as a violation with the seed
+    /// and trace rather than a bare panic.
+    fn check_broker(&mut self) {
+        let broker = self.net.broker();
+        let checked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| broker.check_invariants()));
+        if let Err(panic) = checked {
+            let detail = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_default();
+            self.violations.push(Violation::BrokerInvariant { detail });
         }
     }
 
