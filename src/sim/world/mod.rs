@@ -13,6 +13,40 @@
 //! invariants are checked as the schedule runs. Everything is a function of
 //! the seed: a failing seed replays exactly and prints its trace.
 //!
+//! # Membership
+//!
+//! Half the schedules run dynamic members (no `--instance-id`: a new member
+//! and a new transactional id per process), half static ones, as the
+//! StatefulSet runs dedupd ([`Membership`]): worker `i` is `worker-i`, a
+//! restarted process takes its predecessor's place in the group without a
+//! rebalance when the group is settled (KIP-345; see
+//! [`crate::sim::broker::group`] for where the model rebalances instead,
+//! and why) and its transactional id, so its InitProducerId fences the
+//! predecessor's producer and aborts its open transaction. A third of the
+//! static exactly-once schedules also start, once, a second process with a
+//! live worker's instance id (its own disk; never restarted), as when two
+//! pods are given one `--instance-id` by mistake: the process that receives
+//! FENCED_INSTANCE_ID stops for good with the real driver's message, its
+//! partitions lost, and the schedule must stay clean. The processes cannot
+//! fence each other back and forth: a fenced process never comes back, and
+//! the duplicate is never restarted. At-least-once schedules get static
+//! restarts but no duplicate: nothing fences an idempotent producer, so the
+//! old process's batch in flight can land after its successor's repair and
+//! be published again (issue #10's guarantee holds in exactly-once mode
+//! only).
+//!
+//! Two divergences. A FENCED_INSTANCE_ID answer to a request sent under a
+//! member id the process has since given up itself (it lost its session and
+//! joined again with no member id, which replaced its own old member) is
+//! ignored; librdkafka stops on any such answer. And a simulated worker
+//! calls InitProducerId again after a failed publish, where `dedupd run`
+//! aborts and keeps its epoch: with a shared transactional id the old
+//! process can then fence the newcomer's producer, the newcomer stops (and
+//! is not restarted), the old process stops at its next group request, and
+//! the other worker takes every partition once the instance's session
+//! expires. Harsher than the real ending, and it must keep every guarantee
+//! all the same.
+//!
 //! What runs for real: the partition life ([`crate::pipeline::PartitionLife`])
 //! and transaction endings, batch classification and record formats
 //! ([`crate::kafka::batch`], [`crate::kafka::records`]), the classifier and
@@ -68,6 +102,59 @@ pub struct ScheduleConfig {
     pub seed: u64,
     pub delivery: DeliveryMode,
     pub mutations: Mutations,
+    pub membership: Membership,
+}
+
+/// How the schedule's workers join the group (see the module documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Membership {
+    /// No `--instance-id`: each process joins as a new member, with a
+    /// transactional id of its own.
+    Dynamic,
+    /// Worker `i` runs with `--instance-id worker-i`.
+    Static,
+    /// Static, and at `at_ms` a second process starts with worker `of`'s
+    /// instance id, on a disk of its own; it is never restarted. Drawn for
+    /// exactly-once schedules only.
+    Duplicate { of: usize, at_ms: i64 },
+    /// One of the above, drawn from the seed by a generator of its own, so
+    /// every other fault of a seed is what it was before membership was
+    /// drawn (regression seeds keep their meaning).
+    Drawn,
+}
+
+impl Membership {
+    fn draw(rng: &mut SimRng, delivery: DeliveryMode) -> Membership {
+        if rng.below(2) == 0 {
+            return Membership::Dynamic;
+        }
+        if delivery == DeliveryMode::ExactlyOnce && rng.below(3) == 0 {
+            let of = rng.below(WORKERS as u64) as usize;
+            return Membership::Duplicate { of, at_ms: rng.range_i64(1_000, FAULTS_END_MS - 5_000) };
+        }
+        Membership::Static
+    }
+
+    /// `--instance-id` of worker `worker`, if static.
+    fn instance_id(self, worker: usize) -> Option<String> {
+        match self {
+            Membership::Dynamic | Membership::Drawn => None,
+            Membership::Static | Membership::Duplicate { .. } => Some(format!("worker-{worker}")),
+        }
+    }
+}
+
+impl std::fmt::Display for Membership {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Membership::Dynamic => write!(f, "dynamic members"),
+            Membership::Static => write!(f, "static members"),
+            Membership::Duplicate { of, at_ms } => {
+                write!(f, "static members, a second process with w{of}'s instance id at {at_ms} ms")
+            }
+            Membership::Drawn => write!(f, "membership drawn from the seed"),
+        }
+    }
 }
 
 /// One input record of the schedule.
@@ -127,6 +214,8 @@ pub struct Faults {
     /// (worker, from, until, faults): a disk failing for a while. A full
     /// disk is `capacity_bytes` of headroom over what it holds at `from`.
     pub disk: Vec<(usize, i64, i64, DiskFaults)>,
+    /// The schedule's membership, never [`Membership::Drawn`].
+    pub membership: Membership,
 }
 
 impl Faults {
@@ -195,6 +284,7 @@ impl Faults {
             sync_every: if rng.below(2) == 0 { 1 } else { 1 + rng.below(4) as u32 },
             batch_records: 1 + rng.below(6) as usize,
             disk: Vec::new(),
+            membership: Membership::Dynamic,
         }
     }
 }
@@ -210,12 +300,23 @@ pub struct Report {
     pub finished_ms: i64,
     /// What the workers' disks did, summed.
     pub disk: DiskCounts,
+    /// The workers ran with `--instance-id`.
+    pub static_members: bool,
+    /// 1 when a second process with a worker's instance id started.
+    pub duplicates: usize,
+    /// 1 when that process joined or took partitions while the worker whose
+    /// instance id it shares was alive and still held partitions.
+    pub duplicate_overlaps: usize,
+    /// Processes stopped for good by FENCED_INSTANCE_ID.
+    pub fenced_exits: usize,
 }
 
 /// A schedule that failed: the seed, what broke, and the trace.
 #[derive(Debug)]
 pub struct Failure {
     pub config: ScheduleConfig,
+    /// The membership the schedule ran (drawn, when the config says so).
+    pub membership: Membership,
     pub violations: Vec<Violation>,
     pub trace: Vec<String>,
 }
@@ -224,8 +325,8 @@ impl std::fmt::Display for Failure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "schedule failed: seed {} ({}), reproduce with SIM_SEED={} SIM_SCHEDULES=1",
-            self.config.seed, self.config.delivery, self.config.seed
+            "schedule failed: seed {} ({}, {}), reproduce with SIM_SEED={} SIM_SCHEDULES=1",
+            self.config.seed, self.config.delivery, self.membership, self.config.seed
         )?;
         for v in &self.violations {
             writeln!(f, "  violation: {v}")?;
@@ -268,6 +369,13 @@ impl World {
         let mut faults = Faults::draw(&mut rng, config.delivery);
         let mut disk_rng = SimRng::new(config.seed ^ 0xD15C_5EED_0000_0000);
         faults.draw_disk(&mut disk_rng);
+        // Membership and the duplicate's disk come from a generator of their
+        // own, so drawing them changes no other fault of the seed.
+        let mut membership_rng = SimRng::new(config.seed ^ 0x57A7_1C1D_0000_0000);
+        faults.membership = match config.membership {
+            Membership::Drawn => Membership::draw(&mut membership_rng, config.delivery),
+            chosen => chosen,
+        };
         let broker_config = BrokerConfig { marker_delay_ms: faults.marker_delay_ms, ..BrokerConfig::default() };
         let mut broker = Broker::new(broker_config);
         for (topic, n) in [(INPUT, PARTITIONS), (OUTPUT, PARTITIONS), (CONFLICTS, 1), (REJECTED, 1), (ROLLUPS, 1)] {
@@ -295,11 +403,20 @@ impl World {
             disk_rng,
             next_broker_check_ms: 0,
         };
+        let membership = world.faults.membership;
+        let always = world.faults.sync_every == 1;
         for i in 0..WORKERS {
-            let always = world.faults.sync_every == 1;
             let state = engine::SimState::new(i, &mut world.disk_rng, always, world.config.mutations);
-            world.workers.push(Worker::new(i, &world.faults, state));
+            world.workers.push(Worker::new(i, &world.faults, state, membership.instance_id(i), None));
             world.at(0, Timer::Start { worker: i });
+        }
+        world.report.static_members = membership.instance_id(0).is_some();
+        if let Membership::Duplicate { of, at_ms } = membership {
+            let i = world.workers.len();
+            let state = engine::SimState::new(i, &mut membership_rng, always, world.config.mutations);
+            world.workers.push(Worker::new(i, &world.faults, state, membership.instance_id(of), Some(of)));
+            world.at(at_ms, Timer::Start { worker: i });
+            world.report.duplicates = 1;
         }
         for &(worker, from, until, faults) in &world.faults.disk.clone() {
             world.at(from, Timer::Disk { worker, faults });
@@ -328,7 +445,12 @@ impl World {
     }
 
     /// Runs the schedule to its end and checks it.
-    pub fn run(mut self) -> Result<Report, Failure> {
+    pub fn run(self) -> Result<Report, Failure> {
+        self.run_with_trace().map(|(report, _)| report)
+    }
+
+    /// As [`World::run`], and the trace of a schedule that passed.
+    pub fn run_with_trace(mut self) -> Result<(Report, Vec<String>), Failure> {
         let deadline = FAULTS_END_MS + LIVENESS_MS;
         let mut done = false;
         while !done {
@@ -389,9 +511,10 @@ impl World {
             let mut report = self.report.clone();
             report.input_records = self.produced.len();
             report.output_records = check::output_records(&self.net, OUTPUT).len();
-            Ok(report)
+            Ok((report, self.trace))
         } else {
-            Err(Failure { config: self.config, violations: self.violations, trace: self.trace })
+            let membership = self.faults.membership;
+            Err(Failure { config: self.config, membership, violations: self.violations, trace: self.trace })
         }
     }
 

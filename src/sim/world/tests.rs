@@ -7,7 +7,7 @@
 //! `SIM_SEED=<seed> SIM_SCHEDULES=1 cargo test --lib sim::world`.
 
 use crate::pipeline::{DeliveryMode, Mutation, Mutations};
-use crate::sim::world::{ScheduleConfig, World};
+use crate::sim::world::{Membership, ScheduleConfig, World};
 
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -23,10 +23,11 @@ fn seeds() -> std::ops::Range<u64> {
 
 fn run_all(delivery: DeliveryMode) {
     let mut totals = (0usize, 0usize, 0usize, 0usize, 0usize);
+    let mut members = (0usize, 0usize, 0usize, 0usize);
     let mut disk = crate::sim::disk::DiskCounts::default();
     let mut schedules = 0;
     for seed in seeds() {
-        let config = ScheduleConfig { seed, delivery, mutations: Mutations::NONE };
+        let config = ScheduleConfig { seed, delivery, mutations: Mutations::NONE, membership: Membership::Drawn };
         match World::new(config).run() {
             Ok(r) => {
                 schedules += 1;
@@ -35,6 +36,10 @@ fn run_all(delivery: DeliveryMode) {
                 totals.2 += r.crashes;
                 totals.3 += r.lost_assignments;
                 totals.4 += r.aborted_transactions;
+                members.0 += usize::from(r.static_members);
+                members.1 += r.duplicates;
+                members.2 += r.duplicate_overlaps;
+                members.3 += r.fenced_exits;
                 disk += r.disk;
             }
             Err(failure) => panic!("{failure}"),
@@ -42,13 +47,18 @@ fn run_all(delivery: DeliveryMode) {
     }
     eprintln!(
         "{delivery}: {schedules} schedules passed: {} input records, {} output records, {} crashes, {} lost \
-         assignments, {} failed publishes; disks: {} power losses taking {} unsynced bytes and {} directory \
-         changes, {} write errors, {} fsync errors, {} full-disk errors",
+         assignments, {} failed publishes; {} with static members, {} with a second process on a worker's \
+         instance id ({} overlapping it), {} fenced exits; disks: {} power losses taking {} unsynced bytes and {} \
+         directory changes, {} write errors, {} fsync errors, {} full-disk errors",
         totals.0,
         totals.1,
         totals.2,
         totals.3,
         totals.4,
+        members.0,
+        members.1,
+        members.2,
+        members.3,
         disk.power_losses,
         disk.bytes_lost,
         disk.entries_lost,
@@ -72,7 +82,8 @@ fn at_least_once_schedules_keep_every_guarantee() {
 /// the first failing seed.
 fn caught(mutation: Mutation, delivery: DeliveryMode) -> Option<(u64, String)> {
     for seed in seeds() {
-        let config = ScheduleConfig { seed, delivery, mutations: Mutations::only(mutation) };
+        let config =
+            ScheduleConfig { seed, delivery, mutations: Mutations::only(mutation), membership: Membership::Drawn };
         if let Err(f) = World::new(config).run() {
             return Some((seed, f.violations.first().map(|v| v.to_string()).unwrap_or_default()));
         }
@@ -129,7 +140,12 @@ fn a_wal_file_created_without_a_directory_fsync_is_caught() {
 
 #[test]
 fn a_seed_replays_exactly() {
-    let config = ScheduleConfig { seed: 42, delivery: DeliveryMode::ExactlyOnce, mutations: Mutations::NONE };
+    let config = ScheduleConfig {
+        seed: 42,
+        delivery: DeliveryMode::ExactlyOnce,
+        mutations: Mutations::NONE,
+        membership: Membership::Drawn,
+    };
     let a = World::new(config);
     let b = World::new(config);
     assert_eq!(a.plan, b.plan);
@@ -143,10 +159,61 @@ fn a_seed_replays_exactly() {
 /// accepts unfenced, so a zombie committed a batch of a partition another
 /// member had already taken over (billed twice). dedupd now refuses to send
 /// offsets without a live membership; without that guard this seed fails.
+/// Found with dynamic members, and pinned to them.
 #[test]
 fn a_member_that_lost_its_session_cannot_commit_offsets_unfenced() {
-    let config = ScheduleConfig { seed: 224, delivery: DeliveryMode::ExactlyOnce, mutations: Mutations::NONE };
+    let config = ScheduleConfig {
+        seed: 224,
+        delivery: DeliveryMode::ExactlyOnce,
+        mutations: Mutations::NONE,
+        membership: Membership::Dynamic,
+    };
     if let Err(failure) = World::new(config).run() {
         panic!("{failure}");
     }
+}
+
+/// Issue #10: two processes with one `--instance-id`. At 10 s a second
+/// process starts with worker 0's instance id while worker 0 holds both
+/// input partitions and has a transaction in flight on one of them. The
+/// coordinator hands the newcomer worker 0's assignment in the same
+/// generation (KIP-345, no rebalance), and it repairs and publishes both
+/// partitions while worker 0 still runs; its InitProducerId (the
+/// transactional id is the instance's) fences worker 0's producer. Worker
+/// 0's next heartbeat is answered FENCED_INSTANCE_ID and it stops for good
+/// with the real driver's message. Nothing is billed twice or lost, side
+/// topics are exact, and the survivor finishes the input.
+#[test]
+fn a_second_process_with_a_live_workers_instance_id_is_fenced_out_and_nothing_is_billed_twice_or_lost() {
+    let config = ScheduleConfig {
+        seed: 17,
+        delivery: DeliveryMode::ExactlyOnce,
+        mutations: Mutations::NONE,
+        membership: Membership::Duplicate { of: 0, at_ms: 10_000 },
+    };
+    let (report, trace) = match World::new(config).run_with_trace() {
+        Ok(done) => done,
+        Err(failure) => panic!("{failure}"),
+    };
+    assert_eq!(report.duplicate_overlaps, 1, "the second process must meet worker 0 holding partitions");
+    assert_eq!(report.fenced_exits, 1);
+    assert_eq!(report.crashes, 0, "no other fault may explain the outcome");
+    let exits: Vec<&String> = trace.iter().filter(|l| l.contains("exits non-zero")).collect();
+    assert_eq!(exits.len(), 1, "{exits:?}");
+    let message = "w0 exits non-zero and is not restarted: the Kafka consumer cannot go on: FencedInstanceId: Fatal \
+                   consumer error: Broker: Static consumer fenced by other consumer with same group.instance.id; \
+                   another process joined group `dedupd` with the same --instance-id \"worker-0\": give each worker \
+                   its own";
+    assert!(exits[0].ends_with(message), "{}", exits[0]);
+    // The newcomer published while worker 0 was still running: the
+    // overlap the fencing has to make safe.
+    let exit_at = trace.iter().position(|l| l.contains("w0 exits")).unwrap_or(0);
+    assert!(trace[..exit_at].iter().any(|l| l.contains("w2 p0 Apply") || l.contains("w2 p1 Apply")));
+    // One fence, and the newcomer runs on to the end. A fenced process
+    // that carried on would join again with no member id and fence the
+    // newcomer in turn; the billing checks alone would not see that (the
+    // shared transactional id still fences every stale producer).
+    let fenced: Vec<&String> = trace.iter().filter(|l| l.contains("answered FENCED_INSTANCE_ID")).collect();
+    assert_eq!(fenced.len(), 1, "{fenced:?}");
+    assert!(!trace.iter().any(|l| l.contains("w2 stops") || l.contains("w2 exits")));
 }

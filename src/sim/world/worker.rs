@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::types::RDKafkaErrorCode;
 
 use crate::config::EngineSettings;
 use crate::event::Position;
@@ -84,13 +85,15 @@ pub enum Timer {
     },
 }
 
-/// What a request was for.
+/// What a request was for. Group requests keep the member id they were
+/// sent under, to tell a FENCED_INSTANCE_ID about this process's current
+/// membership from one about a membership it gave up itself.
 #[derive(Clone, Debug)]
 enum Purpose {
-    Join,
-    Sync,
-    Heartbeat,
-    Commit { partition: i32, next: i64 },
+    Join { sent_as: String },
+    Sync { sent_as: String },
+    Heartbeat { sent_as: String },
+    Commit { partition: i32, next: i64, sent_as: String },
     Slot { partition: i32, generation: u64, what: SlotRequest },
     Producer { generation: u64, what: ProducerRequest },
 }
@@ -112,7 +115,7 @@ enum ProducerRequest {
     AddPartitions,
     Produce { tp: TopicPartition, indexes: Vec<usize> },
     AddOffsets,
-    TxnOffsetCommit,
+    TxnOffsetCommit { sent_as: String },
     EndTxn,
 }
 
@@ -175,6 +178,16 @@ pub struct Worker {
     pub index: usize,
     pub incarnation: u32,
     pub alive: bool,
+    /// `--instance-id` (static membership), or none (dynamic).
+    pub instance_id: Option<String>,
+    /// A second process started with worker `duplicate_of`'s instance id.
+    /// Nothing restarts it: the operator who started it by mistake is not
+    /// modelled as doing so twice.
+    pub duplicate_of: Option<usize>,
+    /// Stopped for good: fenced by another process with its instance id (the
+    /// real driver exits non-zero, and restarting it would only fence the
+    /// other one in turn), or a duplicate that stopped.
+    pub exited: bool,
     pub paused_until: i64,
     pub deferred: Vec<Delivery>,
     deferred_timers: Vec<Timer>,
@@ -195,11 +208,20 @@ pub struct Worker {
 }
 
 impl Worker {
-    pub fn new(index: usize, faults: &Faults, state: SimState) -> Worker {
+    pub fn new(
+        index: usize,
+        faults: &Faults,
+        state: SimState,
+        instance_id: Option<String>,
+        duplicate_of: Option<usize>,
+    ) -> Worker {
         Worker {
             index,
             incarnation: 0,
             alive: false,
+            instance_id,
+            duplicate_of,
+            exited: false,
             paused_until: i64::MIN,
             deferred: Vec::new(),
             deferred_timers: Vec::new(),
@@ -219,9 +241,11 @@ impl Worker {
     pub fn describe(&self) -> String {
         let slots: Vec<String> = self.slots.iter().map(|(p, s)| format!("p{p}:{:?}", s.step)).collect();
         format!(
-            "w{} alive={}{} member={}@{} stable={} slots=[{}] producer pid={:?} queue={} run={}",
+            "w{}{} alive={}{}{} member={}@{} stable={} slots=[{}] producer pid={:?} queue={} run={}",
             self.index,
+            self.instance_id.as_ref().map(|i| format!(" ({i})")).unwrap_or_default(),
             self.alive,
+            if self.exited { " exited" } else { "" },
             self.start_error.as_ref().map(|e| format!(" ({e})")).unwrap_or_default(),
             self.member.id,
             self.member.generation,
@@ -247,16 +271,26 @@ impl Worker {
         self.engine.as_mut().expect("a live worker has an engine")
     }
 
-    /// As `RunSettings::transactional_id` for a dynamic member (the
-    /// simulator's workers join without `--instance-id`): unique per
+    /// As `RunSettings::transactional_id`. A dynamic member's is unique per
     /// process, so fencing rests on the group generation (KIP-447) and a
-    /// dead process's open transaction stays open until its timeout.
+    /// dead process's open transaction stays open until its timeout. A
+    /// static member's is its instance's: the next process's InitProducerId
+    /// fences the previous one's producer and aborts its open transaction,
+    /// which is what keeps a replaced process (whose group generation its
+    /// successor shares) from committing a batch.
     fn transactional_id(&self) -> String {
-        format!("dedupd-{GROUP}-{:016x}", self.client())
+        match &self.instance_id {
+            Some(instance) => format!("dedupd-{GROUP}-{instance}"),
+            None => format!("dedupd-{GROUP}-{:016x}", self.client()),
+        }
     }
 
     fn metadata(&self) -> GroupMetadata {
-        GroupMetadata { member_id: self.member.id.clone(), group_instance_id: None, generation: self.member.generation }
+        GroupMetadata {
+            member_id: self.member.id.clone(),
+            group_instance_id: self.instance_id.clone(),
+            generation: self.member.generation,
+        }
     }
 }
 
@@ -359,7 +393,7 @@ pub(crate) fn on_timer(w: &mut World, timer: Timer) {
 
 fn start(w: &mut World, worker: usize) {
     let wk = &mut w.workers[worker];
-    if wk.alive {
+    if wk.alive || wk.exited {
         return;
     }
     wk.incarnation += 1;
@@ -369,16 +403,22 @@ fn start(w: &mut World, worker: usize) {
     match wk.state.open() {
         Ok(engine) => wk.engine = Some(engine),
         Err(e) => {
-            // As a pod whose process exits at start: restarted shortly.
             wk.alive = false;
             w.log(format!("w{worker} does not start: {e}"));
             w.workers[worker].start_error = Some(e);
-            w.at(w.now_ms + 1_000, Timer::Start { worker });
+            // As a pod whose process exits at start: restarted shortly.
+            restart_later(w, worker);
             return;
         }
     }
     w.workers[worker].start_error = None;
-    w.log(format!("w{worker} starts (incarnation {})", w.workers[worker].incarnation));
+    let wk = &w.workers[worker];
+    let role = match (wk.duplicate_of, &wk.instance_id) {
+        (Some(of), Some(instance)) => format!(", a second process with w{of}'s --instance-id {instance}"),
+        (_, Some(instance)) => format!(", --instance-id {instance}"),
+        (_, None) => String::new(),
+    };
+    w.log(format!("w{worker} starts (incarnation {}{role})", wk.incarnation));
     init_producer(w, worker);
     join(w, worker);
 }
@@ -387,19 +427,85 @@ fn start(w: &mut World, worker: usize) {
 /// holds (a power loss is the caller's to add).
 pub(crate) fn crash(w: &mut World, worker: usize, why: &str) {
     w.report.crashes += 1;
+    end_process(w, worker);
+    w.log(format!("w{worker} {why}"));
+}
+
+fn end_process(w: &mut World, worker: usize) {
     let wk = &mut w.workers[worker];
     // Dropped, not closed: nothing is flushed or synced on the way out.
     drop(wk.engine.take());
     wk.alive = false;
     wk.incarnation += 1;
     wk.reset_process();
-    w.log(format!("w{worker} {why}"));
 }
 
 /// The process stops with an error and is restarted (as a pod would be).
 fn fail(w: &mut World, worker: usize, why: String) {
     crash(w, worker, &format!("stops: {why}"));
-    w.at(w.now_ms + 1_000, Timer::Start { worker });
+    restart_later(w, worker);
+}
+
+/// A worker's pod restarts it; a duplicate is not restarted.
+fn restart_later(w: &mut World, worker: usize) {
+    if w.workers[worker].duplicate_of.is_some() {
+        w.workers[worker].exited = true;
+        w.log(format!("w{worker} is not restarted"));
+    } else {
+        w.at(w.now_ms + 1_000, Timer::Start { worker });
+    }
+}
+
+/// What `kafka::worker`'s `fatal_detail` makes of the fatal error librdkafka
+/// raises on FENCED_INSTANCE_ID (code `FencedInstanceId`, reason "Fatal
+/// consumer error: " and librdkafka's `rd_kafka_err2str` text for the
+/// code), hint included.
+fn fenced_detail(instance_id: &str) -> String {
+    let code = RDKafkaErrorCode::FencedInstanceId;
+    // rdkafka displays a code as "Name (err2str text)"; the reason holds
+    // the text alone.
+    let shown = code.to_string();
+    let text = shown.strip_prefix(&format!("{code:?} (")).and_then(|t| t.strip_suffix(')')).unwrap_or(&shown);
+    format!(
+        "{code:?}: Fatal consumer error: {text}; another process joined group `{GROUP}` with the same --instance-id \
+         {instance_id:?}: give each worker its own"
+    )
+}
+
+/// `request`, sent as member `sent_as`, was answered FENCED_INSTANCE_ID.
+/// When `sent_as` is the process's membership, another process has taken
+/// its instance id: as the real driver, it stops for good, its partitions
+/// lost (librdkafka revokes them as lost before raising the fatal error),
+/// and returns true. Otherwise the answer is about a member id this process
+/// gave up itself when it joined again with none after losing its session
+/// (see the module documentation): nothing to do, and false.
+fn fenced_for_good(w: &mut World, worker: usize, sent_as: &str, request: &str) -> bool {
+    w.log(format!("w{worker} {request} as {sent_as} answered FENCED_INSTANCE_ID"));
+    if w.workers[worker].member.id != sent_as {
+        w.log(format!("w{worker} has left that membership itself: ignored"));
+        return false;
+    }
+    w.report.fenced_exits += 1;
+    lose_assignment(w, worker);
+    let instance = w.workers[worker].instance_id.clone().unwrap_or_default();
+    let error = crate::kafka::KafkaError::ConsumerFatal { detail: fenced_detail(&instance) };
+    end_process(w, worker);
+    w.workers[worker].exited = true;
+    w.log(format!("w{worker} exits non-zero and is not restarted: {error}"));
+    true
+}
+
+/// A duplicate joined or took partitions while the worker whose instance
+/// id it shares still held some: the schedule tested what it meant to.
+fn note_overlap(w: &mut World, worker: usize) {
+    let Some(of) = w.workers[worker].duplicate_of else { return };
+    let original = &w.workers[of];
+    if !original.alive || original.slots.is_empty() || w.report.duplicate_overlaps > 0 {
+        return;
+    }
+    let held: Vec<i32> = original.slots.keys().copied().collect();
+    w.report.duplicate_overlaps = 1;
+    w.log(format!("w{worker} overlaps w{of}, which still holds {held:?}"));
 }
 
 pub(crate) fn on_delivery(w: &mut World, worker: usize, d: Delivery) {
@@ -409,15 +515,19 @@ pub(crate) fn on_delivery(w: &mut World, worker: usize, d: Delivery) {
         Outcome::TimedOut => None,
     };
     match purpose {
-        Purpose::Join => on_join(w, worker, response),
-        Purpose::Sync => on_sync(w, worker, response),
-        Purpose::Heartbeat => on_heartbeat(w, worker, response),
-        Purpose::Commit { partition, next } => {
-            if let Some(Response::OffsetCommit(Ok(()))) = response {
+        Purpose::Join { sent_as } => on_join(w, worker, &sent_as, response),
+        Purpose::Sync { sent_as } => on_sync(w, worker, &sent_as, response),
+        Purpose::Heartbeat { sent_as } => on_heartbeat(w, worker, &sent_as, response),
+        Purpose::Commit { partition, next, sent_as } => match response {
+            Some(Response::OffsetCommit(Ok(()))) => {
                 let c = w.workers[worker].committed.entry(partition).or_insert(next);
                 *c = (*c).max(next);
             }
-        }
+            Some(Response::OffsetCommit(Err(ErrorCode::FencedInstanceId))) => {
+                fenced_for_good(w, worker, &sent_as, "OffsetCommit");
+            }
+            _ => {}
+        },
         Purpose::Slot { partition, generation, what } => {
             let current = w.workers[worker].slots.get(&partition).map(|s| s.generation);
             if current == Some(generation) {
@@ -445,13 +555,14 @@ fn join(w: &mut World, worker: usize) {
     let req = JoinGroupRequest {
         group_id: GROUP.into(),
         member_id: wk.member.id.clone(),
-        group_instance_id: None,
+        group_instance_id: wk.instance_id.clone(),
         topics: [INPUT.to_owned()].into_iter().collect(),
         owned,
         session_timeout_ms: SESSION_MS,
         rebalance_timeout_ms: 10_000,
     };
-    send(w, worker, Request::JoinGroup(req), Purpose::Join);
+    let sent_as = req.member_id.clone();
+    send(w, worker, Request::JoinGroup(req), Purpose::Join { sent_as });
 }
 
 fn rejoin_later(w: &mut World, worker: usize, after_ms: i64) {
@@ -460,7 +571,12 @@ fn rejoin_later(w: &mut World, worker: usize, after_ms: i64) {
     w.at(w.now_ms + after_ms, Timer::Rejoin { worker, incarnation });
 }
 
-fn on_join(w: &mut World, worker: usize, response: Option<Response>) {
+fn on_join(w: &mut World, worker: usize, sent_as: &str, response: Option<Response>) {
+    if let Some(Response::JoinGroup(Err(ErrorCode::FencedInstanceId))) = &response {
+        if fenced_for_good(w, worker, sent_as, "JoinGroup") {
+            return;
+        }
+    }
     match response {
         Some(Response::JoinGroup(Ok(JoinOutcome::Pending { member_id }))) => {
             w.workers[worker].member.id = member_id;
@@ -470,8 +586,10 @@ fn on_join(w: &mut World, worker: usize, response: Option<Response>) {
             let m = &mut w.workers[worker].member;
             m.id = member_id;
             m.generation = generation;
+            note_overlap(w, worker);
             let member = w.workers[worker].metadata();
-            send(w, worker, Request::SyncGroup { group_id: GROUP.into(), member }, Purpose::Sync);
+            let sent_as = member.member_id.clone();
+            send(w, worker, Request::SyncGroup { group_id: GROUP.into(), member }, Purpose::Sync { sent_as });
         }
         Some(Response::JoinGroup(Err(ErrorCode::UnknownMemberId | ErrorCode::FencedInstanceId))) => {
             lose_assignment(w, worker);
@@ -481,8 +599,13 @@ fn on_join(w: &mut World, worker: usize, response: Option<Response>) {
     }
 }
 
-fn on_sync(w: &mut World, worker: usize, response: Option<Response>) {
+fn on_sync(w: &mut World, worker: usize, sent_as: &str, response: Option<Response>) {
     w.workers[worker].member.joining = false;
+    if let Some(Response::SyncGroup(Err(ErrorCode::FencedInstanceId))) = &response {
+        if fenced_for_good(w, worker, sent_as, "SyncGroup") {
+            return;
+        }
+    }
     let assignment = match response {
         Some(Response::SyncGroup(Ok(set))) => set,
         Some(Response::SyncGroup(Err(ErrorCode::UnknownMemberId | ErrorCode::IllegalGeneration))) => {
@@ -499,6 +622,9 @@ fn on_sync(w: &mut World, worker: usize, response: Option<Response>) {
     wk.member.stable = true;
     wk.member.last_confirmed_ms = now;
     let revoked: Vec<i32> = wk.slots.keys().filter(|p| !assigned.contains(p)).copied().collect();
+    if !assigned.is_empty() {
+        note_overlap(w, worker);
+    }
     for p in revoked {
         revoke_slot(w, worker, p, false);
     }
@@ -527,18 +653,22 @@ fn heartbeat(w: &mut World, worker: usize) {
         return join(w, worker);
     }
     let member = wk.metadata();
-    send(w, worker, Request::Heartbeat { group_id: GROUP.into(), member }, Purpose::Heartbeat);
+    let sent_as = member.member_id.clone();
+    send(w, worker, Request::Heartbeat { group_id: GROUP.into(), member }, Purpose::Heartbeat { sent_as });
     let incarnation = w.workers[worker].incarnation;
     w.at(w.now_ms + HEARTBEAT_MS, Timer::Heartbeat { worker, incarnation });
 }
 
-fn on_heartbeat(w: &mut World, worker: usize, response: Option<Response>) {
+fn on_heartbeat(w: &mut World, worker: usize, sent_as: &str, response: Option<Response>) {
     match response {
         Some(Response::Heartbeat(Ok(()))) => w.workers[worker].member.last_confirmed_ms = w.now_ms,
         Some(Response::Heartbeat(Err(ErrorCode::RebalanceInProgress))) => join(w, worker),
-        Some(Response::Heartbeat(Err(
-            ErrorCode::UnknownMemberId | ErrorCode::IllegalGeneration | ErrorCode::FencedInstanceId,
-        ))) => {
+        // Either the process stops, or the answer is about a membership it
+        // already left (and must not cost it the one it holds now).
+        Some(Response::Heartbeat(Err(ErrorCode::FencedInstanceId))) => {
+            fenced_for_good(w, worker, sent_as, "Heartbeat");
+        }
+        Some(Response::Heartbeat(Err(ErrorCode::UnknownMemberId | ErrorCode::IllegalGeneration))) => {
             lose_assignment(w, worker);
             join(w, worker);
         }
@@ -830,6 +960,7 @@ fn released(w: &mut World, worker: usize, partition: i32) {
 
 fn commit(w: &mut World, worker: usize, partition: i32, next: i64) {
     let member = w.workers[worker].metadata();
+    let sent_as = member.member_id.clone();
     send(
         w,
         worker,
@@ -838,7 +969,7 @@ fn commit(w: &mut World, worker: usize, partition: i32, next: i64) {
             member,
             offsets: vec![(TopicPartition::new(INPUT, partition), next)],
         },
-        Purpose::Commit { partition, next },
+        Purpose::Commit { partition, next, sent_as },
     );
 }
 
@@ -1182,6 +1313,11 @@ fn on_producer_response(w: &mut World, worker: usize, what: ProducerRequest, res
             EndDecision::Fail => fail(w, worker, format!("transaction commit failed: {error:?}")),
         };
     }
+    if let (ProducerRequest::TxnOffsetCommit { sent_as }, Some(ErrorCode::FencedInstanceId)) = (&what, error) {
+        if fenced_for_good(w, worker, sent_as, "TxnOffsetCommit") {
+            return;
+        }
+    }
     if let Some(e) = error {
         return finish_run(w, worker, Err(BatchFailure { reason: "broker", detail: format!("{what:?}: {e:?}") }));
     }
@@ -1209,16 +1345,18 @@ fn on_producer_response(w: &mut World, worker: usize, what: ProducerRequest, res
                 return finish_run(w, worker, Err(failure));
             }
             let next = run.job.offsets.expect("offsets");
+            let member = wk.metadata();
+            let sent_as = member.member_id.clone();
             let req = Request::TxnOffsetCommit {
                 transactional_id: wk.transactional_id(),
                 producer: wk.producer.pid.expect("pid"),
                 group_id: GROUP.into(),
-                member: wk.metadata(),
+                member,
                 offsets: vec![(TopicPartition::new(INPUT, run.job.partition), next)],
             };
-            producer_request(w, worker, req, ProducerRequest::TxnOffsetCommit);
+            producer_request(w, worker, req, ProducerRequest::TxnOffsetCommit { sent_as });
         }
-        (ProducerRequest::TxnOffsetCommit, _) => end_txn(w, worker),
+        (ProducerRequest::TxnOffsetCommit { .. }, _) => end_txn(w, worker),
         (what, response) => fail(w, worker, format!("unexpected producer answer {what:?}: {response:?}")),
     }
 }
