@@ -771,6 +771,56 @@ async fn a_lost_assignment_abandons_its_batches_and_output_stays_exactly_once() 
     check_outcome(&brokers, &topics, "lost", &s, DeliveryMode::AtLeastOnce);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lost_assignment_abandons_the_batch_it_was_retrying_and_output_stays_exactly_once() {
+    let topics = topics("lost-retrying");
+    let mock = cluster(&topics, PARTITIONS);
+    let brokers = mock.bootstrap_servers();
+    let s = scenario(3000, 20, 5, 5);
+    let producer = traffic_producer(&brokers);
+    let (half1, half2) = s.records.split_at(s.records.len() / 2);
+    produce_traffic(&producer, &topics.input, PARTITIONS, half1).await.expect("produce");
+    let mut settings = settings(&brokers, "lost-retrying", &topics, DeliveryMode::ExactlyOnce);
+    settings.instance_id = Some("w1".into());
+    // Longer than the test waits: a revoke that waited for the retrying
+    // batches to finish would otherwise abort the test process.
+    settings.revoke_timeout = Duration::from_secs(120);
+    let (stop, worker, metrics) = spawn_worker(settings);
+    let first = half1.len() as u64;
+    assert!(wait_until(Duration::from_secs(60), || buckets_total(&metrics) >= first).await, "first half");
+
+    // Every transaction aborts: the second half's batches back off and
+    // retry, so a batch is in flight whenever the assignment goes.
+    let aborted_before = metrics.transactions(false);
+    mock.request_errors(RDKafkaApiKey::AddPartitionsToTxn, &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_PRODUCER_ID; 5000]);
+    produce_traffic(&producer, &topics.input, PARTITIONS, half2).await.expect("produce");
+    assert!(
+        wait_until(Duration::from_secs(60), || metrics.transactions(false) >= aborted_before + 3).await,
+        "the fault did not happen: no batch is retrying"
+    );
+    use dedupd::metrics::Rebalanced;
+    let (lost_before, assigned_before) = (Rebalanced::count(&metrics, "lost"), Rebalanced::count(&metrics, "assign"));
+    // The coordinator no longer knows this generation: librdkafka revokes
+    // everything as lost, then rejoins and is assigned again, once the
+    // revoke callback has returned.
+    mock.request_errors(RDKafkaApiKey::Heartbeat, &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_ILLEGAL_GENERATION; 3]);
+    let rejoined = wait_until(Duration::from_secs(60), || {
+        Rebalanced::count(&metrics, "lost") > lost_before && Rebalanced::count(&metrics, "assign") > assigned_before
+    })
+    .await;
+    // Publishing works again only now: a revoke that tried to finish the
+    // retrying batches would still be waiting on them, and no new
+    // assignment could have come.
+    mock.clear_request_errors(RDKafkaApiKey::AddPartitionsToTxn);
+    assert!(rejoined, "no rejoin after the lost assignment: the revoke waited on the retrying batches");
+    let total = s.records.len() as u64;
+    assert!(wait_until(Duration::from_secs(90), || buckets_total(&metrics) >= total).await, "no catch-up");
+    let _ = stop.send(());
+    let report = worker.await.expect("join").expect("run");
+    assert!(report.batches_abandoned >= 1, "no in-flight batch was abandoned: {report:?}");
+    assert_exactly_once(&read_topic(&brokers, &topics.output), &s);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_least_once_publish_waits_for_every_record_handed_over_before_it_reports_a_failure() {
     use dedupd::kafka::publisher::{PublishError, Publisher};
