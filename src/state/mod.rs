@@ -325,9 +325,19 @@ impl LocalState {
         if let Some(c) = self.partitions.remove(&partition) {
             self.revoked_evictions = self.revoked_evictions + c.hot_cache().evictions();
         }
-        if let Some(d) = &self.durable {
-            if !self.settings.keep_revoked_partitions {
-                d.keys.drop_partition(partition)?;
+        match &self.durable {
+            // Without a state directory the hot cache was all this process
+            // knew of the partition, and it is gone: so is the checkpoint.
+            // Kept, it would start the repair of a later assignment past
+            // every event the cache held, and a retry of one of them would
+            // be accepted and billed again.
+            None => {
+                self.memory_checkpoints.remove(&partition);
+            }
+            Some(d) => {
+                if !self.settings.keep_revoked_partitions {
+                    d.keys.drop_partition(partition)?;
+                }
             }
         }
         Ok(())
@@ -583,6 +593,22 @@ mod tests {
         state.assign(4, NOW).expect("assign again");
         assert_eq!(state.checkpoint(4), None, "repair must start from scratch for the key store");
         assert_eq!(state.furthest_checkpoint(4), Some(12), "but the usage store's progress stays visible");
+    }
+
+    #[test]
+    fn without_a_state_directory_a_revoked_partition_is_repaired_from_the_start_when_it_comes_back() {
+        let mut state = LocalState::in_memory(EngineSettings::default(), true);
+        state.assign(3, NOW).expect("assign");
+        let batch: Vec<StoredEvent> = (0..3).map(|i| sample_event_at(i, 3, i as i64, NOW)).collect();
+        state.apply_published(3, &batch, NOW).expect("apply");
+        assert_eq!(state.checkpoint(3), Some(2));
+        state.revoke(3).expect("revoke");
+        state.assign(3, NOW).expect("assign again");
+        // The hot cache of the first assignment is gone: a repair from
+        // offset 3 would leave events 0..=2 unknown, and their retries new.
+        assert_eq!(state.checkpoint(3), None, "repair must read the whole output partition again");
+        state.apply_published(3, &batch, NOW).expect("repair");
+        assert_eq!(state.checkpoint(3), Some(2));
     }
 
     #[test]
