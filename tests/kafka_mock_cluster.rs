@@ -686,26 +686,36 @@ async fn a_worker_fenced_by_another_process_with_its_instance_id_stops_and_says_
     assert!(!metrics.is_healthy(), "/healthz fails while it stops");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_fenced_worker_gives_up_its_retrying_batches_instead_of_publishing_behind_the_new_owner() {
-    let topics = topics("fenced-retrying");
+/// An exactly-once worker (`instance`, group `name`) that has processed the
+/// first half of `s` and is retrying every batch of the second: each
+/// transaction aborts (AddPartitionsToTxn answered UNKNOWN_PRODUCER_ID) and
+/// at least three have. Its revoke timeout outlasts the tests' waits, so a
+/// revoke that tried to finish the retrying batches fails the test instead
+/// of aborting the test process.
+struct RetryingWorker {
+    mock: MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
+    brokers: String,
+    topics: Topics,
+    stop: tokio::sync::oneshot::Sender<()>,
+    worker: tokio::task::JoinHandle<Result<dedupd::kafka::RunReport, KafkaError>>,
+    metrics: std::sync::Arc<dedupd::metrics::Metrics>,
+    /// Keys of the second half's records.
+    second_half: std::collections::HashSet<Vec<u8>>,
+}
+
+async fn every_batch_retrying(name: &str, instance: &str, s: &Scenario) -> RetryingWorker {
+    let topics = topics(name);
     let mock = cluster(&topics, PARTITIONS);
     let brokers = mock.bootstrap_servers();
-    let s = scenario(2000, 0, 0, 0);
     let producer = traffic_producer(&brokers);
     let (half1, half2) = s.records.split_at(s.records.len() / 2);
     produce_traffic(&producer, &topics.input, PARTITIONS, half1).await.expect("produce");
-    let mut settings = settings(&brokers, "fenced-retrying", &topics, DeliveryMode::ExactlyOnce);
-    settings.instance_id = Some("pod-0".into());
-    // Longer than the test waits below: a worker that finishes its batches
-    // on the way out would otherwise abort the whole test process.
+    let mut settings = settings(&brokers, name, &topics, DeliveryMode::ExactlyOnce);
+    settings.instance_id = Some(instance.into());
     settings.revoke_timeout = Duration::from_secs(120);
-    let (_stop, worker, metrics) = spawn_worker(settings);
+    let (stop, worker, metrics) = spawn_worker(settings);
     let first = half1.len() as u64;
     assert!(wait_until(Duration::from_secs(60), || buckets_total(&metrics) >= first).await, "first half");
-
-    // Every transaction now aborts, so the second half's batches back off
-    // and retry...
     let aborted_before = metrics.transactions(false);
     mock.request_errors(
         RDKafkaApiKey::AddPartitionsToTxn,
@@ -716,6 +726,15 @@ async fn a_fenced_worker_gives_up_its_retrying_batches_instead_of_publishing_beh
         wait_until(Duration::from_secs(60), || metrics.transactions(false) >= aborted_before + 3).await,
         "the fault did not happen: no batch is retrying"
     );
+    let second_half = half2.iter().filter_map(|r| r.key.clone()).collect();
+    RetryingWorker { mock, brokers, topics, stop, worker, metrics, second_half }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fenced_worker_gives_up_its_retrying_batches_instead_of_publishing_behind_the_new_owner() {
+    let s = scenario(2000, 0, 0, 0);
+    let r = every_batch_retrying("fenced-retrying", "pod-0", &s).await;
+    let (mock, brokers, topics, metrics) = (&r.mock, &r.brokers, &r.topics, &r.metrics);
     // ...when another process takes over this worker's --instance-id.
     mock.request_errors(RDKafkaApiKey::Heartbeat, &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_FENCED_INSTANCE_ID; 20]);
     // The partitions are no longer this process's: it must give them up at
@@ -726,16 +745,15 @@ async fn a_fenced_worker_gives_up_its_retrying_batches_instead_of_publishing_beh
     // with a broker slow to fence) bills it twice.
     mock.clear_request_errors(RDKafkaApiKey::AddPartitionsToTxn);
     assert!(released, "a fenced worker kept retrying its batches instead of giving its partitions up");
-    let err = tokio::time::timeout(Duration::from_secs(60), worker)
+    let err = tokio::time::timeout(Duration::from_secs(60), r.worker)
         .await
         .expect("a fenced worker must stop on its own")
         .expect("join")
         .expect_err("and fail");
     assert!(matches!(err, KafkaError::ConsumerFatal { .. }), "{err}");
-    let second: std::collections::HashSet<&[u8]> = half2.iter().filter_map(|r| r.key.as_deref()).collect();
-    let late = read_topic(&brokers, &topics.output)
+    let late = read_topic(brokers, &topics.output)
         .iter()
-        .filter(|r| r.key.as_deref().is_some_and(|k| second.contains(k)))
+        .filter(|o| o.key.as_ref().is_some_and(|k| r.second_half.contains(k)))
         .count();
     assert_eq!(late, 0, "a fenced worker published after losing its partitions");
 }
@@ -776,42 +794,18 @@ async fn a_lost_assignment_abandons_its_batches_and_output_stays_exactly_once() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lost_assignment_abandons_the_batch_it_was_retrying_and_output_stays_exactly_once() {
-    let topics = topics("lost-retrying");
-    let mock = cluster(&topics, PARTITIONS);
-    let brokers = mock.bootstrap_servers();
     let s = scenario(3000, 20, 5, 5);
-    let producer = traffic_producer(&brokers);
-    let (half1, half2) = s.records.split_at(s.records.len() / 2);
-    produce_traffic(&producer, &topics.input, PARTITIONS, half1).await.expect("produce");
-    let mut settings = settings(&brokers, "lost-retrying", &topics, DeliveryMode::ExactlyOnce);
-    settings.instance_id = Some("w1".into());
-    // Longer than the test waits: a revoke that waited for the retrying
-    // batches to finish would otherwise abort the test process.
-    settings.revoke_timeout = Duration::from_secs(120);
-    let (stop, worker, metrics) = spawn_worker(settings);
-    let first = half1.len() as u64;
-    assert!(wait_until(Duration::from_secs(60), || buckets_total(&metrics) >= first).await, "first half");
-
-    // Every transaction aborts: the second half's batches back off and
-    // retry, so a batch is in flight whenever the assignment goes.
-    let aborted_before = metrics.transactions(false);
-    mock.request_errors(
-        RDKafkaApiKey::AddPartitionsToTxn,
-        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_PRODUCER_ID; 5000],
-    );
-    produce_traffic(&producer, &topics.input, PARTITIONS, half2).await.expect("produce");
-    assert!(
-        wait_until(Duration::from_secs(60), || metrics.transactions(false) >= aborted_before + 3).await,
-        "the fault did not happen: no batch is retrying"
-    );
+    let r = every_batch_retrying("lost-retrying", "w1", &s).await;
+    let (mock, brokers, topics, metrics) = (&r.mock, &r.brokers, &r.topics, &r.metrics);
+    let (stop, worker) = (r.stop, r.worker);
     use dedupd::metrics::Rebalanced;
-    let (lost_before, assigned_before) = (Rebalanced::count(&metrics, "lost"), Rebalanced::count(&metrics, "assign"));
+    let (lost_before, assigned_before) = (Rebalanced::count(metrics, "lost"), Rebalanced::count(metrics, "assign"));
     // The coordinator no longer knows this generation: librdkafka revokes
     // everything as lost, then rejoins and is assigned again, once the
     // revoke callback has returned.
     mock.request_errors(RDKafkaApiKey::Heartbeat, &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_ILLEGAL_GENERATION; 3]);
     let rejoined = wait_until(Duration::from_secs(60), || {
-        Rebalanced::count(&metrics, "lost") > lost_before && Rebalanced::count(&metrics, "assign") > assigned_before
+        Rebalanced::count(metrics, "lost") > lost_before && Rebalanced::count(metrics, "assign") > assigned_before
     })
     .await;
     // Publishing works again only now: a revoke that tried to finish the
@@ -830,7 +824,7 @@ async fn a_lost_assignment_abandons_the_batch_it_was_retrying_and_output_stays_e
     let _ = stop.send(());
     let report = worker.await.expect("join").expect("run");
     assert!(report.batches_abandoned >= 1, "no in-flight batch was abandoned: {report:?}");
-    assert_exactly_once(&read_topic(&brokers, &topics.output), &s);
+    assert_exactly_once(&read_topic(brokers, &topics.output), &s);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
