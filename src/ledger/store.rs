@@ -779,16 +779,27 @@ mod tests {
     use super::*;
     use crate::storage::testutil::sample_event_at;
 
+    /// Six events of partition 3, a second apart, at offsets 0 to 5.
+    fn six_events() -> Vec<UsageEvent> {
+        let t = 1_700_000_000_000;
+        (0..6).map(|i| sample_event_at(i, 3, i as i64, t + i as i64 * 1000).event).collect()
+    }
+
+    /// The default lateness, and `events` folded by it: the model a store
+    /// must end up holding.
+    fn folded(events: &[(&UsageEvent, i64)]) -> (Lateness, LedgerMaps) {
+        let lateness = Lateness::default();
+        let mut model = LedgerMaps::default();
+        model.fold(&lateness, events.iter().copied()).expect("fold");
+        (lateness, model)
+    }
+
     #[test]
     fn apply_is_idempotent_by_offset_and_a_crash_loses_nothing_applied() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let t = 1_700_000_000_000;
-        let events: Vec<UsageEvent> =
-            (0..6).map(|i| sample_event_at(i, 3, i as i64, t + i as i64 * 1000).event).collect();
+        let events = six_events();
         let with_offsets: Vec<(&UsageEvent, i64)> = events.iter().zip(0..).collect();
-        let lateness = Lateness::default();
-        let mut model = LedgerMaps::default();
-        model.fold(&lateness, with_offsets.iter().copied()).expect("fold");
+        let (lateness, model) = folded(&with_offsets);
         {
             let store = LedgerStore::open(dir.path()).expect("open");
             store.apply(3, &lateness, &with_offsets[..3]).expect("apply");
@@ -824,15 +835,11 @@ mod tests {
     #[test]
     fn a_failed_write_keeps_its_changes_pending_for_the_next_one() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let t = 1_700_000_000_000;
         // Each event its own customer, so each batch touches hours no other
         // batch does: a batch dropped from the write would be missing whole.
-        let events: Vec<UsageEvent> =
-            (0..6).map(|i| sample_event_at(i, 3, i as i64, t + i as i64 * 1000).event).collect();
+        let events = six_events();
         let with_offsets: Vec<(&UsageEvent, i64)> = events.iter().zip(0..).collect();
-        let lateness = Lateness::default();
-        let mut model = LedgerMaps::default();
-        model.fold(&lateness, with_offsets.iter().copied()).expect("fold");
+        let (lateness, model) = folded(&with_offsets);
         {
             let store = LedgerStore::open(dir.path()).expect("open");
             store.apply(3, &lateness, &with_offsets[..2]).expect("apply");
