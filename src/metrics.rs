@@ -465,12 +465,12 @@ impl Metrics {
         self.healthy.store(false, Ordering::SeqCst);
     }
 
-    /// Healthy: no fatal error, and no owned partition stalled with input.
     /// `dedupd_assigned_partitions`: input partitions this instance owns.
     pub fn assigned_partitions(&self) -> i64 {
         self.assigned_partitions.get()
     }
 
+    /// Healthy: no fatal error, and no owned partition stalled with input.
     pub fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::SeqCst)
             && self.stalled_partitions.get() == 0

@@ -785,6 +785,12 @@ pub async fn run(
             },
         }
     }
+    // The select is biased to shutdown: a fatal error that arrived with the
+    // stop signal is still waiting in the channel, and decides how the
+    // partitions are given up below.
+    if fatal.is_none() {
+        fatal = fatal_rx.try_recv().ok();
+    }
     tracing::info!(fatal = fatal.is_some(), "stopping: finishing in-flight batches");
 
     // Stop every partition task; each finishes (or abandons, if unpublished)

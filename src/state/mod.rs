@@ -371,7 +371,12 @@ impl LocalState {
     /// partition dropped, a moved key store) or lags the other after a crash.
     pub fn furthest_checkpoint(&self, partition: i32) -> Option<i64> {
         match &self.durable {
-            None => self.memory_checkpoints.get(&partition).copied(),
+            // The in-memory ledger outlives a revoke (it skips what it has
+            // folded by its own checkpoint), so its progress still counts.
+            None => {
+                let ledger = self.ledger.as_ref().and_then(|l| l.checkpoint(partition).ok().flatten());
+                self.memory_checkpoints.get(&partition).copied().max(ledger)
+            }
             Some(d) => {
                 let usage = d.usage.checkpoint(partition);
                 let keys = d.keys.checkpoint(partition).ok().flatten();
@@ -609,6 +614,27 @@ mod tests {
         assert_eq!(state.checkpoint(3), None, "repair must read the whole output partition again");
         state.apply_published(3, &batch, NOW).expect("repair");
         assert_eq!(state.checkpoint(3), Some(2));
+    }
+
+    #[test]
+    fn inspecting_a_crashed_state_directory_leaves_its_unwritten_ledger_batches_to_the_worker() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let batch: Vec<StoredEvent> = (0..4).map(|i| sample_event_at(i * 7, 2, i as i64, NOW)).collect();
+        {
+            let mut state = LocalState::open(Some(dir.path()), EngineSettings::default(), true).expect("open");
+            state.assign(2, NOW).expect("assign");
+            // The first apply after an open writes the ledger at once; the
+            // second waits (written behind), and the process dies first.
+            state.apply_published(2, &batch[..2], NOW).expect("apply");
+            state.apply_published(2, &batch[2..], NOW).expect("apply");
+        }
+        let e = &batch[0].event;
+        let answer = inspect(dir.path(), &e.tenant_id, &e.event_id, EngineSettings::default()).expect("inspect");
+        assert_eq!(answer["known"], true);
+        // The worker starts again: the batch the ledger had not written is
+        // still in the usage store's memtable, and is folded again there.
+        let state = LocalState::open(Some(dir.path()), EngineSettings::default(), true).expect("reopen");
+        assert_eq!(state.checkpoint(2), Some(3), "every tier, the ledger too, holds the whole output");
     }
 
     #[test]

@@ -128,7 +128,11 @@ pub fn inspect(
             "dedupd keeps the first accepted copy; duplicates and conflicts are counted and reported, not stored"
                 .into();
     }
-    state.close()?;
+    // Dropped, not closed: closing flushes the usage store's memtable into a
+    // segment, and the memtable is where the worker's next start finds the
+    // batches its ledger folded but had not written (a crash's). A tool that
+    // only reads must leave that to the worker.
+    drop(state);
     Ok(answer)
 }
 
