@@ -29,7 +29,9 @@
 //! - [`kafka`]: the worker (`dedupd run`, `dedupd demo`): consumer group,
 //!   publishing, repair; and the router (`dedupd route`), which keys and
 //!   places raw records by identity in front of it (async).
-//! - [`metrics`]: the Prometheus registry and the HTTP endpoint.
+//! - [`metrics`]: the Prometheus registry and the HTTP endpoint (`/metrics`,
+//!   health, `/v1/usage`, and [`runbook`], the on-call runbook the alerts
+//!   link to, built into the binary).
 //! - [`sim`]: a model Kafka broker and faulty network for deterministic
 //!   simulation (pure, sans-I/O, seeded; knows nothing of dedupd's records);
 //!   in test builds, `sim::disk` (a disk that loses unsynced writes and
@@ -47,6 +49,7 @@ pub mod ledger;
 pub mod metrics;
 pub mod offline;
 pub mod pipeline;
+pub mod runbook;
 pub mod sim;
 pub mod state;
 pub mod storage;

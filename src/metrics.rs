@@ -1,5 +1,6 @@
 //! Metrics: the registry of every DESIGN §8 metric, one typed struct per
-//! observable event, and the HTTP endpoint (`/metrics`, `/healthz`, `/readyz`).
+//! observable event, and the HTTP endpoint (`/metrics`, `/healthz`, `/readyz`,
+//! `/v1/usage`, `/runbook`).
 //!
 //! Every label set is bounded: buckets, reasons, tiers, stages and recovery
 //! paths are closed enums pre-registered at start (so a dashboard sees zeros,
@@ -1108,11 +1109,18 @@ impl MetricsServer {
                 }
             }
         });
+        // Rendered once: the page is the same for the life of the process.
+        let runbook_page = std::sync::Arc::new(crate::runbook::html_page());
+        let runbook = get(move || {
+            let page = runbook_page.clone();
+            async move { ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], page.as_str().to_owned()) }
+        });
         let app = axum::Router::new()
             .route("/metrics", metrics_route)
             .route("/healthz", healthz)
             .route("/readyz", readyz)
-            .route("/v1/usage", usage);
+            .route("/v1/usage", usage)
+            .route("/runbook", runbook);
         let addr = self.addr;
         axum::serve(self.listener, app)
             .with_graceful_shutdown(shutdown)
@@ -1337,6 +1345,10 @@ mod tests {
         m.set_ready(true);
         assert!(get("/readyz").await.starts_with("HTTP/1.1 200"));
         assert!(get("/metrics").await.contains("dedupd_events_total"));
+        // The alerts' links land here, on the section of the alert.
+        let runbook = get("/runbook").await;
+        assert!(runbook.starts_with("HTTP/1.1 200") && runbook.contains("text/html"), "{runbook}");
+        assert!(runbook.contains("id=\"dedupdconflictdetected\""), "no anchor for DedupdConflictDetected");
         let _ = tx.send(());
         task.await.expect("join").expect("serve");
     }
