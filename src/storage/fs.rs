@@ -36,6 +36,17 @@ pub trait FileSystem: Send + Sync + std::fmt::Debug {
     fn list_dir(&self, dir: &Path) -> io::Result<Vec<PathBuf>>;
     fn file_len(&self, path: &Path) -> io::Result<u64>;
     fn read(&self, path: &Path) -> io::Result<Vec<u8>>;
+    /// `len` bytes of `path` from `offset`: a point lookup reads one block
+    /// of a segment, not the file. An implementation without positioned
+    /// reads may read the file and slice it (the default).
+    fn read_range(&self, path: &Path, offset: u64, len: usize) -> io::Result<Vec<u8>> {
+        let bytes = self.read(path)?;
+        let start = usize::try_from(offset).unwrap_or(usize::MAX);
+        match start.checked_add(len) {
+            Some(end) if end <= bytes.len() => Ok(bytes[start..end].to_vec()),
+            _ => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "range beyond the end of the file")),
+        }
+    }
     /// Creates or truncates `path` and writes `bytes`; not synced.
     fn write_file(&self, path: &Path, bytes: &[u8]) -> io::Result<()>;
     /// [`write_file`](FileSystem::write_file), then fsync, on one open
@@ -94,6 +105,13 @@ impl FileSystem for RealFs {
 
     fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
         std::fs::read(path)
+    }
+
+    fn read_range(&self, path: &Path, offset: u64, len: usize) -> io::Result<Vec<u8>> {
+        use std::os::unix::fs::FileExt;
+        let mut buf = vec![0u8; len];
+        std::fs::File::open(path)?.read_exact_at(&mut buf, offset)?;
+        Ok(buf)
     }
 
     fn write_file(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {

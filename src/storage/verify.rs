@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use super::fs::{FileSystem, RealFs};
 use super::manifest::{self, Manifest};
-use super::segment::{self, SegmentFile};
+use super::segment::{self, Segment};
 use super::sidecar;
 use super::wal::{self, reader};
 use super::StorageError;
@@ -167,7 +167,7 @@ pub fn verify_on(fs: &dyn FileSystem, dir: &Path) -> Result<VerifyReport, Storag
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
         if let Some(id) = name.strip_suffix(".seg").and_then(|s| s.parse::<u64>().ok()) {
             seen_segments.insert(id);
-            let r = SegmentFile::open(fs, &path).and_then(|s| {
+            let r = Segment::open(fs, &path).and_then(|s| {
                 let rows = s.read_all()?;
                 Ok(format!("{} rows, {} bytes", rows.len(), s.len_bytes()))
             });
