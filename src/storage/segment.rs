@@ -324,6 +324,9 @@ pub(crate) struct SegmentFile {
 /// What a [`SegmentFile::keeping_columns`] file keeps, by column id.
 #[derive(Default)]
 struct Kept {
+    /// Whether to build the indexes: worth it when several rows will be
+    /// read; for one row, walking its columns up to it is cheaper.
+    indexed: bool,
     raw: Vec<Option<std::rc::Rc<Vec<u8>>>>,
     /// Per column: delta columns' values, string columns' entry start
     /// offsets, the dimension count column's prefix sums.
@@ -409,7 +412,15 @@ impl SegmentFile {
     /// for whole-segment passes.
     pub(crate) fn keeping_columns(mut self) -> SegmentFile {
         let n = self.columns.len();
-        self.kept = Some(std::cell::RefCell::new(Kept { raw: vec![None; n], index: vec![None; n] }));
+        self.kept = Some(std::cell::RefCell::new(Kept { indexed: true, raw: vec![None; n], index: vec![None; n] }));
+        self
+    }
+
+    /// The same file, keeping each column it decompresses but building no
+    /// index of it: for reading one row (and finding it first).
+    pub(crate) fn keeping_raw_columns(mut self) -> SegmentFile {
+        let n = self.columns.len();
+        self.kept = Some(std::cell::RefCell::new(Kept { indexed: false, raw: vec![None; n], index: vec![None; n] }));
         self
     }
 
@@ -438,7 +449,7 @@ impl SegmentFile {
         id: u8,
         build: impl FnOnce(&mut Reader<'_>) -> Result<Vec<i64>, DecodeError>,
     ) -> Result<Option<std::rc::Rc<Vec<i64>>>, StorageError> {
-        let Some(kept) = &self.kept else { return Ok(None) };
+        let Some(kept) = self.kept.as_ref().filter(|k| k.borrow().indexed) else { return Ok(None) };
         if let Some(index) = &kept.borrow().index[id as usize] {
             return Ok(Some(index.clone()));
         }
@@ -931,10 +942,17 @@ pub(crate) fn read_index(fs: &dyn FileSystem, path: &Path) -> Result<Option<Segm
 }
 
 /// One group of a version-2 segment, read alone, keeping the columns it
-/// decompresses for the next lookup in the same group.
-pub(crate) fn read_group(fs: &dyn FileSystem, path: &Path, group: &GroupEntry) -> Result<SegmentFile, StorageError> {
+/// decompresses for the next lookup in the same group (and indexing them
+/// when `several` rows will be read).
+pub(crate) fn read_group(
+    fs: &dyn FileSystem,
+    path: &Path,
+    group: &GroupEntry,
+    several: bool,
+) -> Result<SegmentFile, StorageError> {
     let bytes = fs.read_range(path, group.offset, group.len as usize).at(path)?;
-    let image = SegmentFile::from_image(path, bytes, group.offset)?.keeping_columns();
+    let image = SegmentFile::from_image(path, bytes, group.offset)?;
+    let image = if several { image.keeping_columns() } else { image.keeping_raw_columns() };
     if image.rows() != group.rows as usize {
         return Err(StorageError::corrupt(path, group.offset, "a group's rows differ from the index"));
     }
@@ -1079,7 +1097,10 @@ mod tests {
         let target = &events[GROUP_ROWS + 100];
         let g = index.groups.iter().position(|g| g.holds_first_seen(target.key.first_seen_ms)).expect("a group");
         assert_eq!(g, 1);
-        let group = read_group(&RealFs, &path, &index.groups[g]).expect("group");
+        let group = read_group(&RealFs, &path, &index.groups[g], false).expect("group");
+        let row = group.find_row(target.key.output.partition, &target.key.id_hash).expect("find").expect("found");
+        assert_eq!(group.read_row(row).expect("row"), *target);
+        let group = read_group(&RealFs, &path, &index.groups[g], true).expect("group");
         let row = group.find_row(target.key.output.partition, &target.key.id_hash).expect("find").expect("found");
         assert_eq!(group.read_row(row).expect("row"), *target);
         let other = (target.key.output.partition + 1) % 3;

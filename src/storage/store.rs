@@ -772,7 +772,7 @@ impl UsageStore {
         let path = segment::segment_path(&self.seg_dir, meta.id);
         for (g, ids) in by_group {
             let group: &GroupEntry = &index.groups[g];
-            let image = segment::read_group(self.fs.as_ref(), &path, group)?;
+            let image = segment::read_group(self.fs.as_ref(), &path, group, ids.len() > 1)?;
             for i in ids {
                 if found[i].is_some() {
                     continue;
