@@ -1577,12 +1577,12 @@ def main() -> int:
             print("0 passed, 1 failed")
             return 1
         print(f"ok   live scrape of {args.live} saved to {args.metrics}")
+    if args.metrics is not None and not args.metrics.is_file():
+        print(f"--metrics {args.metrics}: no such file", file=sys.stderr)
+        return 2
     if args.self_test:
         passed, failed = self_test(args.root, args.tools, args.metrics)
     else:
-        if args.metrics is not None and not args.metrics.is_file():
-            print(f"--metrics {args.metrics}: no such file", file=sys.stderr)
-            return 2
         passed, failed = run_checks(Context(args.root, args.tools, args.metrics))
     print(f"{passed} passed, {failed} failed")
     return 1 if failed else 0

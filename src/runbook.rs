@@ -50,6 +50,20 @@ pub fn html_page() -> String {
         }
         i += 1;
     }
+    // Links into the source tree (`../deploy/...`) lead nowhere from the
+    // worker's address: their text stays, the link goes.
+    let mut in_tree_link = false;
+    events.retain(|e| match e {
+        Event::Start(Tag::Link { dest_url, .. }) if dest_url.starts_with("../") => {
+            in_tree_link = true;
+            false
+        }
+        Event::End(TagEnd::Link) if in_tree_link => {
+            in_tree_link = false;
+            false
+        }
+        _ => true,
+    });
     let mut body = String::with_capacity(MARKDOWN.len() * 3 / 2);
     html::push_html(&mut body, events.into_iter());
     format!(
@@ -89,5 +103,7 @@ mod tests {
             assert!(page.contains(&format!("id=\"{anchor}\"")), "/runbook has no id {anchor}");
         }
         assert!(page.contains("<table>"), "the alert table is rendered as a table");
+        assert!(!page.contains("href=\"../"), "a link into the source tree, dead on the worker's address");
+        assert!(page.contains("deploy/prometheus/alerts.yml"), "its text is kept");
     }
 }

@@ -51,7 +51,7 @@
 //! barely overlap), and a lookup reads that group alone: the index (kept by
 //! the store), one positioned read, its key columns to find the row, and the
 //! row's values. Version-1 files are still read (whole, as before) until
-//! compaction rewrites them.
+//! compaction merges them (only segments under its target size are merged).
 
 use std::path::{Path, PathBuf};
 
@@ -805,9 +805,15 @@ impl SegmentFile {
 }
 
 impl SegmentFile {
-    /// The row of `id` on output `partition` in this image, from its key
-    /// columns alone (kept, when the image keeps columns, for the next id).
-    pub(crate) fn find_row(&self, partition: i32, id: &IdHash) -> Result<Option<usize>, StorageError> {
+    /// The row of `id` on output `partition`, first seen at `first_seen_ms`
+    /// (an id accepted again after its horizon has two rows: the one asked
+    /// for is the one its key remembers).
+    pub(crate) fn find_row(
+        &self,
+        partition: i32,
+        id: &IdHash,
+        first_seen_ms: i64,
+    ) -> Result<Option<usize>, StorageError> {
         let ids = self.column(col::ID_HASH)?;
         if ids.len() != self.rows * 16 {
             return Err(
@@ -815,7 +821,10 @@ impl SegmentFile {
             );
         }
         for (row, candidate) in ids.chunks_exact(16).enumerate() {
-            if candidate == id.0 && self.delta_at(col::OUT_PARTITION, row)? == i64::from(partition) {
+            if candidate == id.0
+                && self.delta_at(col::OUT_PARTITION, row)? == i64::from(partition)
+                && self.delta_at(col::FIRST_SEEN, row)? == first_seen_ms
+            {
                 return Ok(Some(row));
             }
         }
@@ -844,6 +853,46 @@ impl GroupEntry {
 pub(crate) struct SegmentIndex {
     pub rows: u64,
     pub groups: Vec<GroupEntry>,
+    /// Group numbers by their smallest first-seen time, and the running
+    /// largest first-seen time in that order: the groups holding a time
+    /// are found by a binary search and a short walk back, not a pass over
+    /// every group (a compacted segment has thousands).
+    by_min: Vec<usize>,
+    running_max: Vec<i64>,
+}
+
+impl SegmentIndex {
+    fn new(rows: u64, groups: Vec<GroupEntry>) -> SegmentIndex {
+        let mut by_min: Vec<usize> = (0..groups.len()).collect();
+        by_min.sort_by_key(|&g| groups[g].min_first_seen_ms);
+        let mut running_max = Vec::with_capacity(by_min.len());
+        let mut max = i64::MIN;
+        for &g in &by_min {
+            max = max.max(groups[g].max_first_seen_ms);
+            running_max.push(max);
+        }
+        SegmentIndex { rows, groups, by_min, running_max }
+    }
+
+    /// The groups whose first-seen range holds `first_seen_ms`.
+    pub(crate) fn groups_holding(&self, first_seen_ms: i64) -> Vec<usize> {
+        // Groups sorted by min; those with min <= t are a prefix, and going
+        // back from its end the running max says when none further back can
+        // reach t.
+        let end = self.by_min.partition_point(|&g| self.groups[g].min_first_seen_ms <= first_seen_ms);
+        let mut out = Vec::new();
+        for k in (0..end).rev() {
+            if self.running_max[k] < first_seen_ms {
+                break;
+            }
+            let g = self.by_min[k];
+            if self.groups[g].holds_first_seen(first_seen_ms) {
+                out.push(g);
+            }
+        }
+        out.sort_unstable();
+        out
+    }
 }
 
 /// Parses and checks a version-2 index (`file_len` bytes in all): every
@@ -885,7 +934,7 @@ fn parse_index(path: &Path, index: &[u8], at: u64, file_len: u64) -> Result<Segm
     if groups.iter().map(|g| u64::from(g.rows)).sum::<u64>() != rows {
         return Err(corrupt("the groups' rows do not add up to the segment's".into()));
     }
-    Ok(SegmentIndex { rows, groups })
+    Ok(SegmentIndex::new(rows, groups))
 }
 
 /// Checks `trailer` (the file's last 12 bytes) and returns the index's
@@ -1098,13 +1147,20 @@ mod tests {
         let g = index.groups.iter().position(|g| g.holds_first_seen(target.key.first_seen_ms)).expect("a group");
         assert_eq!(g, 1);
         let group = read_group(&RealFs, &path, &index.groups[g], false).expect("group");
-        let row = group.find_row(target.key.output.partition, &target.key.id_hash).expect("find").expect("found");
+        let row = group
+            .find_row(target.key.output.partition, &target.key.id_hash, target.key.first_seen_ms)
+            .expect("find")
+            .expect("found");
         assert_eq!(group.read_row(row).expect("row"), *target);
         let group = read_group(&RealFs, &path, &index.groups[g], true).expect("group");
-        let row = group.find_row(target.key.output.partition, &target.key.id_hash).expect("find").expect("found");
+        let row = group
+            .find_row(target.key.output.partition, &target.key.id_hash, target.key.first_seen_ms)
+            .expect("find")
+            .expect("found");
         assert_eq!(group.read_row(row).expect("row"), *target);
         let other = (target.key.output.partition + 1) % 3;
-        assert_eq!(group.find_row(other, &target.key.id_hash).expect("find"), None, "another partition's id");
+        assert_eq!(group.find_row(other, &target.key.id_hash, target.key.first_seen_ms).expect("find"), None);
+        assert_eq!(group.find_row(target.key.output.partition, &target.key.id_hash, 1).expect("find"), None);
     }
 
     /// Files written before row groups are still read, whole, and have no
@@ -1149,5 +1205,90 @@ mod tests {
         future[4] = 9;
         std::fs::write(&path, &future).expect("write");
         assert!(matches!(Segment::open(&RealFs, &path), Err(StorageError::UnsupportedVersion { found: 9, .. })));
+    }
+
+    /// An index whose checksum is right but whose contents are not (a
+    /// writer bug, or a crafted file) is an error, never a panic or a
+    /// segment read from the wrong bytes.
+    #[test]
+    fn an_index_that_lies_under_a_good_checksum_is_an_error() {
+        let events = rows(GROUP_ROWS as u64 * 2 + 3);
+        let refs: Vec<&StoredEvent> = events.iter().collect();
+        let (bytes, _) = encode(4, &refs).expect("encode");
+        let t = bytes.len() - TRAILER_LEN;
+        let len = u32::from_le_bytes(bytes[t..t + 4].try_into().expect("4 bytes")) as usize;
+        let at = t - len;
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = segment_path(dir.path(), 4);
+        // Field offsets inside the index: 28 bytes of totals, then 32 per
+        // group (offset 0, len 8, rows 12, min 16, max 24).
+        let group = move |g: usize, field: usize| at + 28 + g * GROUP_ENTRY_LEN + field;
+        type Damage = Box<dyn Fn(&mut Vec<u8>)>;
+        let cases: Vec<(&str, Damage)> = vec![
+            ("a group not where the previous ends", Box::new(move |b| b[group(1, 0)] ^= 1)),
+            ("a group longer than the file", Box::new(move |b| b[group(2, 8) + 3] = 0x7f)),
+            ("rows that do not add up", Box::new(move |b| b[group(0, 12)] ^= 1)),
+            ("a total row count that differs", Box::new(move |b| b[at] ^= 1)),
+            ("a huge group count", Box::new(move |b| b[at + 24..at + 28].copy_from_slice(&u32::MAX.to_le_bytes()))),
+            ("an index length past the file", Box::new(move |b| b[t..t + 4].copy_from_slice(&u32::MAX.to_le_bytes()))),
+        ];
+        for (what, damage) in cases {
+            let mut lying = bytes.clone();
+            damage(&mut lying);
+            // The index's checksum made right again: only the structure can
+            // catch the lie.
+            let len = u32::from_le_bytes(lying[t..t + 4].try_into().expect("4 bytes")) as usize;
+            if len == (t - at) {
+                let crc = crc32c::crc32c(&lying[at..t]);
+                lying[t + 4..t + 8].copy_from_slice(&crc.to_le_bytes());
+            }
+            std::fs::write(&path, &lying).expect("write");
+            assert!(read_index(&RealFs, &path).is_err(), "{what}: read_index took it");
+            assert!(Segment::open(&RealFs, &path).is_err(), "{what}: Segment::open took it");
+        }
+        // A group's image holding other rows than the index says.
+        let mut other = bytes.clone();
+        other[group(2, 12)] = 2; // the last group holds 3 rows; say 2 and keep the sum by adding one to group 0
+        other[group(0, 12)..group(0, 12) + 4].copy_from_slice(&(GROUP_ROWS as u32 + 1).to_le_bytes());
+        let crc = crc32c::crc32c(&other[at..t]);
+        other[t + 4..t + 8].copy_from_slice(&crc.to_le_bytes());
+        std::fs::write(&path, &other).expect("write");
+        let index = read_index(&RealFs, &path).expect("the index itself adds up").expect("version 2");
+        assert!(read_group(&RealFs, &path, &index.groups[0], false).is_err(), "group 0 has 256 rows, not 257");
+        assert!(Segment::open(&RealFs, &path).is_err());
+    }
+
+    /// The groups holding a time, found by binary search, are exactly those
+    /// a pass over every group finds, with overlapping and out-of-order
+    /// ranges too.
+    #[test]
+    fn groups_holding_a_time_are_those_a_full_pass_finds() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for _ in 0..200 {
+            let n = (next() % 40) as usize;
+            let groups: Vec<GroupEntry> = (0..n)
+                .map(|_| {
+                    let min = (next() % 1000) as i64;
+                    GroupEntry {
+                        offset: 0,
+                        len: 0,
+                        rows: 1,
+                        min_first_seen_ms: min,
+                        max_first_seen_ms: min + (next() % 80) as i64,
+                    }
+                })
+                .collect();
+            let index = SegmentIndex::new(n as u64, groups.clone());
+            for t in -5..1100 {
+                let all: Vec<usize> = (0..n).filter(|&g| groups[g].holds_first_seen(t)).collect();
+                assert_eq!(index.groups_holding(t), all, "t = {t}, groups {groups:?}");
+            }
+        }
     }
 }

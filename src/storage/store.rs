@@ -763,10 +763,8 @@ impl UsageStore {
         let mut found = vec![None; asked.len()];
         let mut by_group: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
         for (i, (_, first_seen_ms)) in asked.iter().enumerate() {
-            for (g, group) in index.groups.iter().enumerate() {
-                if group.holds_first_seen(*first_seen_ms) {
-                    by_group.entry(g).or_default().push(i);
-                }
+            for g in index.groups_holding(*first_seen_ms) {
+                by_group.entry(g).or_default().push(i);
             }
         }
         let path = segment::segment_path(&self.seg_dir, meta.id);
@@ -777,7 +775,7 @@ impl UsageStore {
                 if found[i].is_some() {
                     continue;
                 }
-                if let Some(row) = image.find_row(partition, &asked[i].0)? {
+                if let Some(row) = image.find_row(partition, &asked[i].0, asked[i].1)? {
                     found[i] = Some(image.read_row(row)?);
                 }
             }
