@@ -314,6 +314,8 @@ pub(crate) struct SegmentFile {
     base: u64,
     bytes: Vec<u8>,
     rows: usize,
+    /// The footer's first-seen range of the rows.
+    first_seen_range: (i64, i64),
     columns: Vec<ColumnEntry>,
     /// Decompressed columns, and an index of each, kept for more reads of
     /// this file (see [`SegmentFile::keeping_columns`]); `None`: each read
@@ -390,7 +392,7 @@ impl SegmentFile {
             }
             Ok((rows, min, max, columns))
         };
-        let (rows, _min_first_seen_ms, _max_first_seen_ms, columns) =
+        let (rows, min_first_seen_ms, max_first_seen_ms, columns) =
             parse(&mut Reader::new(footer)).map_err(|e| corrupt(f, format!("footer: {}", e.0)))?;
         if columns.len() != col::COUNT {
             return Err(corrupt(f, format!("{} columns, expected {}", columns.len(), col::COUNT)));
@@ -402,7 +404,15 @@ impl SegmentFile {
             }
         }
         let rows = usize::try_from(rows).map_err(|_| corrupt(f, "row count overflow".into()))?;
-        Ok(SegmentFile { path: path.into(), base, bytes, rows, columns, kept: None })
+        Ok(SegmentFile {
+            path: path.into(),
+            base,
+            bytes,
+            rows,
+            first_seen_range: (min_first_seen_ms, max_first_seen_ms),
+            columns,
+            kept: None,
+        })
     }
 
     /// The same file, keeping each column it decompresses for the next
@@ -1002,10 +1012,27 @@ pub(crate) fn read_group(
     let bytes = fs.read_range(path, group.offset, group.len as usize).at(path)?;
     let image = SegmentFile::from_image(path, bytes, group.offset)?;
     let image = if several { image.keeping_columns() } else { image.keeping_raw_columns() };
-    if image.rows() != group.rows as usize {
-        return Err(StorageError::corrupt(path, group.offset, "a group's rows differ from the index"));
-    }
+    image.matches(group)?;
     Ok(image)
+}
+
+impl SegmentFile {
+    /// Whether this group image holds what its index entry says: its rows
+    /// and its first-seen range (an index that disagreed would send lookups
+    /// to the wrong group and miss an original without a word).
+    fn matches(&self, group: &GroupEntry) -> Result<(), StorageError> {
+        if self.rows != group.rows as usize {
+            return Err(StorageError::corrupt(&self.path, group.offset, "a group's rows differ from the index"));
+        }
+        if self.first_seen_range != (group.min_first_seen_ms, group.max_first_seen_ms) {
+            return Err(StorageError::corrupt(
+                &self.path,
+                group.offset,
+                "a group's first-seen range differs from the index",
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// A whole segment of either version: its groups, in row order.
@@ -1049,9 +1076,7 @@ impl Segment {
             for g in index.groups.iter().rev() {
                 let image = bytes.split_off(g.offset as usize);
                 let image = SegmentFile::from_image(path, image, g.offset)?;
-                if image.rows() != g.rows as usize {
-                    return Err(StorageError::corrupt(path, g.offset, "a group's rows differ from the index"));
-                }
+                image.matches(g)?;
                 groups.push(image);
             }
             groups.reverse();
@@ -1246,6 +1271,17 @@ mod tests {
             assert!(read_index(&RealFs, &path).is_err(), "{what}: read_index took it");
             assert!(Segment::open(&RealFs, &path).is_err(), "{what}: Segment::open took it");
         }
+        // An index entry whose first-seen range is not its group's: lookups
+        // would go to the wrong group; the group read and the whole read refuse.
+        let mut shifted = bytes.clone();
+        let min = i64::from_le_bytes(shifted[group(1, 16)..group(1, 16) + 8].try_into().expect("8 bytes"));
+        shifted[group(1, 16)..group(1, 16) + 8].copy_from_slice(&(min + 1).to_le_bytes());
+        let crc = crc32c::crc32c(&shifted[at..t]);
+        shifted[t + 4..t + 8].copy_from_slice(&crc.to_le_bytes());
+        std::fs::write(&path, &shifted).expect("write");
+        let index = read_index(&RealFs, &path).expect("the index itself is well formed").expect("version 2");
+        assert!(read_group(&RealFs, &path, &index.groups[1], false).is_err(), "group 1's range differs");
+        assert!(Segment::open(&RealFs, &path).is_err());
         // A group's image holding other rows than the index says.
         let mut other = bytes.clone();
         other[group(2, 12)] = 2; // the last group holds 3 rows; say 2 and keep the sum by adding one to group 0
