@@ -147,5 +147,41 @@ fn month_total(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, ingest, month_total);
+/// The ledger alone, on the batches of `ingest`: preview, apply, and the
+/// write behind as local state makes it (when due, and before each usage
+/// memtable flush, every 262 batches at the default size). Its time per
+/// event is what the ledger adds to `ingest`.
+fn ledger_alone(c: &mut Criterion) {
+    let mut group = c.benchmark_group("ledger_alone");
+    group.sample_size(10).warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(8));
+    group.throughput(Throughput::Elements(BATCH as u64));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = LedgerStore::open(dir.path()).expect("open");
+    let lateness = dedupd::ledger::Lateness::default();
+    let mut next = 0u64;
+    group.bench_function("preview_apply_write", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let events = batch(next, next as i64);
+                let flush_due = next % (262 * BATCH as u64) == 0;
+                next += BATCH as u64;
+                let started = Instant::now();
+                let unknown: Vec<(&UsageEvent, i64)> = events.iter().map(|e| (&e.event, -1)).collect();
+                drop(store.preview(0, &lateness, &unknown).expect("preview"));
+                let accepted: Vec<(&UsageEvent, i64)> =
+                    events.iter().map(|e| (&e.event, e.key.output.offset)).collect();
+                store.apply(0, &lateness, &accepted).expect("apply");
+                if flush_due || store.write_due() {
+                    store.write_pending().expect("write");
+                }
+                total += started.elapsed();
+            }
+            total
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, ingest, ledger_alone, month_total);
 criterion_main!(benches);

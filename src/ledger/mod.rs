@@ -108,7 +108,7 @@ impl Ledger {
                     }
                 }
                 let folded = maps.fold(lateness, events.iter().copied())?;
-                Ok(Preview { maps: std::sync::Arc::new(maps), folded })
+                Ok(Preview::of(folded, |k| maps.hours.get(k)))
             }
         }
     }

@@ -19,8 +19,10 @@ const LATENESS_MS: i64 = 6 * HOUR_MS;
 
 #[derive(Clone, Debug)]
 enum Step {
-    /// A batch of new accepted events on a partition: (customer, meter, hours back, quantity, correction).
-    Batch(i32, Vec<(u8, u8, i64, i64, bool)>),
+    /// A batch of new accepted events on a partition: (customer, meter, hours back, quantity, correction),
+    /// applied as it is, or previewed first as a worker does, or previewed and then abandoned (its
+    /// transaction aborted: it is not published and not applied).
+    Batch(i32, Vec<(u8, u8, i64, i64, bool)>, Preview),
     /// The last published batch of a partition applied again (repair overlap).
     Replay(i32),
     /// Close and reopen the state directory.
@@ -32,10 +34,19 @@ enum Step {
     Repair,
 }
 
+#[derive(Clone, Copy, Debug)]
+enum Preview {
+    None,
+    ThenApply,
+    Abandoned,
+}
+
 fn step() -> impl Strategy<Value = Step> {
     let event = (0u8..3, 0u8..2, 0i64..30, -5i64..50, any::<bool>());
+    let preview = prop_oneof![Just(Preview::None), Just(Preview::ThenApply), Just(Preview::Abandoned)];
     prop_oneof![
-        6 => (0..PARTITIONS, prop::collection::vec(event, 1..12)).prop_map(|(p, e)| Step::Batch(p, e)),
+        6 => (0..PARTITIONS, prop::collection::vec(event, 1..12), preview)
+            .prop_map(|(p, e, preview)| Step::Batch(p, e, preview)),
         1 => (0..PARTITIONS).prop_map(Step::Replay),
         1 => Just(Step::Restart),
         1 => Just(Step::Crash),
@@ -160,8 +171,12 @@ proptest! {
         let mut last_batch: BTreeMap<i32, Vec<StoredEvent>> = BTreeMap::new();
         for step in steps {
             match step {
-                Step::Batch(p, events) => {
-                    let log = model.output.entry(p).or_default();
+                Step::Batch(p, events, preview) => {
+                    let published = model.output.entry(p).or_default();
+                    // An abandoned batch is built like any other but never
+                    // reaches the output.
+                    let mut aborted = published.clone();
+                    let log = if matches!(preview, Preview::Abandoned) { &mut aborted } else { published };
                     let mut batch = Vec::new();
                     for (customer, meter, hours_back, qty, correction) in events {
                         n += 1;
@@ -176,8 +191,33 @@ proptest! {
                         e.quantity = Decimal::from(if e.kind == EventKind::Usage { qty.abs() } else { qty });
                         publish_into(log, &mut batch, s);
                     }
+                    if matches!(preview, Preview::None) {
+                        state.apply_published(p, &batch, NOW).expect("apply");
+                        last_batch.insert(p, batch);
+                        continue;
+                    }
+                    // As a worker previews: before the output offsets are known.
+                    let accepted: Vec<(&UsageEvent, i64)> = batch.iter().map(|s| (&s.event, -1)).collect();
+                    let previewed = state.ledger_preview(p, &accepted).expect("preview").expect("ledger on");
+                    if matches!(preview, Preview::Abandoned) {
+                        continue;
+                    }
                     state.apply_published(p, &batch, NOW).expect("apply");
                     last_batch.insert(p, batch);
+                    // What the batch published is what the ledger now holds.
+                    let mut held = BTreeMap::new();
+                    state
+                        .ledger()
+                        .expect("ledger")
+                        .rollups("acme", None, |k, held_p, r| {
+                            if held_p == p {
+                                held.insert(k, r);
+                            }
+                        })
+                        .expect("rollups");
+                    for (k, r) in previewed.rollups() {
+                        prop_assert_eq!(held.get(k), Some(r), "previewed rollup of {:?}", k);
+                    }
                 }
                 Step::Replay(p) => replay(&mut state, &last_batch, p),
                 Step::Restart => {

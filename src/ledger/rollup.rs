@@ -122,6 +122,33 @@ pub struct HourKey {
     pub hour_ms: i64,
 }
 
+/// A counter's hour, borrowed: finds a held [`HourKey`] without cloning
+/// its counter. Hashes as the `HourKey` of the same counter and hour does
+/// (the derived hash: the counter's, then the hour's).
+pub(crate) struct HourRef<'a> {
+    pub(crate) counter: &'a Arc<CounterKey>,
+    pub(crate) hour_ms: i64,
+}
+
+impl std::hash::Hash for HourRef<'_> {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.counter.hash(state);
+        self.hour_ms.hash(state);
+    }
+}
+
+impl From<&HourRef<'_>> for HourKey {
+    fn from(r: &HourRef<'_>) -> HourKey {
+        HourKey { counter: r.counter.clone(), hour_ms: r.hour_ms }
+    }
+}
+
+impl Equivalent<HourKey> for HourRef<'_> {
+    fn equivalent(&self, key: &HourKey) -> bool {
+        self.hour_ms == key.hour_ms && (Arc::ptr_eq(self.counter, &key.counter) || self.counter == &key.counter)
+    }
+}
+
 /// The start of the hour `ms` falls in.
 pub fn hour_of(ms: i64) -> i64 {
     ms.div_euclid(HOUR_MS) * HOUR_MS
@@ -293,6 +320,84 @@ pub struct Folded {
     pub adjustments: Vec<Adjustment>,
 }
 
+/// Where a fold reads and writes a partition's counters and hours: the
+/// maps of a [`LedgerMaps`], or the durable store's cache (which finds each
+/// event's counter before the fold, and may keep what it overwrites). One
+/// fold, so every holder of a ledger applies the lateness rule alike.
+pub(crate) trait Tally {
+    /// The counter of the `i`th event of the batch, shared, and its
+    /// watermark (`None`: this partition has never folded the counter).
+    fn counter(&mut self, i: usize, event: &UsageEvent) -> (Arc<CounterKey>, Option<i64>);
+    fn set_watermark(&mut self, counter: &Arc<CounterKey>, ms: i64);
+    /// The rollup of the counter's hour, created empty when the hour has
+    /// none yet, and whether this is the first time this fold touches it
+    /// (a holder that cannot tell says yes; the fold removes repeats).
+    fn hour(&mut self, counter: &Arc<CounterKey>, hour_ms: i64) -> (&mut Rollup, bool);
+}
+
+impl Tally for LedgerMaps {
+    fn counter(&mut self, _: usize, event: &UsageEvent) -> (Arc<CounterKey>, Option<i64>) {
+        // A counter with hours always has a watermark: a counter is built
+        // only the first time a partition folds it.
+        match self.watermarks.get_key_value(&CounterRef::of(event)) {
+            Some((counter, w)) => (counter.clone(), Some(*w)),
+            None => (Arc::new(CounterKey::of(event)), None),
+        }
+    }
+
+    fn set_watermark(&mut self, counter: &Arc<CounterKey>, ms: i64) {
+        self.watermarks.insert(counter.clone(), ms);
+    }
+
+    fn hour(&mut self, counter: &Arc<CounterKey>, hour_ms: i64) -> (&mut Rollup, bool) {
+        (self.hours.entry(HourKey { counter: counter.clone(), hour_ms }).or_default(), true)
+    }
+}
+
+/// Folds accepted events, in output order, each with its output offset,
+/// into `tally`. Late events become adjustments and leave hours and
+/// watermarks alone.
+pub(crate) fn fold_into<'a>(
+    tally: &mut impl Tally,
+    lateness: &Lateness,
+    events: impl IntoIterator<Item = (&'a UsageEvent, i64)>,
+) -> Result<Folded, FoldError> {
+    let mut hours: Vec<HourKey> = Vec::new();
+    let mut counters: Vec<Arc<CounterKey>> = Vec::new();
+    let mut adjustments = Vec::new();
+    for (i, (event, offset)) in events.into_iter().enumerate() {
+        let (counter, watermark) = tally.counter(i, event);
+        if lateness.is_late(event, watermark) {
+            adjustments.push(Adjustment {
+                period: super::Period::of_ms(event.timestamp_ms),
+                counter: CounterKey::clone(&counter),
+                event_id: event.event_id.clone(),
+                kind: event.kind,
+                amount: event.quantity,
+                event_ms: event.timestamp_ms,
+                reason: AdjustmentReason::Late,
+                output_offset: offset,
+            });
+            continue;
+        }
+        let hour_ms = hour_of(event.timestamp_ms);
+        let (rollup, first) = tally.hour(&counter, hour_ms);
+        rollup.fold(event)?;
+        if first {
+            hours.push(HourKey { counter: counter.clone(), hour_ms });
+        }
+        if watermark.is_none_or(|w| event.timestamp_ms > w) {
+            tally.set_watermark(&counter, event.timestamp_ms);
+            counters.push(counter);
+        }
+    }
+    hours.sort_unstable();
+    hours.dedup();
+    counters.sort_unstable();
+    counters.dedup();
+    Ok(Folded { hours, counters, adjustments })
+}
+
 impl LedgerMaps {
     /// Folds accepted events, in output order, each with its output offset.
     /// Late events become adjustments and leave hours and watermarks alone.
@@ -301,42 +406,7 @@ impl LedgerMaps {
         lateness: &Lateness,
         events: impl IntoIterator<Item = (&'a UsageEvent, i64)>,
     ) -> Result<Folded, FoldError> {
-        let mut hours: Vec<HourKey> = Vec::new();
-        let mut counters: Vec<Arc<CounterKey>> = Vec::new();
-        let mut adjustments = Vec::new();
-        for (event, offset) in events {
-            // A counter with hours always has a watermark: a counter is
-            // built only the first time a partition folds it.
-            let (counter, watermark) = match self.watermarks.get_key_value(&CounterRef::of(event)) {
-                Some((counter, w)) => (counter.clone(), Some(*w)),
-                None => (Arc::new(CounterKey::of(event)), None),
-            };
-            if lateness.is_late(event, watermark) {
-                adjustments.push(Adjustment {
-                    period: super::Period::of_ms(event.timestamp_ms),
-                    counter: CounterKey::clone(&counter),
-                    event_id: event.event_id.clone(),
-                    kind: event.kind,
-                    amount: event.quantity,
-                    event_ms: event.timestamp_ms,
-                    reason: AdjustmentReason::Late,
-                    output_offset: offset,
-                });
-                continue;
-            }
-            let key = HourKey { counter: counter.clone(), hour_ms: hour_of(event.timestamp_ms) };
-            self.hours.entry(key.clone()).or_default().fold(event)?;
-            hours.push(key);
-            if watermark.is_none_or(|w| event.timestamp_ms > w) {
-                self.watermarks.insert(counter.clone(), event.timestamp_ms);
-                counters.push(counter);
-            }
-        }
-        hours.sort_unstable();
-        hours.dedup();
-        counters.sort_unstable();
-        counters.dedup();
-        Ok(Folded { hours, counters, adjustments })
+        fold_into(self, lateness, events)
     }
 }
 
