@@ -9,13 +9,14 @@
 //! below it, so repair can replay the output freely and a crash between two
 //! tiers' writes heals on the next apply.
 //!
-//! Order of apply: the ledger folds the batch (and writes behind, see
-//! [`LedgerStore`]), then the usage store (the WAL fsync is the durability
-//! point), key store and hot cache. The ledger is written before every
-//! memtable flush, so the batches it folded but had not written when a
-//! process died are still in the usage store's memtable (rebuilt from its
-//! WAL): opening the directory folds them again (`catch_up_ledger`). The
-//! state directory is locked for one process.
+//! Order of apply: the usage store (the WAL fsync is the durability point),
+//! key store and hot cache, with the ledger folding the batch (and writing
+//! behind, see [`LedgerStore`]) on another thread beside them: it depends
+//! on none of them. The ledger is written before every memtable flush, and
+//! that batch folds it first, alone, so the batches it folded but had not
+//! written when a process died are still in the usage store's memtable
+//! (rebuilt from its WAL): opening the directory folds them again
+//! (`catch_up_ledger`). The state directory is locked for one process.
 //!
 //! Sync: no tokio, no rdkafka. Methods may block on fsync.
 
@@ -91,6 +92,17 @@ struct Durable {
 /// How often the key store's horizon is enforced: it walks a histogram and
 /// may drop whole files, cheap but not free per batch.
 const AGE_OUT_EVERY_MS: i64 = 60_000;
+
+/// Batches this large fold the ledger on another thread, beside the other
+/// tiers; smaller ones fold it first, inline (a thread costs tens of
+/// microseconds, the fold of a small batch less).
+#[cfg(not(test))]
+const LEDGER_BESIDE_MIN_EVENTS: usize = 256;
+/// The unit tests' batches are small: there, any batch of two or more
+/// events takes the path beside the other tiers, and single events the
+/// inline one, so the model tests cover both.
+#[cfg(test)]
+const LEDGER_BESIDE_MIN_EVENTS: usize = 2;
 
 /// The local state of every partition this process owns.
 pub struct LocalState {
@@ -427,38 +439,77 @@ impl LocalState {
             previous = offset;
             fresh.push(e.clone());
         }
-        let Some(last) = fresh.last().map(|e| e.key.output.offset) else {
+        if fresh.is_empty() {
             return Ok(0);
+        }
+        // The ledger folds and writes behind. A restart catches it up from
+        // the usage store's memtable only, so it writes now when its events
+        // will not all be there: before the usage store moves its memtable
+        // into a segment, and when the usage store already holds some of
+        // them (the ledger is being repaired behind it). Then it goes first;
+        // otherwise it is independent of the other tiers and runs beside
+        // them on another core.
+        let fresh = &fresh[..];
+        let first = fresh[0].key.output.offset;
+        let not_in_memtable = self.durable.as_ref().is_some_and(|d| {
+            d.usage.flush_due(fresh.len()) || d.usage.checkpoint(partition).is_some_and(|u| u >= first)
+        });
+        let (durable, checkpoints, partitions) =
+            (&mut self.durable, &mut self.memory_checkpoints, &mut self.partitions);
+        let mut tiers = move || Self::apply_tiers(durable, checkpoints, partitions, partition, fresh, now_ms);
+        let Some(ledger) = &mut self.ledger else {
+            return tiers();
         };
-        // The ledger folds first and writes behind. A restart catches it up
-        // from the usage store's memtable only, so it writes now when its
-        // events will not all be there: before the usage store moves its
-        // memtable into a segment, and when the usage store already holds
-        // some of them (the ledger is being repaired behind it).
-        if let Some(ledger) = &mut self.ledger {
+        let lateness = &self.settings.lateness;
+        let fold = |ledger: &mut Ledger| -> Result<(), LedgerError> {
             let accepted: Vec<(&UsageEvent, i64)> = fresh.iter().map(|e| (&e.event, e.key.output.offset)).collect();
-            ledger.apply(partition, &self.settings.lateness, &accepted)?;
-            let first = fresh[0].key.output.offset;
-            let not_in_memtable = self.durable.as_ref().is_some_and(|d| {
-                d.usage.flush_due(fresh.len()) || d.usage.checkpoint(partition).is_some_and(|u| u >= first)
-            });
+            ledger.apply(partition, lateness, &accepted)?;
             if not_in_memtable || ledger.write_due() {
                 ledger.write_pending()?;
             }
+            Ok(())
+        };
+        if not_in_memtable || fresh.len() < LEDGER_BESIDE_MIN_EVENTS {
+            fold(ledger)?;
+            return tiers();
         }
-        match &mut self.durable {
+        std::thread::scope(|scope| {
+            let beside = scope.spawn(|| fold(ledger));
+            let applied = tiers();
+            // A tier's failure stops the batch either way; each tier skips
+            // what it already holds when the batch comes again.
+            beside.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
+            applied
+        })
+    }
+
+    /// Applies `fresh` (past every checkpoint, in offset order) to the tiers
+    /// other than the ledger: usage store, key store (or the in-memory
+    /// checkpoint) and the partition's hot cache.
+    fn apply_tiers(
+        durable: &mut Option<Durable>,
+        memory_checkpoints: &mut BTreeMap<i32, i64>,
+        partitions: &mut BTreeMap<i32, PartitionClassifier>,
+        partition: i32,
+        fresh: &[StoredEvent],
+        now_ms: i64,
+    ) -> Result<usize, StateError> {
+        let Some(last) = fresh.last().map(|e| e.key.output.offset) else {
+            return Ok(0);
+        };
+        match durable {
             None => {
-                self.memory_checkpoints.insert(partition, last);
+                memory_checkpoints.insert(partition, last);
             }
             Some(d) => {
                 // Each tier skips what it already holds, so a tier that got
                 // ahead of the other before a crash is not written twice.
-                d.usage.append(&fresh)?;
+                d.usage.append(fresh)?;
                 let keys: Vec<_> = fresh.iter().map(|e| e.key).collect();
                 d.keys.apply_batch(partition, &keys, last)?;
             }
         }
-        if let Some(classifier) = self.partitions.get_mut(&partition) {
+        if let Some(classifier) = partitions.get_mut(&partition) {
             classifier.commit(fresh.iter().map(|e| &e.key), now_ms);
         }
         Ok(fresh.len())
