@@ -83,7 +83,9 @@ impl Ledger {
         }
     }
 
-    /// What folding `events` would change, read-only: the rollups a batch
+    /// What folding `events` would change, read-only in effect (the durable
+    /// store folds into its cache and undoes it unless the same events are
+    /// applied next; see [`LedgerStore::preview`]): the rollups a batch
     /// publishes in its own transaction.
     pub fn preview(
         &self,

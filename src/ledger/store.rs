@@ -154,8 +154,9 @@ fn fingerprint(events: &[(&UsageEvent, i64)]) -> [u8; 32] {
 /// [`apply`](Self::apply) folds into an in-memory cache of hours and
 /// watermarks; [`write_pending`](Self::write_pending) writes every change
 /// since the last write in one key-ordered write batch with the
-/// checkpoints. Local state calls it before each usage-store flush and at
-/// least every [`WRITE_BEHIND`] (and every query does), so a counter-hour
+/// checkpoints. Local state calls it before each usage-store flush, and at
+/// the first apply or maintenance tick once [`WRITE_BEHIND`] has passed
+/// (and every query does), so a counter-hour
 /// that many batches touch is written once, not once per batch: the write
 /// was half the ledger's cost when every batch wrote. A restart folds the
 /// unwritten batches again from the usage store's memtable (see the
@@ -311,9 +312,12 @@ impl LedgerStore {
             {
                 let mut folded = p.folded;
                 if !folded.adjustments.is_empty() {
-                    let offsets: HashMap<&str, i64> = fresh.iter().map(|(e, o)| (e.event_id.as_str(), *o)).collect();
+                    // By identity: two tenants may use the same event id.
+                    let offsets: HashMap<(&str, &str), i64> =
+                        fresh.iter().map(|(e, o)| ((e.tenant_id.as_str(), e.event_id.as_str()), *o)).collect();
                     for a in &mut folded.adjustments {
-                        a.output_offset = offsets.get(a.event_id.as_str()).copied().unwrap_or(a.output_offset);
+                        let identity = (a.counter.tenant_id.as_str(), a.event_id.as_str());
+                        a.output_offset = offsets.get(&identity).copied().unwrap_or(a.output_offset);
                     }
                 }
                 folded
@@ -898,7 +902,7 @@ fn decode_adjustment(b: &[u8]) -> Result<Adjustment, LedgerError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ledger::LedgerMaps;
+    use crate::ledger::{LedgerMaps, HOUR_MS};
     use crate::storage::testutil::sample_event_at;
 
     /// Six events of partition 3, a second apart, at offsets 0 to 5.
@@ -979,6 +983,40 @@ mod tests {
         store.all_rollups(|k, p, r| assert!(held.insert((k, p), r).is_none())).expect("scan");
         let want: std::collections::BTreeMap<_, _> = model.hours.into_iter().map(|(k, r)| ((k, 3), r)).collect();
         assert_eq!(held, want, "the hours of the batch whose write failed were written by the next one");
+    }
+
+    #[test]
+    fn a_previewed_late_event_keeps_its_own_output_offset_when_two_tenants_share_its_id() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = LedgerStore::open(dir.path()).expect("open");
+        let t = 1_700_000_000_000;
+        let event = |tenant: &str, id: &str, ts: i64| {
+            let mut e = sample_event_at(0, 3, 0, ts).event;
+            e.tenant_id = tenant.to_owned();
+            e.event_id = id.to_owned();
+            e.timestamp_ms = ts;
+            e
+        };
+        let on_time = [event("acme", "evt_a", t), event("globex", "evt_b", t)];
+        let lateness = Lateness::default();
+        store.apply(3, &lateness, &[(&on_time[0], 0), (&on_time[1], 1)]).expect("apply");
+        // The same id in two tenants: two identities, both later than L.
+        let late = [event("acme", "evt_x", t - 49 * HOUR_MS), event("globex", "evt_x", t - 49 * HOUR_MS)];
+        // As a worker does: previewed before the output offsets are known,
+        // then applied with them.
+        let preview = store.preview(3, &lateness, &[(&late[0], -1), (&late[1], -1)]).expect("preview");
+        assert_eq!(preview.folded.adjustments.len(), 2);
+        let folded = store.apply(3, &lateness, &[(&late[0], 2), (&late[1], 3)]).expect("apply");
+        let offsets: Vec<(&str, i64)> =
+            folded.adjustments.iter().map(|a| (a.counter.tenant_id.as_str(), a.output_offset)).collect();
+        assert_eq!(offsets, [("acme", 2), ("globex", 3)]);
+        let stored: Vec<(String, i64)> = store
+            .all_adjustments()
+            .expect("adjustments")
+            .into_iter()
+            .map(|(_, a)| (a.counter.tenant_id, a.output_offset))
+            .collect();
+        assert_eq!(stored, [("acme".to_owned(), 2), ("globex".to_owned(), 3)]);
     }
 
     #[test]

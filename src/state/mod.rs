@@ -10,13 +10,17 @@
 //! tiers' writes heals on the next apply.
 //!
 //! Order of apply: the usage store (the WAL fsync is the durability point),
-//! key store and hot cache, with the ledger folding the batch (and writing
-//! behind, see [`LedgerStore`]) on another thread beside them: it depends
-//! on none of them. The ledger is written before every memtable flush, and
-//! that batch folds it first, alone, so the batches it folded but had not
-//! written when a process died are still in the usage store's memtable
-//! (rebuilt from its WAL): opening the directory folds them again
-//! (`catch_up_ledger`). The state directory is locked for one process.
+//! key store and hot cache. In a state directory, a batch of 256 events or
+//! more has the ledger fold it (and write behind, see [`LedgerStore`]) on
+//! another thread beside them, as it depends on none of them; a smaller
+//! batch folds it first, inline. So does the batch before which the ledger
+//! must be written: one that makes the usage store flush its memtable, or
+//! one the usage store already partly holds (the ledger being repaired
+//! behind it). Because the ledger is written before every memtable flush,
+//! the batches it folded but had not written when a process died are still
+//! in the usage store's memtable (rebuilt from its WAL): opening the
+//! directory folds them again (`catch_up_ledger`). The state directory is
+//! locked for one process.
 //!
 //! Sync: no tokio, no rdkafka. Methods may block on fsync.
 
@@ -454,6 +458,7 @@ impl LocalState {
         let not_in_memtable = self.durable.as_ref().is_some_and(|d| {
             d.usage.flush_due(fresh.len()) || d.usage.checkpoint(partition).is_some_and(|u| u >= first)
         });
+        let in_state_dir = self.durable.is_some();
         let (durable, checkpoints, partitions) =
             (&mut self.durable, &mut self.memory_checkpoints, &mut self.partitions);
         let mut tiers = move || Self::apply_tiers(durable, checkpoints, partitions, partition, fresh, now_ms);
@@ -469,7 +474,10 @@ impl LocalState {
             }
             Ok(())
         };
-        if not_in_memtable || fresh.len() < LEDGER_BESIDE_MIN_EVENTS {
+        // Without a state directory the other tiers are a checkpoint in
+        // memory: nothing to run beside, and that checkpoint must not move
+        // past a batch whose fold failed.
+        if not_in_memtable || fresh.len() < LEDGER_BESIDE_MIN_EVENTS || !in_state_dir {
             fold(ledger)?;
             return tiers();
         }
@@ -477,9 +485,13 @@ impl LocalState {
             let beside = scope.spawn(|| fold(ledger));
             let applied = tiers();
             // A tier's failure stops the batch either way; each tier skips
-            // what it already holds when the batch comes again.
-            beside.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
-            applied
+            // what it already holds when the batch comes again. The other
+            // tiers' error first: a failed fsync or a poisoned store is the
+            // one an operator must see.
+            let folded = beside.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            let applied = applied?;
+            folded?;
+            Ok(applied)
         })
     }
 
