@@ -1020,6 +1020,33 @@ mod tests {
     }
 
     #[test]
+    fn a_fold_that_overflows_changes_nothing_previewed_or_applied() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = LedgerStore::open(dir.path()).expect("open");
+        let t = 1_700_000_000_000;
+        let event = |customer: &str, qty: Decimal| {
+            let mut e = sample_event_at(0, 3, 0, t).event;
+            e.customer_id = customer.to_owned();
+            e.kind = EventKind::Usage;
+            e.quantity = qty;
+            e
+        };
+        let small = event("c_small", Decimal::from(5));
+        let huge = event("c_huge", Decimal::MAX);
+        let lateness = Lateness::default();
+        // The small event's hour is folded before the second huge one
+        // overflows its own: both attempts must leave no trace of it.
+        let overflowing = [(&small, 0), (&huge, 1), (&huge, 2)];
+        assert!(matches!(store.preview(3, &lateness, &overflowing), Err(LedgerError::Fold(_))));
+        assert!(matches!(store.apply(3, &lateness, &overflowing), Err(LedgerError::Fold(_))));
+        assert_eq!(store.checkpoint(3).expect("checkpoint"), None, "a failed apply moves no checkpoint");
+        store.apply(3, &lateness, &[(&small, 0)]).expect("apply");
+        let mut sums = Vec::new();
+        store.all_rollups(|k, _, r| sums.push((k.counter.customer_id.clone(), r.sum, r.count))).expect("scan");
+        assert_eq!(sums, [("c_small".to_owned(), Decimal::from(5), 1)]);
+    }
+
+    #[test]
     fn a_corrupt_rollup_is_an_error_not_a_zero() {
         let r = Rollup {
             sum: Decimal::new(125, 1),

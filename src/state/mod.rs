@@ -701,6 +701,34 @@ mod tests {
     }
 
     #[test]
+    fn a_ledger_fold_that_fails_beside_the_other_tiers_holds_the_checkpoint_back() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut state = LocalState::open(Some(dir.path()), EngineSettings::default(), true).expect("open");
+        state.assign(2, NOW).expect("assign");
+        let event = |n: u64, offset: i64, qty: rust_decimal::Decimal| {
+            let mut s = sample_event_at(n, 2, offset, NOW);
+            s.event.tenant_id = "acme".into();
+            s.event.customer_id = "cus_one".into();
+            s.event.meter = "api_calls".into();
+            s.event.timestamp_ms = NOW;
+            s.event.kind = crate::event::EventKind::Usage;
+            s.event.quantity = qty;
+            s
+        };
+        let fine = [event(1, 0, 1.into()), event(2, 1, 1.into())];
+        state.apply_published(2, &fine, NOW).expect("apply");
+        // Two events whose sum no exact decimal holds: the ledger's fold
+        // (beside the usage store and key store: the unit tests' threshold
+        // is two events) fails, so the batch fails and the state's
+        // checkpoint stays where the ledger is, for the batch to come again.
+        let huge = rust_decimal::Decimal::MAX;
+        let overflowing = [event(3, 2, huge), event(4, 3, huge)];
+        let err = state.apply_published(2, &overflowing, NOW).expect_err("an overflowing total");
+        assert!(matches!(err, StateError::Ledger(_)), "{err}");
+        assert_eq!(state.checkpoint(2), Some(1));
+    }
+
+    #[test]
     fn hot_cache_evictions_survive_a_revoke_in_the_process_count() {
         // Capacity 2: applying 5 keys to partition 1 pushes 3 out.
         let settings = EngineSettings { hot_capacity: 2, ..EngineSettings::default() };
