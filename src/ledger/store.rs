@@ -323,8 +323,10 @@ impl LedgerStore {
                 folded
             }
             other => {
-                cache.previewed = other;
-                Self::undo_preview(&mut cache);
+                // Another batch's preview, or none: undone, then this fold.
+                if let Some(p) = other {
+                    Self::restore(&mut cache, p.partition, p.undo);
+                }
                 self.fold_in_cache(&mut cache, partition, lateness, &fresh)?.0
             }
         };
