@@ -212,6 +212,8 @@ pub struct FileConfig {
     /// `dedupd route` only: the topic of raw records it places.
     pub raw_topic: Option<String>,
     pub on_misrouted: Option<String>,
+    /// See `--standby-replicas`.
+    pub standby_replicas: Option<u32>,
 }
 
 /// Settings of one meter in the config file. Unknown keys are an error,

@@ -24,10 +24,11 @@
 //! - [`offline`]: `dedupd dedupe`, the engine over NDJSON files (sync).
 //! - [`pipeline`]: the sans-I/O core of the worker: every decision of a
 //!   partition's life (repair, batch order, revoke and lost assignments,
-//!   transaction endings) with time as an input; driven by [`kafka`] in
-//!   production and by [`sim`] in tests (pure, no I/O).
+//!   transaction endings) with time as an input, and which partitions a
+//!   worker follows as a warm standby; driven by [`kafka`] in production
+//!   and by [`sim`] in tests (pure, no I/O).
 //! - [`kafka`]: the worker (`dedupd run`, `dedupd demo`): consumer group,
-//!   publishing, repair; and the router (`dedupd route`), which keys and
+//!   publishing, repair, warm standbys; and the router (`dedupd route`), which keys and
 //!   places raw records by identity in front of it (async).
 //! - [`metrics`]: the Prometheus registry and the HTTP endpoint (`/metrics`,
 //!   health, `/v1/usage`, and [`runbook`], the on-call runbook the alerts

@@ -377,6 +377,12 @@ struct RunArgs {
     /// classify it where it is, or `reject` it (`misrouted`) [default: count].
     #[arg(long, env = "DEDUPD_ON_MISROUTED")]
     on_misrouted: Option<String>,
+    /// Warm standbys: each partition's output is also followed by this many
+    /// other workers of the group, which keep its local state current, so
+    /// a worker taking it over repairs seconds of output, not the horizon.
+    /// Costs each of them the partition's reads and state [default: 0].
+    #[arg(long, env = "DEDUPD_STANDBY_REPLICAS")]
+    standby_replicas: Option<u32>,
 }
 
 fn need(key: &'static str, flag: Option<&String>, file: Option<&String>) -> anyhow::Result<String> {
@@ -482,6 +488,9 @@ impl RunArgs {
                 anyhow::anyhow!("invalid `on_misrouted` (flag --on-misrouted, env DEDUPD_ON_MISROUTED): {m:?} is neither count nor reject")
             })?;
         }
+        if let Some(n) = self.standby_replicas.or(file.standby_replicas) {
+            s.standby_replicas = n;
+        }
         let state_dir = self.state_dir.clone().or_else(|| file.state_dir.clone());
         Ok((s, state_dir))
     }
@@ -511,6 +520,20 @@ impl RunArgs {
         let (run, _) = args.resolve(file, env)?;
         Ok(dedupd::kafka::router::RouteSettings { run })
     }
+}
+
+/// Warm standbys keep other owners' partitions in local state; a key store
+/// that drops every revoked partition would throw that away at each
+/// handover back, so the two settings contradict each other.
+fn check_standbys(run: &RunSettings, engine: &EngineSettings) -> anyhow::Result<()> {
+    if run.standby_replicas > 0 && !engine.keep_revoked_partitions {
+        anyhow::bail!(
+            "--standby-replicas {} needs --keep-revoked-partitions true: a standby keeps the state of partitions \
+             it does not own, which a key store that drops revoked partitions would discard",
+            run.standby_replicas
+        );
+    }
+    Ok(())
 }
 
 /// Logs go to stderr. The filter is `DEDUPD_LOG`, else `RUST_LOG` (what
@@ -764,6 +787,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::CheckConfig { run, tuning } => {
             let (settings, file) = engine_settings(&tuning)?;
             let (run_settings, state_dir) = run.resolve(&file, &|k| std::env::var(k).ok())?;
+            check_standbys(&run_settings, &settings)?;
             let limits = settings.validator().limits().clone();
             run_settings
                 .check_record_bounds(limits.max_output_bytes, limits.max_id_bytes)
@@ -777,6 +801,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Run { run, tuning } => {
             let (settings, file) = engine_settings(&tuning)?;
             let (run_settings, state_dir) = run.resolve(&file, &|k| std::env::var(k).ok())?;
+            check_standbys(&run_settings, &settings)?;
             tracing::info!(
                 version = env!("CARGO_PKG_VERSION"),
                 run = %run_settings.describe(),

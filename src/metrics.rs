@@ -160,6 +160,8 @@ pub struct Metrics {
     repair_remaining: IntGaugeVec,
     repair_last_records: IntGaugeVec,
     repair_last_seconds: GaugeVec,
+    standby_partitions: IntGauge,
+    standby_records: IntCounter,
     rebalances: IntCounterVec,
     healthy: AtomicBool,
     /// See [`GroupStuck`].
@@ -326,6 +328,14 @@ impl Metrics {
             "Output records the last finished repair of a partition applied, by partition",
             "partition",
         );
+        let standby_partitions = b.gauge(
+            "dedupd_standby_partitions",
+            "Output partitions of other owners this worker follows as a warm standby (--standby-replicas)",
+        );
+        let standby_records = b.counter(
+            "dedupd_standby_records_total",
+            "Output records of other owners' partitions applied to local state by standbys",
+        );
         let repair_last_seconds = b.float_gauges(
             "dedupd_repair_last_seconds",
             "How long the last finished repair of a partition took, by partition",
@@ -400,6 +410,8 @@ impl Metrics {
             repair_remaining,
             repair_last_records,
             repair_last_seconds,
+            standby_partitions,
+            standby_records,
             rebalances,
             healthy: AtomicBool::new(true),
             group_stuck: AtomicBool::new(false),
@@ -641,6 +653,21 @@ pub struct RepairProgressed {
 impl RepairProgressed {
     pub fn emit(&self, m: &Metrics) {
         m.repair_remaining.with_label_values(&[self.partition.to_string().as_str()]).set(self.remaining.max(0));
+    }
+}
+
+/// What the warm standbys did: how many partitions they follow now, and
+/// records they applied since the last report.
+#[derive(Clone, Copy, Debug)]
+pub struct StandbyProgressed {
+    pub following: usize,
+    pub applied: u64,
+}
+
+impl StandbyProgressed {
+    pub fn emit(&self, m: &Metrics) {
+        m.standby_partitions.set(i64::try_from(self.following).unwrap_or(i64::MAX));
+        m.standby_records.inc_by(self.applied);
     }
 }
 
@@ -1187,6 +1214,8 @@ mod tests {
             "dedupd_misrouted_records_total",
             "dedupd_late_events_total",
             "dedupd_closed_periods",
+            "dedupd_standby_partitions",
+            "dedupd_standby_records_total",
         ] {
             assert!(page.contains(&format!("# TYPE {name} ")), "{name} missing from\n{page}");
         }

@@ -111,6 +111,37 @@ fn check_config_refuses_a_bad_configuration_naming_the_key() {
     assert!(stderr.contains("KAFKA_PASSWORD") && stderr.contains("sasl.password"), "{stderr}");
 }
 
+/// `--standby-replicas` from the flag or the file reaches the settings; a
+/// standby beside a key store that drops revoked partitions is refused,
+/// naming both settings.
+#[test]
+fn standby_replicas_are_resolved_and_refused_beside_a_key_store_that_drops_revoked_partitions() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let args = setup(dir.path());
+    let ok = dedupd().arg("check-config").args(&args).args(["--standby-replicas", "2"]).output().expect("check-config");
+    let stdout = String::from_utf8_lossy(&ok.stdout);
+    assert!(ok.status.success(), "{stdout}{}", String::from_utf8_lossy(&ok.stderr));
+    assert!(stdout.contains("standby_replicas=2"), "{stdout}");
+    let from_file = dir.path().join("standby.toml");
+    let base = std::fs::read_to_string(dir.path().join("dedupd.toml")).expect("config");
+    std::fs::write(&from_file, format!("{base}standby_replicas = 1\n")).expect("config");
+    let out = dedupd().arg("check-config").arg("--config").arg(&from_file).output().expect("check-config");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("standby_replicas=1"), "{out:?}");
+
+    let refused = dedupd()
+        .arg("check-config")
+        .args(&args)
+        .args(["--standby-replicas", "1", "--keep-revoked-partitions", "false"])
+        .output()
+        .expect("check-config");
+    assert_eq!(refused.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("--standby-replicas 1") && stderr.contains("--keep-revoked-partitions true"), "{stderr}");
+    let negative =
+        dedupd().arg("check-config").args(&args).args(["--standby-replicas", "-1"]).output().expect("check-config");
+    assert_eq!(negative.status.code(), Some(2), "{negative:?}");
+}
+
 #[test]
 fn the_start_up_log_line_is_json_names_the_version_and_masks_secrets() {
     let dir = tempfile::tempdir().expect("tmp");

@@ -454,6 +454,92 @@ async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_
     );
 }
 
+/// Two workers of group `group` and a live stream, the peer SIGKILLed
+/// mid-stream: what [`peer_killed_mid_stream`] leaves for the test to check.
+struct PeerKilled {
+    /// The survivor, still running, the input all done.
+    survivor: Worker,
+    /// Events the peer had accepted when it was killed.
+    peer_accepted: f64,
+    /// From the kill until the survivor owned every partition and had
+    /// repaired them (`/readyz`).
+    failover: Duration,
+    _states: (tempfile::TempDir, tempfile::TempDir),
+}
+
+/// The survivor starts first, so it leads the group. (Tansu 0.6 cannot
+/// recover a group whose leader died: every SyncGroup after it fails, so on
+/// Tansu the test kills the follower. Kafka elects a new leader.) The peer
+/// joins and the cooperative rebalance moves some partitions to it; Tansu is
+/// slow at that, hence the long wait. A live stream (~5k records/s) runs
+/// while the peer is SIGKILLed, once it has accepted `kill_after` events, so
+/// its partitions' input keeps arriving after it died; they move back to the
+/// survivor after its session times out, and the survivor repairs them from
+/// the output topic before consuming. Both workers get `extra` flags.
+async fn peer_killed_mid_stream(
+    brokers: &str,
+    group: &str,
+    topics: &Topics,
+    s: &Scenario,
+    extra: &[&str],
+    kill_after: f64,
+) -> PeerKilled {
+    let producer = traffic_producer(brokers);
+    let (state_a, state_b) = (tempfile::tempdir().expect("state dir"), tempfile::tempdir().expect("state dir"));
+    let mut b = spawn_worker_with_args(brokers, group, topics, "b", Membership::Dynamic, state_b.path(), extra);
+    wait_ready(&mut b, Duration::from_secs(90)).await;
+    let mut a = spawn_worker_with_args(brokers, group, topics, "a", Membership::Dynamic, state_a.path(), extra);
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while metric(a.metrics, "dedupd_assigned_partitions").unwrap_or(0.0) < 1.0 {
+        assert!(Instant::now() < deadline, "the peer never got a partition");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    wait_ready(&mut a, Duration::from_secs(90)).await;
+    if extra.contains(&"--standby-replicas") {
+        // The survivor follows the peer's partitions before any input.
+        let following = wait_until(Duration::from_secs(60), || {
+            metric(b.metrics, "dedupd_standby_partitions").unwrap_or(0.0) >= 1.0
+        })
+        .await;
+        assert!(following, "the survivor never became a standby of the peer's partitions");
+    }
+
+    let (p, input, records) = (producer.clone(), topics.input.clone(), s.records.clone());
+    let load = tokio::spawn(async move {
+        for chunk in records.chunks(500) {
+            produce_traffic(&p, &input, PARTITIONS, chunk).await?;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok::<_, dedupd::kafka::KafkaError>(())
+    });
+    let peer_accepted = loop {
+        let accepted_a = metric(a.metrics, "dedupd_events_total{bucket=\"accepted\"}").unwrap_or(0.0);
+        assert!(!load.is_finished(), "the input ended before the peer accepted {kill_after} events");
+        if accepted_a >= kill_after {
+            let owned_a = metric(a.metrics, "dedupd_assigned_partitions").unwrap_or(0.0);
+            let owned_b = metric(b.metrics, "dedupd_assigned_partitions").unwrap_or(0.0);
+            eprintln!("killing peer a: it owns {owned_a} partitions and accepted {accepted_a}; b owns {owned_b}");
+            break accepted_a;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    signal(&a.child, libc::SIGKILL);
+    let killed = Instant::now();
+    let _ = a.child.wait();
+    let failover = loop {
+        let owned = metric(b.metrics, "dedupd_assigned_partitions").unwrap_or(0.0);
+        if owned >= f64::from(PARTITIONS) && matches!(http_get(b.metrics, "/readyz"), Some((200, _))) {
+            break killed.elapsed();
+        }
+        assert!(killed.elapsed() < Duration::from_secs(300), "the survivor never took the peer's partitions over");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    eprintln!("failover: the survivor owned and had repaired every partition {failover:?} after the kill");
+    load.await.expect("join").expect("produce");
+    b.wait_input_done(brokers, group, &topics.input, Duration::from_secs(600)).await;
+    PeerKilled { survivor: b, peer_accepted, failover, _states: (state_a, state_b) }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn survivor_takes_over_a_sigkilled_peers_partitions_and_output_stays_exactly_once() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
@@ -467,60 +553,17 @@ async fn survivor_takes_over_a_sigkilled_peers_partitions_and_output_stays_exact
     // the ledger must publish as adjustments, not fold into their hours.
     let late = add_late_events(&mut s, 10);
     let rollups_args = ["--rollups-topic", "pair-rollups"];
-    let producer = traffic_producer(&brokers);
-    // The survivor starts first, so it leads the group. (Tansu 0.6 cannot
-    // recover a group whose leader died: every SyncGroup after it fails, so
-    // on Tansu the test kills the follower. Kafka elects a new leader.) The
-    // peer joins and the cooperative rebalance moves some partitions to it;
-    // Tansu is slow at that, hence the long wait. When the peer dies, its
-    // partitions move back to the survivor after its session times out, and
-    // the survivor must repair them from the output topic before consuming.
-    let (state_a, state_b) = (tempfile::tempdir().expect("state dir"), tempfile::tempdir().expect("state dir"));
-    let mut b =
-        spawn_worker_with_args(&brokers, "pair", &topics, "b", Membership::Dynamic, state_b.path(), &rollups_args);
-    wait_ready(&mut b, Duration::from_secs(90)).await;
-    let mut a =
-        spawn_worker_with_args(&brokers, "pair", &topics, "a", Membership::Dynamic, state_a.path(), &rollups_args);
-    let deadline = Instant::now() + Duration::from_secs(180);
-    while metric(a.metrics, "dedupd_assigned_partitions").unwrap_or(0.0) < 1.0 {
-        assert!(Instant::now() < deadline, "the peer never got a partition");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    wait_ready(&mut a, Duration::from_secs(90)).await;
-
-    // A live stream (~5k records/s for ~8 s), so the peer dies mid-stream
-    // with input of its partitions still arriving.
-    let (p, input, records) = (producer.clone(), topics.input.clone(), s.records.clone());
-    let load = tokio::spawn(async move {
-        for chunk in records.chunks(500) {
-            produce_traffic(&p, &input, PARTITIONS, chunk).await?;
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        Ok::<_, dedupd::kafka::KafkaError>(())
-    });
-    // Kill the peer once it has published, so the survivor has someone
-    // else's output to repair.
-    loop {
-        let accepted_a = metric(a.metrics, "dedupd_events_total{bucket=\"accepted\"}").unwrap_or(0.0);
-        assert!(!load.is_finished(), "the input ended before the peer published anything");
-        if accepted_a >= 1.0 {
-            let owned_a = metric(a.metrics, "dedupd_assigned_partitions").unwrap_or(0.0);
-            let owned_b = metric(b.metrics, "dedupd_assigned_partitions").unwrap_or(0.0);
-            eprintln!("killing peer a: it owns {owned_a} partitions and accepted {accepted_a}; b owns {owned_b}");
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    signal(&a.child, libc::SIGKILL);
-    let _ = a.child.wait();
-    load.await.expect("join").expect("produce");
-    b.wait_input_done(&brokers, "pair", &topics.input, Duration::from_secs(600)).await;
+    // Killed once it has published, so the survivor has someone else's
+    // output to repair.
+    let killed = peer_killed_mid_stream(&brokers, "pair", &topics, &s, &rollups_args, 1.0).await;
+    let mut b = killed.survivor;
     let owned = metric(b.metrics, "dedupd_assigned_partitions");
     let repaired = metric(b.metrics, "dedupd_repair_records_total");
     // The peer's partitions had input after it died, so the survivor can
     // only have finished the input by taking them over.
     assert_eq!(owned, Some(f64::from(PARTITIONS)), "the survivor must own every partition");
     assert!(repaired >= Some(1.0), "the survivor must have repaired the peer's output, read {repaired:?}");
+    eprintln!("without standbys: the survivor repaired {repaired:?} records in a failover of {:?}", killed.failover);
     b.stop().await;
     assert_every_report_once_per_position(&brokers, &topics, &s);
     let output = read_topic(&brokers, &topics.output);
@@ -546,6 +589,81 @@ async fn survivor_takes_over_a_sigkilled_peers_partitions_and_output_stays_exact
     // them out of what the output says before comparing.
     on_time.retain(|(_, _, _, hour), _| totals.keys().any(|(_, _, _, h)| h == hour));
     assert_eq!(totals, on_time, "summed rollups against the output's on-time events");
+}
+
+/// Warm standbys (`--standby-replicas 1`): the survivor follows the peer's
+/// output partitions while the peer owns them, so when it takes them over
+/// its repair reads at most a batch or two, not the peer's whole output,
+/// and the output is still exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_standby_takes_over_a_sigkilled_peers_partitions_repairing_only_the_last_moments() {
+    let _one_at_a_time = ONE_AT_A_TIME.lock().await;
+    let tansu = Tansu::start();
+    let topics = topics("standby");
+    tansu.create_topics(&topics, PARTITIONS);
+    let brokers = tansu.brokers.clone();
+    let s = scenario(40_000, 10, 1, 5);
+    let standby_args = ["--standby-replicas", "1"];
+    // Killed after it has published thousands of events: a repair without
+    // a standby would read them all back.
+    let killed = peer_killed_mid_stream(&brokers, "standby", &topics, &s, &standby_args, 8000.0).await;
+    let mut b = killed.survivor;
+    let peer_accepted = killed.peer_accepted;
+    let owned = metric(b.metrics, "dedupd_assigned_partitions");
+    assert_eq!(owned, Some(f64::from(PARTITIONS)), "the survivor must own every partition");
+    let repaired = metric(b.metrics, "dedupd_repair_records_total").unwrap_or(f64::NAN);
+    // The standby's applies are reported every few seconds.
+    let followed = wait_until(Duration::from_secs(20), || {
+        metric(b.metrics, "dedupd_standby_records_total").unwrap_or(0.0) >= peer_accepted
+    })
+    .await;
+    let standby_records = metric(b.metrics, "dedupd_standby_records_total");
+    eprintln!(
+        "with a standby: the peer accepted {peer_accepted} events, the survivor's standby applied \
+         {standby_records:?} output records and its repair read {repaired} in a failover of {:?}",
+        killed.failover
+    );
+    assert!(
+        followed,
+        "the standby applied {standby_records:?} records, fewer than the peer published ({peer_accepted})"
+    );
+    assert!(
+        repaired <= (2 * BATCH_MAX_RECORDS) as f64,
+        "with a warm standby the takeover repair must read at most a couple of batches, read {repaired}"
+    );
+    b.stop().await;
+    assert_every_report_once_per_position(&brokers, &topics, &s);
+    assert_exactly_once(&read_topic(&brokers, &topics.output), &s);
+}
+
+/// Failover with and without a warm standby (`scripts/bench failover`):
+/// the same stream and the same kill, once per mode, each on a fresh
+/// broker; prints from the kill until the survivor owned and had repaired
+/// every partition, and what its repair read. `BENCH_FAILOVER_EVENTS`
+/// events (default 60,000) at ~5k/s; the peer dies once it accepted 40% of
+/// them (about 80% of its share).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: run by scripts/bench failover"]
+async fn bench_failover_with_and_without_a_standby() {
+    let _one_at_a_time = ONE_AT_A_TIME.lock().await;
+    let events: usize = std::env::var("BENCH_FAILOVER_EVENTS").ok().and_then(|v| v.parse().ok()).unwrap_or(60_000);
+    let mut rows = Vec::new();
+    for (mode, extra) in
+        [("without a standby", &[][..]), ("with --standby-replicas 1", &["--standby-replicas", "1"][..])]
+    {
+        let tansu = Tansu::start();
+        let topics = topics("failover");
+        tansu.create_topics(&topics, PARTITIONS);
+        let s = scenario(events, 10, 1, 5);
+        let killed = peer_killed_mid_stream(&tansu.brokers, "failover", &topics, &s, extra, events as f64 * 0.4).await;
+        let repaired = metric(killed.survivor.metrics, "dedupd_repair_records_total").unwrap_or(f64::NAN);
+        assert_exactly_once(&read_topic(&tansu.brokers, &topics.output), &s);
+        rows.push((mode, killed.peer_accepted, repaired, killed.failover));
+    }
+    println!("{:<28} {:>14} {:>16} {:>12}", "failover", "peer accepted", "repair records", "seconds");
+    for (mode, accepted, repaired, failover) in rows {
+        println!("{mode:<28} {accepted:>14} {repaired:>16} {:>12.2}", failover.as_secs_f64());
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,6 +13,7 @@
 //! - [`publisher`]: transactional group commit, or idempotent publish.
 //! - [`repair`]: reading an output partition back into local state.
 //! - [`partition`]: one input partition's pipeline.
+//! - `standby`: warm standbys, following other owners' output partitions.
 //! - [`worker`]: [`run`], rebalance callbacks, shutdown.
 //! - [`router`]: `dedupd route`, keying and placing raw records by identity.
 //! - [`demo`]: `dedupd demo` on librdkafka's mock cluster.
@@ -30,6 +31,7 @@ pub mod records;
 pub mod repair;
 pub mod router;
 pub mod settings;
+mod standby;
 pub mod usage;
 pub mod worker;
 

@@ -43,7 +43,7 @@ use crate::metrics::{Metrics, RepairGapFound, RepairProgressed};
 use crate::pipeline::{Event, LifeSettings, PartitionLife, Step};
 
 /// Records applied per engine call: bounds memory and engine lock hold time.
-const APPLY_CHUNK: usize = 4096;
+pub(crate) const APPLY_CHUNK: usize = 4096;
 
 /// What one repair did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -360,7 +360,13 @@ impl Repairer {
     /// ingest times, DESIGN §6), because older keys would be forgotten at
     /// once. Falls back to the log start, always correct, when the broker
     /// cannot look offsets up by time.
-    fn first_offset_within_horizon(&self, consumer: &BaseConsumer, partition: i32, low: i64, high: i64) -> i64 {
+    pub(crate) fn first_offset_within_horizon(
+        &self,
+        consumer: &BaseConsumer,
+        partition: i32,
+        low: i64,
+        high: i64,
+    ) -> i64 {
         let horizon_ms = i64::try_from(lock_engine(&self.engine).horizon().as_millis()).unwrap_or(i64::MAX);
         let since = self.clock.now_ms().saturating_sub(horizon_ms);
         match self.offset_for_time(consumer, partition, since) {

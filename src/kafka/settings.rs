@@ -84,6 +84,10 @@ pub struct RunSettings {
     pub partitioner: Partitioner,
     /// See [`OnMisrouted`].
     pub on_misrouted: OnMisrouted,
+    /// How many other workers keep each partition's local state warm by
+    /// following its output (`--standby-replicas`; 0: none). See
+    /// `crate::pipeline::standby`.
+    pub standby_replicas: u32,
 }
 
 impl RunSettings {
@@ -107,6 +111,7 @@ impl RunSettings {
             on_output_gap: OnOutputGap::Stop,
             partitioner: Partitioner::Dedupd,
             on_misrouted: OnMisrouted::Count,
+            standby_replicas: 0,
         }
     }
 
@@ -125,7 +130,7 @@ impl RunSettings {
         format!(
             "brokers={} group={} instance_id={} delivery={:?} input={} output={} conflicts={} rejected={} \
              rollups={} periods={} batch_max_records={} batch_max_wait={} operation_timeout={} revoke_timeout={} stall_timeout={} \
-             on_output_gap={:?} partitioner={} on_misrouted={} metrics_addr={} kafka_properties=[{}]",
+             on_output_gap={:?} partitioner={} on_misrouted={} standby_replicas={} metrics_addr={} kafka_properties=[{}]",
             self.brokers,
             self.group,
             self.instance_id.as_deref().unwrap_or("-"),
@@ -144,6 +149,7 @@ impl RunSettings {
             self.on_output_gap,
             self.partitioner,
             self.on_misrouted.as_str(),
+            self.standby_replicas,
             self.metrics_addr.map_or_else(|| "-".to_owned(), |a| a.to_string()),
             props.join(", "),
         )

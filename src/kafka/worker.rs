@@ -11,6 +11,7 @@
 //!                         exactly-once: publisher task (one transaction for all waiting batches)
 //!                         at-least-once: shared idempotent producer
 //!  maintenance task: engine.maintain + state gauges     metrics task: /metrics /healthz /readyz
+//!  standby task (--standby-replicas): other owners' output partitions followed into local state
 //! ```
 
 use std::future::Future;
@@ -105,6 +106,8 @@ pub(crate) struct Shared {
     /// Input offsets the broker confirmed as committed (commit callback).
     /// A std `Mutex`: touched briefly from the callback and the pipelines.
     committed: Mutex<HashMap<i32, i64>>,
+    /// Warm standbys: other owners' output partitions this worker follows.
+    pub(crate) standbys: crate::kafka::standby::Standbys,
 }
 
 impl Shared {
@@ -178,14 +181,27 @@ impl WorkerContext {
         self.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// The input partitions this worker owns now.
+    pub(crate) fn owned_partitions(&self) -> std::collections::BTreeSet<i32> {
+        self.tasks().keys().copied().collect()
+    }
+
+    pub(crate) fn owns(&self, partition: i32) -> bool {
+        self.tasks().contains_key(&partition)
+    }
+
     fn assign(&self, partitions: Vec<i32>) {
         let Some(consumer) = self.shared.consumer() else { return };
         let topic = &self.shared.settings.topics.input;
         let mut started = Vec::new();
+        // Held until every task has started: no standby of these partitions
+        // may start in between (see `crate::kafka::standby`).
+        let mut following = self.shared.standbys.lock();
         for p in partitions {
             if self.tasks().contains_key(&p) {
                 continue;
             }
+            block_outside_runtime(|| following.hand_over(p));
             let Some(queue) = consumer.split_partition_queue(topic, p) else {
                 self.shared.fail(KafkaError::Task { detail: format!("cannot split the queue of input partition {p}") });
                 continue;
@@ -587,18 +603,23 @@ pub(crate) fn live_group_metadata<C: ConsumerContext + 'static>(
 /// Whether the consumer is a group member now (librdkafka clears the member
 /// id when its session is lost).
 fn has_member_id<C: ConsumerContext>(consumer: &StreamConsumer<C>) -> bool {
+    member_id(consumer).is_some()
+}
+
+/// The consumer's member id in its group, `None` while it is not a member.
+pub(crate) fn member_id<C: ConsumerContext>(consumer: &StreamConsumer<C>) -> Option<String> {
     let ptr = consumer.client().native_ptr();
     // SAFETY: `ptr` is the live client owned by `consumer`, borrowed for
     // this call; `rd_kafka_memberid` returns a string librdkafka allocated
-    // (or null), which is read once and released with `rd_kafka_mem_free`.
+    // (or null), which is copied once and released with `rd_kafka_mem_free`.
     unsafe {
         let id = rdkafka::bindings::rd_kafka_memberid(ptr);
         if id.is_null() {
-            return false;
+            return None;
         }
-        let live = !std::ffi::CStr::from_ptr(id).to_bytes().is_empty();
+        let copied = std::ffi::CStr::from_ptr(id).to_string_lossy().into_owned();
         rdkafka::bindings::rd_kafka_mem_free(ptr, id.cast());
-        live
+        (!copied.is_empty()).then_some(copied)
     }
 }
 
@@ -693,6 +714,7 @@ pub async fn run(
         assignments_lost: AtomicU64::new(0),
         input_ends: Mutex::new(HashMap::new()),
         committed: Mutex::new(HashMap::new()),
+        standbys: crate::kafka::standby::Standbys::default(),
     });
     let context =
         WorkerContext { shared: shared.clone(), tasks: Mutex::new(HashMap::new()), runtime: Handle::current() };
@@ -759,6 +781,10 @@ pub async fn run(
         })
     };
 
+    let (standby_stop, standby_stop_rx) = watch::channel(false);
+    let standby_task = (settings.standby_replicas > 0)
+        .then(|| crate::kafka::standby::spawn(shared.clone(), Arc::downgrade(&consumer), standby_stop_rx));
+
     let mut fatal = None;
     tokio::pin!(shutdown);
     loop {
@@ -792,6 +818,12 @@ pub async fn run(
         fatal = fatal_rx.try_recv().ok();
     }
     tracing::info!(fatal = fatal.is_some(), "stopping: finishing in-flight batches");
+    // Standbys stop first: they only read, and local state must be theirs
+    // no more before it closes.
+    let _ = standby_stop.send(true);
+    if let Some(t) = standby_task {
+        let _ = t.await;
+    }
 
     // Stop every partition task; each finishes (or abandons, if unpublished)
     // its batch. The wait is bounded by revoke_timeout. After a fatal error

@@ -18,12 +18,15 @@
 //! - [`life`]: [`PartitionLife`], one input partition from assignment to release.
 //! - [`ending`]: [`TransactionEnding`], how a transaction's commit or abort
 //!   is resolved.
+//! - [`standby`]: which partitions a worker follows as a warm standby, from
+//!   the consumer group's membership.
 //! - [`mutation`]: deliberate bugs, compiled into tests only, that the
 //!   simulator must catch.
 
 pub mod ending;
 pub mod life;
 pub mod mutation;
+pub mod standby;
 
 pub use ending::{EndAttempt, EndDecision, Ending, TransactionEnding};
 pub use life::{BatchFailure, Event, LifeError, LifeSettings, PartitionLife, Step};
