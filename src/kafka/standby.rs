@@ -56,13 +56,27 @@ pub(crate) const STANDBY_REFRESH: Duration = Duration::from_secs(5);
 /// again (meanwhile every unowned partition is followed).
 const DESCRIBE_BACKOFF: Duration = Duration::from_secs(60);
 
+/// After a good description, how long a failed one leaves the followers as
+/// they are (rather than switching to following every unowned partition).
+const DESCRIPTION_GRACE: Duration = Duration::from_secs(60);
+
 /// Longest a follower holds records it has read before applying them.
 const APPLY_EVERY: Duration = Duration::from_millis(500);
+
+/// Waits before a follower that ended with an error starts again: doubling
+/// from the first to the last, back to the first after a long healthy run.
+const RESTART_BACKOFF: (Duration, Duration) = (Duration::from_secs(10), Duration::from_secs(300));
+const HEALTHY_RUN: Duration = Duration::from_secs(300);
+
+/// Time allowed for each broker call of a follower's start, between which
+/// it checks whether it was told to stop.
+const START_STEP_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// One partition being followed, on a thread of its own (reads block).
 struct Follower {
     stop: Arc<AtomicBool>,
     thread: JoinHandle<Result<(), KafkaError>>,
+    started: Instant,
 }
 
 impl Follower {
@@ -73,16 +87,30 @@ impl Follower {
             .name(format!("standby-{partition}"))
             .spawn(move || follow(&shared, partition, &flag))
             .map_err(|e| KafkaError::Task { detail: format!("starting the standby of partition {partition}: {e}") })?;
-        Ok(Follower { stop, thread })
+        Ok(Follower { stop, thread, started: Instant::now() })
+    }
+
+    /// Tells it to stop after its next apply (see [`Follower::join`]).
+    fn tell_stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
     }
 
     /// Stops it after its last apply and says how it ended.
     fn finish(self, partition: i32) -> Result<(), KafkaError> {
-        self.stop.store(true, Ordering::SeqCst);
+        self.tell_stop();
         self.thread.join().unwrap_or_else(|_| {
             Err(KafkaError::Task { detail: format!("the standby follower of partition {partition} panicked") })
         })
     }
+}
+
+/// The followers and when each partition whose follower failed may be
+/// followed again.
+#[derive(Default)]
+struct Followers {
+    running: HashMap<i32, Follower>,
+    /// Partition → (not before, the wait after its next failure).
+    backoff: HashMap<i32, (Instant, Duration)>,
 }
 
 /// The followers of one worker. Lock order: the followers, then the
@@ -90,7 +118,7 @@ impl Follower {
 /// starts a task, so no follower of that partition can start in between).
 #[derive(Default)]
 pub(crate) struct Standbys {
-    followers: Mutex<HashMap<i32, Follower>>,
+    followers: Mutex<Followers>,
     /// Records the followers applied since the last report.
     applied: AtomicU64,
 }
@@ -102,13 +130,13 @@ impl std::fmt::Debug for Standbys {
 }
 
 /// The followers, locked: see [`Standbys`] for the order.
-pub(crate) struct Following<'a>(MutexGuard<'a, HashMap<i32, Follower>>);
+pub(crate) struct Following<'a>(MutexGuard<'a, Followers>);
 
 impl Following<'_> {
     /// This worker was given `partition`: its follower, if any, stops after
     /// its last apply, leaving local state warm for the partition's repair.
     pub(crate) fn hand_over(&mut self, partition: i32) {
-        if let Some(f) = self.0.remove(&partition) {
+        if let Some(f) = self.0.running.remove(&partition) {
             match f.finish(partition) {
                 Ok(()) => tracing::info!(partition, "standby handed its partition over to this worker's task"),
                 // Whatever it applied stays; repair reads on from there.
@@ -125,47 +153,68 @@ impl Standbys {
 
     /// Follows exactly `wanted` (less what `owned` says this worker owns):
     /// stops the followers of partitions no longer wanted, releasing their
-    /// memory, restarts followers that ended, starts new ones. Blocking
-    /// (joins threads). Returns how many partitions are followed.
+    /// memory, restarts followers that ended (after a back-off when they
+    /// failed), starts new ones. Blocking (joins threads). Returns how many
+    /// partitions are followed.
     fn reconcile(&self, shared: &Arc<Shared>, wanted: &BTreeSet<i32>, owned: &dyn Fn(i32) -> bool) -> usize {
         let mut following = self.lock();
-        let map = &mut following.0;
-        let ended: Vec<i32> =
-            map.iter().filter(|(p, f)| !wanted.contains(*p) || f.thread.is_finished()).map(|(p, _)| *p).collect();
-        for p in ended {
-            let Some(f) = map.remove(&p) else { continue };
-            match f.finish(p) {
+        let f = &mut following.0;
+        let ended: Vec<(i32, Follower)> =
+            f.running.extract_if(|p, follower| !wanted.contains(p) || follower.thread.is_finished()).collect();
+        // Every stop told first, then each joined: one slow follower does
+        // not hold the others' stop back.
+        for (_, follower) in &ended {
+            follower.tell_stop();
+        }
+        for (p, follower) in ended {
+            let ran = follower.started.elapsed();
+            match follower.finish(p) {
                 Ok(()) => {}
                 // Local state that cannot apply cannot be trusted by anyone
                 // in this process: the same rule as for owned partitions.
                 Err(KafkaError::Engine(e)) => shared.fail(KafkaError::Engine(e)),
-                Err(e) => tracing::warn!(partition = p, error = %e, "standby follower stopped; following again"),
+                Err(e) => {
+                    let (_, mut wait) = f.backoff.get(&p).copied().unwrap_or((Instant::now(), RESTART_BACKOFF.0));
+                    if ran >= HEALTHY_RUN {
+                        wait = RESTART_BACKOFF.0;
+                    }
+                    tracing::warn!(partition = p, error = %e, retry_in = ?wait, "standby follower stopped");
+                    f.backoff.insert(p, (Instant::now() + wait, (wait * 2).min(RESTART_BACKOFF.1)));
+                }
             }
             if !wanted.contains(&p) && !owned(p) {
                 // Memory goes; durable state stays for when it comes back.
                 lock_engine(&shared.engine).revoke(p);
+                f.backoff.remove(&p);
                 tracing::info!(partition = p, "no longer a standby of this partition");
             }
         }
         for &p in wanted {
-            if owned(p) || map.contains_key(&p) {
+            if owned(p) || f.running.contains_key(&p) {
+                continue;
+            }
+            if f.backoff.get(&p).is_some_and(|(not_before, _)| Instant::now() < *not_before) {
                 continue;
             }
             match Follower::start(shared.clone(), p) {
-                Ok(f) => {
+                Ok(follower) => {
                     tracing::info!(partition = p, "following this partition's output as a standby");
-                    map.insert(p, f);
+                    f.running.insert(p, follower);
                 }
                 Err(e) => tracing::warn!(partition = p, error = %e, "cannot start a standby follower"),
             }
         }
-        map.len()
+        f.running.len()
     }
 
     /// Stops every follower (shutdown), after its last apply.
-    fn stop_all(&self) {
+    pub(crate) fn stop_all(&self) {
         let mut following = self.lock();
-        for (p, f) in following.0.drain() {
+        let all: Vec<(i32, Follower)> = following.0.running.drain().collect();
+        for (_, f) in &all {
+            f.tell_stop();
+        }
+        for (p, f) in all {
             if let Err(e) = f.finish(p) {
                 tracing::warn!(partition = p, error = %e, "standby follower ended with an error at shutdown");
             }
@@ -176,6 +225,8 @@ impl Standbys {
 /// What the group's description says, as this worker last read it.
 struct Membership {
     describer: Option<BaseConsumer>,
+    /// When the group was last described with this worker in it.
+    last_good: Option<Instant>,
     /// No description before this instant (after a failure).
     next_attempt: Instant,
     /// Whether the last attempt failed, to log the change once.
@@ -237,8 +288,12 @@ impl Membership {
     }
 }
 
-/// The partitions this worker should follow now, `None` when it is not a
-/// group member (between sessions): then the followers stay as they are.
+/// The partitions this worker should follow now, or `None` to leave the
+/// followers as they are: while this worker is not a group member (between
+/// sessions), while the description does not list it yet (just joined),
+/// and for [`DESCRIPTION_GRACE`] after a good description when the next
+/// ones fail. Past that, a group the brokers cannot describe means
+/// following every partition this worker does not own.
 fn wanted(
     shared: &Shared,
     consumer: &InputConsumer,
@@ -248,11 +303,15 @@ fn wanted(
     let me = member_id(consumer)?;
     let partitions = u32::try_from(shared.layout.partitions).unwrap_or(u32::MAX);
     let replicas = shared.settings.standby_replicas;
-    let described = membership.describe(shared).filter(|members| members.iter().any(|m| m.id == me));
-    Some(match described {
-        Some(members) => standby_partitions(&members, &me, partitions, replicas, owned),
-        None => (0..i32::try_from(partitions).unwrap_or(i32::MAX)).filter(|p| !owned.contains(p)).collect(),
-    })
+    match membership.describe(shared) {
+        Some(members) if members.iter().any(|m| m.id == me) => {
+            membership.last_good = Some(Instant::now());
+            Some(standby_partitions(&members, &me, partitions, replicas, owned))
+        }
+        Some(_) => None,
+        None if membership.last_good.is_some_and(|t| t.elapsed() < DESCRIPTION_GRACE) => None,
+        None => Some((0..i32::try_from(partitions).unwrap_or(i32::MAX)).filter(|p| !owned.contains(p)).collect()),
+    }
 }
 
 /// Runs the standbys until `stop` flips: describes the group, reconciles
@@ -263,8 +322,12 @@ pub(crate) fn spawn(
     mut stop: watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let membership =
-            Arc::new(Mutex::new(Membership { describer: None, next_attempt: Instant::now(), failing: false }));
+        let membership = Arc::new(Mutex::new(Membership {
+            describer: None,
+            last_good: None,
+            next_attempt: Instant::now(),
+            failing: false,
+        }));
         loop {
             tokio::select! {
                 biased;
@@ -303,12 +366,25 @@ fn follow(shared: &Shared, partition: i32, stop: &AtomicBool) -> Result<(), Kafk
     };
     let mut config = r.config.clone();
     // A follower sits at the head: no busy fetching while nothing arrives,
-    // and a position retention passed is an error, never a silent jump.
-    config.set("fetch.wait.max.ms", "500").set("auto.offset.reset", "error");
+    // a small fetch queue (it is one of many clients), and a position
+    // retention passed is an error, never a silent jump.
+    config.set("fetch.wait.max.ms", "500").set("queued.max.messages.kbytes", "8192").set("auto.offset.reset", "error");
     let consumer: BaseConsumer = config.create().map_err(KafkaError::client("creating a standby follower"))?;
-    let (log_start, end) = consumer
-        .fetch_watermarks(&r.output_topic, partition, r.stall_timeout)
-        .map_err(KafkaError::client("reading the output's ends for a standby"))?;
+    let (log_start, end) = loop {
+        if stop.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        match consumer.fetch_watermarks(&r.output_topic, partition, START_STEP_TIMEOUT) {
+            Ok(ends) => break ends,
+            Err(e) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::OperationTimedOut) => continue,
+            Err(e) => {
+                return Err(KafkaError::Client { operation: "reading the output's ends for a standby", source: e })
+            }
+        }
+    };
+    if stop.load(Ordering::SeqCst) {
+        return Ok(());
+    }
     let from = match checkpoint {
         Some(c) => c + 1,
         None => r.first_offset_within_horizon(&consumer, partition, log_start, end),
@@ -351,7 +427,14 @@ fn follow(shared: &Shared, partition: i32, stop: &AtomicBool) -> Result<(), Kafk
                 false
             }
             Some(Err(RdError::PartitionEOF(_))) | None => true,
-            Some(Err(e)) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::OffsetOutOfRange) => {
+            // The position is outside the partition (retention passed it, or
+            // the topic was recreated): start again, where the start decides.
+            Some(Err(e))
+                if matches!(
+                    e.rdkafka_error_code(),
+                    Some(RDKafkaErrorCode::OffsetOutOfRange | RDKafkaErrorCode::AutoOffsetReset)
+                ) =>
+            {
                 return Err(KafkaError::Client { operation: "following an output partition", source: e });
             }
             Some(Err(e)) => {
@@ -383,18 +466,23 @@ fn apply(
     // The previous owner's task, ending, may have released the partition.
     engine.assign(partition, now)?;
     let checkpoint = engine.checkpoint(partition);
-    if checkpoint < *applied_to {
+    if checkpoint != *applied_to {
+        // Only this follower applies a partition this worker does not own:
+        // state that moved under it (back, when a previous owner's task
+        // released it; anywhere else, a bug) is state this follower's
+        // position no longer continues. Its reading starts again from it.
         return Err(KafkaError::Task {
             detail: format!(
-                "local state of partition {partition} went back from offset {applied_to:?} to {checkpoint:?} under \
-                 its standby (its previous owner released it); following again from what it holds"
+                "local state of partition {partition} moved from offset {applied_to:?} to {checkpoint:?} under its \
+                 standby; following again from what it holds"
             ),
         });
     }
+    let fresh = chunk.iter().filter(|e| checkpoint.is_none_or(|c| e.key.output.offset > c)).count();
     engine.apply_published(partition, chunk, now)?;
     *applied_to = engine.checkpoint(partition);
     drop(engine);
-    shared.standbys.applied.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+    shared.standbys.applied.fetch_add(fresh as u64, Ordering::Relaxed);
     chunk.clear();
     Ok(())
 }

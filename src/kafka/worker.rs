@@ -196,7 +196,7 @@ impl WorkerContext {
         let mut started = Vec::new();
         // Held until every task has started: no standby of these partitions
         // may start in between (see `crate::kafka::standby`).
-        let mut following = self.shared.standbys.lock();
+        let mut following = block_outside_runtime(|| self.shared.standbys.lock());
         for p in partitions {
             if self.tasks().contains_key(&p) {
                 continue;
@@ -235,6 +235,10 @@ impl WorkerContext {
     /// own the partitions already, so in-flight batches are abandoned rather
     /// than finished.
     fn revoke(&self, partitions: &[i32], lost: bool) {
+        // Held until the tasks have ended and released their partitions in
+        // local state: a partition being released is owned still, and no
+        // standby may start following it before that (`crate::kafka::standby`).
+        let _following = block_outside_runtime(|| self.shared.standbys.lock());
         let handles: Vec<(i32, PartitionHandle)> =
             partitions.iter().filter_map(|p| self.tasks().remove(p).map(|h| (*p, h))).collect();
         for (_, h) in &handles {
@@ -823,6 +827,9 @@ pub async fn run(
     let _ = standby_stop.send(true);
     if let Some(t) = standby_task {
         let _ = t.await;
+        // Again, should that task have panicked before it stopped them.
+        let s = shared.clone();
+        blocking(move || s.standbys.stop_all()).await?;
     }
 
     // Stop every partition task; each finishes (or abandons, if unpublished)
