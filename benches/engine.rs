@@ -1,0 +1,175 @@
+//! Durable classify + apply through the worker's engine seam, over several
+//! partitions on worker threads (issue #14, `scripts/bench engine`).
+//!
+//! Each partition runs the worker's batch work in a loop on real local state
+//! (a state directory, fsync as asked): `classify_batch` (decode, validate,
+//! both hashes, hot cache and key store lookups, the output records, the
+//! ledger preview), then `apply_published` with the output offsets a broker
+//! would have given. Both run under the one engine lock, taken as `dedupd
+//! run` takes it. Partitions are spread round-robin over the threads; each
+//! thread takes its partitions' batches in turn, as a runtime would.
+//! Prints events/s for each partition count and the ratio to one partition.
+//!
+//! ```text
+//! cargo bench --bench engine -- [--partitions 1,2,4,8] [--threads N]
+//!     [--events-per-partition E] [--fsync always|interval]
+//! ```
+//!
+//! `--threads` defaults to the machine's cores, so the same command measures
+//! a bigger machine unchanged.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dedupd::classify::{Clock, SystemClock};
+use dedupd::config::EngineSettings;
+use dedupd::event::Position;
+use dedupd::kafka::batch::{classify_batch, BatchInput, BatchLayout};
+use dedupd::kafka::{Engine, StateEngine};
+use dedupd::state::LocalState;
+use dedupd::storage::FsyncPolicy;
+
+const BATCH: usize = 1000;
+
+struct Args {
+    partitions: Vec<usize>,
+    threads: usize,
+    events_per_partition: usize,
+    fsync: FsyncPolicy,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        partitions: vec![1, 2, 4, 8],
+        threads: std::thread::available_parallelism().map_or(2, usize::from),
+        events_per_partition: 100_000,
+        fsync: FsyncPolicy::Always,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--partitions" => {
+                a.partitions = value().split(',').map(|p| p.trim().parse().expect("--partitions: numbers")).collect();
+            }
+            "--threads" => a.threads = value().parse().expect("--threads: a number"),
+            "--events-per-partition" => a.events_per_partition = value().parse().expect("a number"),
+            "--fsync" => {
+                a.fsync = match value().as_str() {
+                    "always" => FsyncPolicy::Always,
+                    "interval" => FsyncPolicy::Interval(Duration::from_millis(250)),
+                    other => panic!("--fsync {other}: always or interval"),
+                }
+            }
+            // cargo bench passes --bench; criterion-style filters are not taken.
+            "--bench" => {}
+            other => panic!("unknown argument {other}"),
+        }
+    }
+    assert!(a.threads > 0 && !a.partitions.is_empty() && a.events_per_partition >= BATCH);
+    a
+}
+
+/// Partition `p`'s batch `b`: usage events of 2,000 customers × 3 meters
+/// over the last two hours, distinct ids across partitions.
+fn batch(p: usize, b: usize, now_ms: i64) -> Vec<Vec<u8>> {
+    let meters = ["api_calls", "storage_gb", "egress_bytes"];
+    (0..BATCH)
+        .map(|i| {
+            let n = b * BATCH + i;
+            format!(
+                r#"{{"event_id":"p{p}-evt_{n:09}","tenant_id":"acme","customer_id":"cus_{}","meter":"{}","quantity":"{}","timestamp":{},"kind":"usage"}}"#,
+                n % 2000,
+                meters[n % 3],
+                n % 1000,
+                now_ms - (n % 7200) as i64 * 1000
+            )
+            .into_bytes()
+        })
+        .collect()
+}
+
+/// One run: `partitions` partitions on `threads` threads; events/s.
+fn run(partitions: usize, a: &Args) -> f64 {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let settings = EngineSettings { fsync: a.fsync.clone(), ..EngineSettings::default() };
+    let state = LocalState::open(Some(dir.path()), settings.clone(), true).expect("open local state");
+    let engine: Arc<Mutex<Box<dyn Engine>>> =
+        Arc::new(Mutex::new(Box::new(StateEngine::new(state, settings.validator()))));
+    let now = SystemClock.now_ms();
+    for p in 0..partitions {
+        engine.lock().expect("engine").assign(i32::try_from(p).expect("partition"), now).expect("assign");
+    }
+    let batches = a.events_per_partition / BATCH;
+    // The input, made before the clock starts.
+    let input: Vec<Vec<Vec<Vec<u8>>>> =
+        (0..partitions).map(|p| (0..batches).map(|b| batch(p, b, now)).collect()).collect();
+    let input = Arc::new(input);
+    let layout = BatchLayout {
+        placement: None,
+        conflicts_partitions: 1,
+        rejected_partitions: 1,
+        max_rejected_raw_bytes: 256 * 1024,
+        rollups_partitions: None,
+    };
+    let threads = a.threads.min(partitions);
+    let started = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let (engine, input) = (engine.clone(), input.clone());
+            s.spawn(move || {
+                let mine: Vec<usize> = (t..partitions).step_by(threads).collect();
+                for b in 0..batches {
+                    for &p in &mine {
+                        let partition = i32::try_from(p).expect("partition");
+                        let base = i64::try_from(b * BATCH).expect("offset");
+                        let inputs: Vec<BatchInput<'_>> = input[p][b]
+                            .iter()
+                            .enumerate()
+                            .map(|(i, payload)| BatchInput {
+                                offset: base + i as i64,
+                                key: None,
+                                payload: Some(payload.as_slice()),
+                            })
+                            .collect();
+                        let now_ms = SystemClock.now_ms();
+                        let prepared = {
+                            let e = engine.lock().expect("engine");
+                            classify_batch(&**e, partition, &inputs, now_ms, &layout).expect("classify")
+                        };
+                        assert_eq!(prepared.accepted.len(), BATCH, "every event is new");
+                        // The broker's answer: output offsets in publish order.
+                        let stored: Vec<_> = prepared
+                            .accepted
+                            .into_iter()
+                            .enumerate()
+                            .map(|(i, (_, mut s))| {
+                                s.key.output = Position::new(partition, base + i as i64);
+                                s
+                            })
+                            .collect();
+                        engine.lock().expect("engine").apply_published(partition, &stored, now_ms).expect("apply");
+                    }
+                }
+            });
+        }
+    });
+    let seconds = started.elapsed().as_secs_f64();
+    engine.lock().expect("engine").close().expect("close");
+    (partitions * batches * BATCH) as f64 / seconds
+}
+
+fn main() {
+    let a = args();
+    println!(
+        "engine: durable classify+apply, batches of {BATCH}, {} events per partition, {} thread(s), fsync {:?}",
+        a.events_per_partition, a.threads, a.fsync
+    );
+    println!("{:>10} {:>14} {:>16}", "partitions", "events/s", "ratio to one");
+    let mut one = None;
+    for &p in &a.partitions {
+        let rate = run(p, &a);
+        let base = *one.get_or_insert(if p == 1 { rate } else { run(1, &a) });
+        println!("{p:>10} {rate:>14.0} {:>15.2}x", rate / base);
+    }
+}
