@@ -299,6 +299,62 @@ async fn two_workers_in_one_group_publish_each_id_once_through_rebalances() {
     check_outcome(&brokers, &topics, "pair", &s, DeliveryMode::AtLeastOnce);
 }
 
+/// The value of an unlabelled metric on `m`'s page.
+fn metric_value(m: &dedupd::metrics::Metrics, name: &str) -> f64 {
+    let page = m.encode();
+    page.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok()).unwrap_or(0.0)
+}
+
+/// Warm standbys through rebalances (`--standby-replicas 1`; the mock
+/// cluster cannot describe groups, so each worker follows every partition
+/// it does not own). In-memory state, so a partition a task releases loses
+/// its checkpoint under whoever follows it next. Partitions move to a
+/// joining member (their owner's tasks end while standbys start following
+/// them), back to the survivor when that member leaves (followers hand over
+/// to tasks), and the output stays exactly once throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn standbys_follow_and_hand_partitions_over_through_rebalances_and_output_stays_exactly_once() {
+    let topics = topics("standbys");
+    let mock = cluster(&topics, PARTITIONS);
+    let brokers = mock.bootstrap_servers();
+    let s = scenario(6000, 20, 5, 5);
+    let producer = traffic_producer(&brokers);
+    let quarter = s.records.len() / 4;
+    let with_standby = || {
+        let mut settings = settings(&brokers, "standbys", &topics, DeliveryMode::AtLeastOnce);
+        settings.standby_replicas = 1;
+        settings
+    };
+    produce_traffic(&producer, &topics.input, PARTITIONS, &s.records[..quarter]).await.expect("produce");
+    let (stop_a, worker_a, metrics_a) = spawn_worker(with_standby());
+    assert!(wait_until(Duration::from_secs(60), || buckets_total(&metrics_a) > 0).await);
+    // B joins: partitions move to it, and each follows the other's.
+    let (stop_b, worker_b, metrics_b) = spawn_worker(with_standby());
+    produce_traffic(&producer, &topics.input, PARTITIONS, &s.records[quarter..2 * quarter]).await.expect("produce");
+    let following = wait_until(Duration::from_secs(60), || {
+        metric_value(&metrics_a, "dedupd_standby_partitions") >= 1.0
+            && metric_value(&metrics_b, "dedupd_standby_partitions") >= 1.0
+    })
+    .await;
+    assert!(following, "the two workers never followed each other's partitions");
+    produce_traffic(&producer, &topics.input, PARTITIONS, &s.records[2 * quarter..3 * quarter]).await.expect("produce");
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    // A leaves cleanly mid-stream: B's followers hand its partitions over.
+    let _ = stop_a.send(());
+    worker_a.await.expect("join").expect("run a");
+    produce_traffic(&producer, &topics.input, PARTITIONS, &s.records[3 * quarter..]).await.expect("produce");
+    let done = wait_until(Duration::from_secs(90), || {
+        committed(&brokers, "standbys", &topics.input, PARTITIONS)
+            == high_watermarks(&brokers, &topics.input, PARTITIONS)
+    })
+    .await;
+    assert!(done, "B did not finish the input");
+    assert!(metric_value(&metrics_b, "dedupd_standby_records_total") > 0.0, "B's standbys applied nothing");
+    let _ = stop_b.send(());
+    worker_b.await.expect("join").expect("run b");
+    check_outcome(&brokers, &topics, "standbys", &s, DeliveryMode::AtLeastOnce);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_refuses_to_start_when_input_and_output_are_not_co_partitioned() {
     let topics = topics("mismatch");
