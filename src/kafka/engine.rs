@@ -43,6 +43,11 @@ pub struct EngineError {
 pub trait Engine: Send + 'static {
     /// Takes ownership of `partition`: loads what local state holds for it.
     fn assign(&mut self, partition: i32, now_ms: i64) -> Result<(), EngineError>;
+    /// [`assign`](Self::assign) for several partitions; engines that can
+    /// load them together (one pass over stored keys) override it.
+    fn assign_all(&mut self, partitions: &[i32], now_ms: i64) -> Result<(), EngineError> {
+        partitions.iter().try_for_each(|p| self.assign(*p, now_ms))
+    }
     /// Releases `partition` (its memory; durable state stays on disk).
     fn revoke(&mut self, partition: i32);
     /// The last output offset of `partition` applied, `None` if none.
@@ -135,6 +140,11 @@ fn state_error(operation: &'static str, partition: i32) -> impl FnOnce(StateErro
 impl Engine for StateEngine {
     fn assign(&mut self, partition: i32, now_ms: i64) -> Result<(), EngineError> {
         self.state_mut("assign", partition)?.assign(partition, now_ms).map_err(state_error("assign", partition))
+    }
+
+    fn assign_all(&mut self, partitions: &[i32], now_ms: i64) -> Result<(), EngineError> {
+        let first = partitions.first().copied().unwrap_or(-1);
+        self.state_mut("assign", first)?.assign_all(partitions, now_ms).map_err(state_error("assign", first))
     }
 
     fn revoke(&mut self, partition: i32) {

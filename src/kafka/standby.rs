@@ -189,13 +189,18 @@ impl Standbys {
                 tracing::info!(partition = p, "no longer a standby of this partition");
             }
         }
-        for &p in wanted {
-            if owned(p) || f.running.contains_key(&p) {
-                continue;
-            }
-            if f.backoff.get(&p).is_some_and(|(not_before, _)| Instant::now() < *not_before) {
-                continue;
-            }
+        let starting: Vec<i32> = wanted
+            .iter()
+            .copied()
+            .filter(|&p| !owned(p) && !f.running.contains_key(&p))
+            .filter(|p| f.backoff.get(p).is_none_or(|(not_before, _)| Instant::now() >= *not_before))
+            .collect();
+        // Their hot caches from one pass over the stored keys; a failure
+        // comes back to each follower's own load.
+        if let Err(e) = lock_engine(&shared.engine).assign_all(&starting, shared.clock.now_ms()) {
+            tracing::warn!(error = %e, "loading the followed partitions' state together failed");
+        }
+        for p in starting {
             match Follower::start(shared.clone(), p) {
                 Ok(follower) => {
                     tracing::info!(partition = p, "following this partition's output as a standby");

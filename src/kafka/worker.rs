@@ -197,11 +197,18 @@ impl WorkerContext {
         // Held until every task has started: no standby of these partitions
         // may start in between (see `crate::kafka::standby`).
         let mut following = block_outside_runtime(|| self.shared.standbys.lock());
-        for p in partitions {
-            if self.tasks().contains_key(&p) {
-                continue;
-            }
+        let new: Vec<i32> = partitions.iter().copied().filter(|p| !self.tasks().contains_key(p)).collect();
+        for &p in &new {
             block_outside_runtime(|| following.hand_over(p));
+        }
+        // Every new partition's hot cache from one pass over the stored keys
+        // (each task's repair would otherwise read them all once per
+        // partition). A failure here comes back to each task's own load.
+        let now = self.shared.clock.now_ms();
+        if let Err(e) = block_outside_runtime(|| lock_engine(&self.shared.engine).assign_all(&new, now)) {
+            tracing::warn!(error = %e, "loading the assigned partitions' state together failed; each loads its own");
+        }
+        for p in new {
             let Some(queue) = consumer.split_partition_queue(topic, p) else {
                 self.shared.fail(KafkaError::Task { detail: format!("cannot split the queue of input partition {p}") });
                 continue;

@@ -323,15 +323,28 @@ impl LocalState {
     /// Takes ownership of `partition`: creates its classifier and seeds its
     /// hot cache from the usage store's recent keys. Idempotent.
     pub fn assign(&mut self, partition: i32, now_ms: i64) -> Result<(), StateError> {
-        if self.partitions.contains_key(&partition) {
+        self.assign_all(&[partition], now_ms)
+    }
+
+    /// [`assign`](Self::assign) for several partitions at once, their hot
+    /// caches seeded from one pass over the usage store's sidecars rather
+    /// than one pass each (a rebalance or a start that brings many
+    /// partitions; warm standbys starting to follow several).
+    pub fn assign_all(&mut self, partitions: &[i32], now_ms: i64) -> Result<(), StateError> {
+        let new: std::collections::BTreeSet<i32> =
+            partitions.iter().copied().filter(|p| !self.partitions.contains_key(p)).collect();
+        if new.is_empty() {
             return Ok(());
         }
-        let mut classifier = PartitionClassifier::new(partition, self.settings.classifier(self.detect_replays));
-        if let Some(d) = &self.durable {
-            let keys = d.usage.recovery_hot_keys(partition, now_ms)?;
-            classifier.commit(keys.iter(), now_ms);
+        let mut keys = match &self.durable {
+            Some(d) => d.usage.recovery_hot_keys_of(&new, now_ms)?,
+            None => Default::default(),
+        };
+        for p in new {
+            let mut classifier = PartitionClassifier::new(p, self.settings.classifier(self.detect_replays));
+            classifier.commit(keys.remove(&p).unwrap_or_default().iter(), now_ms);
+            self.partitions.insert(p, classifier);
         }
-        self.partitions.insert(partition, classifier);
         Ok(())
     }
 
@@ -661,6 +674,64 @@ mod tests {
         state.assign(4, NOW).expect("assign again");
         assert_eq!(state.checkpoint(4), None, "repair must start from scratch for the key store");
         assert_eq!(state.furthest_checkpoint(4), Some(12), "but the usage store's progress stays visible");
+    }
+
+    /// Counts the usage-store segments read through their sidecars.
+    #[derive(Default)]
+    struct SidecarReads(std::sync::atomic::AtomicUsize);
+
+    impl crate::storage::StorageObserver for SidecarReads {
+        fn recovery_segment(&self, path: crate::storage::RecoveryPath) {
+            if path == crate::storage::RecoveryPath::Sidecar {
+                self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Several partitions assigned together get the hot caches they would
+    /// get one by one, from one read of each segment instead of one per
+    /// partition (issue #14: no per-assignment scans of every sidecar).
+    #[test]
+    fn assigning_partitions_together_seeds_the_same_hot_caches_from_one_pass_over_the_segments() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let settings = EngineSettings { memtable_events: 50, ..EngineSettings::default() };
+        let partitions = [0, 1, 2];
+        {
+            let mut state = LocalState::open(Some(dir.path()), settings.clone(), true).expect("open");
+            state.assign_all(&partitions, NOW).expect("assign");
+            for round in 0..4u64 {
+                for &p in &partitions {
+                    let batch: Vec<StoredEvent> = (0..40)
+                        .map(|i| sample_event_at(round * 1000 + i + 100 * p as u64, p, (round * 40 + i) as i64, NOW))
+                        .collect();
+                    state.apply_published(p, &batch, NOW).expect("apply");
+                }
+            }
+            state.close().expect("close");
+        }
+        let seeded = |together: bool| {
+            let reads = Arc::new(SidecarReads::default());
+            let mut state =
+                LocalState::open_observed(Some(dir.path()), settings.clone(), true, reads.clone()).expect("reopen");
+            let before = reads.0.load(std::sync::atomic::Ordering::Relaxed);
+            if together {
+                state.assign_all(&partitions, NOW).expect("assign together");
+            } else {
+                for &p in &partitions {
+                    state.assign(p, NOW).expect("assign one");
+                }
+            }
+            let read = reads.0.load(std::sync::atomic::Ordering::Relaxed) - before;
+            let caches: Vec<usize> = partitions.iter().map(|p| state.partitions[p].hot_cache().len()).collect();
+            state.close().expect("close");
+            (read, caches)
+        };
+        let (read_one_by_one, one_by_one) = seeded(false);
+        let (read_together, together) = seeded(true);
+        assert_eq!(together, one_by_one, "the same keys, partition by partition");
+        assert_eq!(together, vec![160, 160, 160]);
+        assert!(read_together > 0, "the keys came from segments");
+        assert_eq!(read_one_by_one, 3 * read_together, "one read of each segment, not one per partition");
     }
 
     #[test]

@@ -130,7 +130,8 @@ fn has_segment_files(fs: &dyn FileSystem, seg_dir: &Path) -> Result<bool, Storag
 impl UsageStore {
     /// Opens (or creates) the store in `dir` (`<state-dir>/usage`) and recovers:
     /// manifest → WAL replay (torn tail truncated) → leftover files removed.
-    /// Rebuilding the hot cache is [`UsageStore::recovery_hot_keys`], per partition.
+    /// Rebuilding the hot cache is [`UsageStore::recovery_hot_keys_of`], for
+    /// every partition assigned together in one pass over the sidecars.
     pub fn open(
         dir: &Path,
         opts: StoreOptions,
@@ -434,8 +435,29 @@ impl UsageStore {
         since_ms: i64,
         limit_per_partition: usize,
     ) -> Result<BTreeMap<i32, Vec<SeenKey>>, StorageError> {
+        self.recent_keys_where(since_ms, limit_per_partition, |_| true)
+    }
+
+    /// [`UsageStore::recovery_hot_keys`] for each of `partitions`, from one
+    /// pass over the sidecars: a rebalance that brings several partitions
+    /// reads each segment once, not once per partition.
+    pub fn recovery_hot_keys_of(
+        &self,
+        partitions: &std::collections::BTreeSet<i32>,
+        now_ms: i64,
+    ) -> Result<BTreeMap<i32, Vec<SeenKey>>, StorageError> {
+        let since = now_ms.saturating_sub(self.opts.hot_ttl_ms);
+        self.recent_keys_where(since, self.opts.hot_capacity, |p| partitions.contains(&p))
+    }
+
+    fn recent_keys_where(
+        &self,
+        since_ms: i64,
+        limit_per_partition: usize,
+        partition: impl Fn(i32) -> bool,
+    ) -> Result<BTreeMap<i32, Vec<SeenKey>>, StorageError> {
         let mut by_partition: BTreeMap<i32, Vec<SeenKey>> = BTreeMap::new();
-        for k in self.collect_recent(since_ms, |_| true)? {
+        for k in self.collect_recent(since_ms, |k| partition(k.output.partition))? {
             by_partition.entry(k.output.partition).or_default().push(k);
         }
         for keys in by_partition.values_mut() {
