@@ -339,9 +339,12 @@ async fn standbys_follow_and_hand_partitions_over_through_rebalances_and_output_
     assert!(following, "the two workers never followed each other's partitions");
     produce_traffic(&producer, &topics.input, PARTITIONS, &s.records[2 * quarter..3 * quarter]).await.expect("produce");
     tokio::time::sleep(Duration::from_secs(6)).await;
-    // A leaves cleanly mid-stream: B's followers hand its partitions over.
+    // A leaves cleanly mid-stream: B's followers hand its partitions over,
+    // so B's repair of them reads at most A's last couple of batches (its
+    // standbys apply every half second), not A's whole output.
+    let repaired_before = metrics_b.repair_records();
     let _ = stop_a.send(());
-    worker_a.await.expect("join").expect("run a");
+    let report_a = worker_a.await.expect("join").expect("run a");
     produce_traffic(&producer, &topics.input, PARTITIONS, &s.records[3 * quarter..]).await.expect("produce");
     let done = wait_until(Duration::from_secs(90), || {
         committed(&brokers, "standbys", &topics.input, PARTITIONS)
@@ -350,6 +353,10 @@ async fn standbys_follow_and_hand_partitions_over_through_rebalances_and_output_
     .await;
     assert!(done, "B did not finish the input");
     assert!(metric_value(&metrics_b, "dedupd_standby_records_total") > 0.0, "B's standbys applied nothing");
+    let repaired = metrics_b.repair_records() - repaired_before;
+    eprintln!("A accepted {} events; B's takeover repair read {repaired} records", report_a.accepted);
+    assert!(repaired <= 1000, "B's takeover repair read {repaired} records: its standbys were not warm");
+    assert!(report_a.accepted > 2000, "A published too little for the takeover to show anything");
     let _ = stop_b.send(());
     worker_b.await.expect("join").expect("run b");
     check_outcome(&brokers, &topics, "standbys", &s, DeliveryMode::AtLeastOnce);

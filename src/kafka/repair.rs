@@ -225,7 +225,15 @@ impl Repairer {
             }
             Step::FindHorizonStart { log_start, end } => {
                 let c = self.clients(clients)?;
-                Event::HorizonStart { offset: self.first_offset_within_horizon(&c.consumer, partition, log_start, end) }
+                Event::HorizonStart {
+                    offset: self.first_offset_within_horizon(
+                        &c.consumer,
+                        partition,
+                        log_start,
+                        end,
+                        self.stall_timeout,
+                    ),
+                }
             }
             Step::ReadOutput { from, end, gap } => {
                 if gap > 0 {
@@ -359,17 +367,19 @@ impl Repairer {
     /// output record published within the horizon (record timestamps are
     /// ingest times, DESIGN §6), because older keys would be forgotten at
     /// once. Falls back to the log start, always correct, when the broker
-    /// cannot look offsets up by time.
+    /// cannot look offsets up by time. Each lookup waits at most `timeout`;
+    /// one that fails reads from the log start too (only longer).
     pub(crate) fn first_offset_within_horizon(
         &self,
         consumer: &BaseConsumer,
         partition: i32,
         low: i64,
         high: i64,
+        timeout: Duration,
     ) -> i64 {
         let horizon_ms = i64::try_from(lock_engine(&self.engine).horizon().as_millis()).unwrap_or(i64::MAX);
         let since = self.clock.now_ms().saturating_sub(horizon_ms);
-        match self.offset_for_time(consumer, partition, since) {
+        match self.offset_for_time(consumer, partition, since, timeout) {
             Ok(Some(Offset::Offset(o))) => o.clamp(low, high),
             // "No record at or after `since`": nothing within the horizon,
             // if the broker can look offsets up by time at all. Brokers that
@@ -377,7 +387,7 @@ impl Repairer {
             // every time, so ask for time 0, which any record matches: only a
             // real lookup answers it with an offset.
             Ok(Some(Offset::End))
-                if matches!(self.offset_for_time(consumer, partition, 0), Ok(Some(Offset::Offset(_)))) =>
+                if matches!(self.offset_for_time(consumer, partition, 0, timeout), Ok(Some(Offset::Offset(_)))) =>
             {
                 high
             }
@@ -394,10 +404,16 @@ impl Repairer {
 
     /// The broker's answer to "first output offset of `partition` with a
     /// timestamp at or after `ts_ms`".
-    fn offset_for_time(&self, consumer: &BaseConsumer, partition: i32, ts_ms: i64) -> Result<Option<Offset>, RdError> {
+    fn offset_for_time(
+        &self,
+        consumer: &BaseConsumer,
+        partition: i32,
+        ts_ms: i64,
+        timeout: Duration,
+    ) -> Result<Option<Offset>, RdError> {
         let mut tpl = TopicPartitionList::new();
         tpl.add_partition_offset(&self.output_topic, partition, Offset::Offset(ts_ms))?;
-        let found = consumer.offsets_for_times(tpl, self.stall_timeout)?;
+        let found = consumer.offsets_for_times(tpl, timeout)?;
         Ok(found.find_partition(&self.output_topic, partition).map(|e| e.offset()))
     }
 

@@ -53,8 +53,9 @@ use crate::pipeline::standby::{assigned_partitions, standby_partitions, GroupMem
 pub(crate) const STANDBY_REFRESH: Duration = Duration::from_secs(5);
 
 /// After the brokers could not describe the group, how long until asking
-/// again (meanwhile every unowned partition is followed).
-const DESCRIBE_BACKOFF: Duration = Duration::from_secs(60);
+/// again. Several attempts fit in [`DESCRIPTION_GRACE`], so one failure
+/// after a good description changes nothing.
+const DESCRIBE_BACKOFF: Duration = Duration::from_secs(15);
 
 /// After a good description, how long a failed one leaves the followers as
 /// they are (rather than switching to following every unowned partition).
@@ -133,17 +134,43 @@ impl std::fmt::Debug for Standbys {
 pub(crate) struct Following<'a>(MutexGuard<'a, Followers>);
 
 impl Following<'_> {
-    /// This worker was given `partition`: its follower, if any, stops after
-    /// its last apply, leaving local state warm for the partition's repair.
-    pub(crate) fn hand_over(&mut self, partition: i32) {
-        if let Some(f) = self.0.running.remove(&partition) {
-            match f.finish(partition) {
-                Ok(()) => tracing::info!(partition, "standby handed its partition over to this worker's task"),
-                // Whatever it applied stays; repair reads on from there.
-                Err(e) => tracing::warn!(partition, error = %e, "standby ended with an error at handover"),
+    /// This worker was given `partitions`: their followers, if any, stop
+    /// after their last apply (all told first, then each joined), leaving
+    /// local state warm for the partitions' repair.
+    pub(crate) fn hand_over(&mut self, shared: &Shared, partitions: &[i32]) {
+        let stopping: Vec<(i32, Follower)> =
+            partitions.iter().filter_map(|p| self.0.running.remove(p).map(|f| (*p, f))).collect();
+        for p in partitions {
+            self.0.backoff.remove(p);
+        }
+        finish_all(shared, stopping, |p| {
+            tracing::info!(partition = p, "standby handed its partition over to this worker's task");
+        });
+    }
+}
+
+/// Tells every one of `followers` to stop, then joins each. A local-state
+/// error fails the worker (as for owned partitions: state that cannot apply
+/// cannot be trusted by anyone in this process); others are logged, and
+/// what a follower applied stays. Returns the partitions that failed, with
+/// how long each had run.
+fn finish_all(shared: &Shared, followers: Vec<(i32, Follower)>, ended_well: impl Fn(i32)) -> Vec<(i32, Duration)> {
+    for (_, f) in &followers {
+        f.tell_stop();
+    }
+    let mut failed = Vec::new();
+    for (p, f) in followers {
+        let ran = f.started.elapsed();
+        match f.finish(p) {
+            Ok(()) => ended_well(p),
+            Err(KafkaError::Engine(e)) => shared.fail(KafkaError::Engine(e)),
+            Err(e) => {
+                tracing::warn!(partition = p, error = %e, "standby follower stopped");
+                failed.push((p, ran));
             }
         }
     }
+    failed
 }
 
 impl Standbys {
@@ -161,33 +188,26 @@ impl Standbys {
         let f = &mut following.0;
         let ended: Vec<(i32, Follower)> =
             f.running.extract_if(|p, follower| !wanted.contains(p) || follower.thread.is_finished()).collect();
-        // Every stop told first, then each joined: one slow follower does
-        // not hold the others' stop back.
-        for (_, follower) in &ended {
-            follower.tell_stop();
+        let stopped: Vec<i32> = ended.iter().map(|(p, _)| *p).collect();
+        for (p, ran) in finish_all(shared, ended, |_| {}) {
+            let (_, mut wait) = f.backoff.get(&p).copied().unwrap_or((Instant::now(), RESTART_BACKOFF.0));
+            if ran >= HEALTHY_RUN {
+                wait = RESTART_BACKOFF.0;
+            }
+            tracing::info!(partition = p, retry_in = ?wait, "standby follower starts again after a back-off");
+            f.backoff.insert(p, (Instant::now() + wait, (wait * 2).min(RESTART_BACKOFF.1)));
         }
-        for (p, follower) in ended {
-            let ran = follower.started.elapsed();
-            match follower.finish(p) {
-                Ok(()) => {}
-                // Local state that cannot apply cannot be trusted by anyone
-                // in this process: the same rule as for owned partitions.
-                Err(KafkaError::Engine(e)) => shared.fail(KafkaError::Engine(e)),
-                Err(e) => {
-                    let (_, mut wait) = f.backoff.get(&p).copied().unwrap_or((Instant::now(), RESTART_BACKOFF.0));
-                    if ran >= HEALTHY_RUN {
-                        wait = RESTART_BACKOFF.0;
-                    }
-                    tracing::warn!(partition = p, error = %e, retry_in = ?wait, "standby follower stopped");
-                    f.backoff.insert(p, (Instant::now() + wait, (wait * 2).min(RESTART_BACKOFF.1)));
-                }
+        // Released: partitions no longer wanted whose follower just stopped
+        // or had failed earlier (and waits out its back-off). Memory goes;
+        // durable state stays for when they come back.
+        let waiting: Vec<i32> = f.backoff.keys().copied().collect();
+        for p in stopped.into_iter().chain(waiting) {
+            if wanted.contains(&p) || owned(p) || f.running.contains_key(&p) {
+                continue;
             }
-            if !wanted.contains(&p) && !owned(p) {
-                // Memory goes; durable state stays for when it comes back.
-                lock_engine(&shared.engine).revoke(p);
-                f.backoff.remove(&p);
-                tracing::info!(partition = p, "no longer a standby of this partition");
-            }
+            f.backoff.remove(&p);
+            lock_engine(&shared.engine).revoke(p);
+            tracing::info!(partition = p, "no longer a standby of this partition");
         }
         let starting: Vec<i32> = wanted
             .iter()
@@ -213,17 +233,10 @@ impl Standbys {
     }
 
     /// Stops every follower (shutdown), after its last apply.
-    pub(crate) fn stop_all(&self) {
+    pub(crate) fn stop_all(&self, shared: &Shared) {
         let mut following = self.lock();
         let all: Vec<(i32, Follower)> = following.0.running.drain().collect();
-        for (_, f) in &all {
-            f.tell_stop();
-        }
-        for (p, f) in all {
-            if let Err(e) = f.finish(p) {
-                tracing::warn!(partition = p, error = %e, "standby follower ended with an error at shutdown");
-            }
-        }
+        finish_all(shared, all, |_| {});
     }
 }
 
@@ -355,7 +368,7 @@ pub(crate) fn spawn(
             }
         }
         let s = shared.clone();
-        let _ = tokio::task::spawn_blocking(move || s.standbys.stop_all()).await;
+        let _ = tokio::task::spawn_blocking(move || s.standbys.stop_all(&s)).await;
         let applied = shared.standbys.applied.swap(0, Ordering::Relaxed);
         StandbyProgressed { following: 0, applied }.emit(&shared.metrics);
     })
@@ -392,7 +405,7 @@ fn follow(shared: &Shared, partition: i32, stop: &AtomicBool) -> Result<(), Kafk
     }
     let from = match checkpoint {
         Some(c) => c + 1,
-        None => r.first_offset_within_horizon(&consumer, partition, log_start, end),
+        None => r.first_offset_within_horizon(&consumer, partition, log_start, end, START_STEP_TIMEOUT),
     };
     if from < log_start {
         tracing::warn!(

@@ -198,9 +198,7 @@ impl WorkerContext {
         // may start in between (see `crate::kafka::standby`).
         let mut following = block_outside_runtime(|| self.shared.standbys.lock());
         let new: Vec<i32> = partitions.iter().copied().filter(|p| !self.tasks().contains_key(p)).collect();
-        for &p in &new {
-            block_outside_runtime(|| following.hand_over(p));
-        }
+        block_outside_runtime(|| following.hand_over(&self.shared, &new));
         // Every new partition's hot cache from one pass over the stored keys
         // (each task's repair would otherwise read them all once per
         // partition). A failure here comes back to each task's own load.
@@ -829,15 +827,9 @@ pub async fn run(
         fatal = fatal_rx.try_recv().ok();
     }
     tracing::info!(fatal = fatal.is_some(), "stopping: finishing in-flight batches");
-    // Standbys stop first: they only read, and local state must be theirs
-    // no more before it closes.
+    // Standbys are told to stop now and joined once the partitions are
+    // given up below: a fenced worker must release its partitions first.
     let _ = standby_stop.send(true);
-    if let Some(t) = standby_task {
-        let _ = t.await;
-        // Again, should that task have panicked before it stopped them.
-        let s = shared.clone();
-        blocking(move || s.standbys.stop_all()).await?;
-    }
 
     // Stop every partition task; each finishes (or abandons, if unpublished)
     // its batch. The wait is bounded by revoke_timeout. After a fatal error
@@ -850,6 +842,13 @@ pub async fn run(
     let ctx_consumer = consumer.clone();
     let lost = fatal.is_some();
     blocking(move || ctx_consumer.context().revoke(&owned, lost)).await?;
+    if let Some(t) = standby_task {
+        let _ = t.await;
+        // Again, should that task have panicked before it stopped them:
+        // local state must be the followers' no more before it closes.
+        let s = shared.clone();
+        blocking(move || s.standbys.stop_all(&s)).await?;
+    }
 
     drop(shared.publisher.clone());
     flush_and_leave(&producer, consumer, timeout).await?;

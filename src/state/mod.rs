@@ -689,47 +689,69 @@ mod tests {
     }
 
     /// Several partitions assigned together get the hot caches they would
-    /// get one by one, from one read of each segment instead of one per
+    /// get one by one (the same keys: the TTL window and the capacity cut
+    /// the same way), from one read of each segment instead of one per
     /// partition (issue #14: no per-assignment scans of every sidecar).
     #[test]
     fn assigning_partitions_together_seeds_the_same_hot_caches_from_one_pass_over_the_segments() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let settings = EngineSettings { memtable_events: 50, ..EngineSettings::default() };
+        let settings = EngineSettings {
+            memtable_events: 50,
+            hot_capacity: 50,
+            hot_ttl: std::time::Duration::from_secs(3600),
+            ..EngineSettings::default()
+        };
         let partitions = [0, 1, 2];
         {
             let mut state = LocalState::open(Some(dir.path()), settings.clone(), true).expect("open");
             state.assign_all(&partitions, NOW).expect("assign");
             for round in 0..4u64 {
                 for &p in &partitions {
+                    // Each round a second later: at reopen the first two
+                    // rounds are past the hot TTL.
+                    let seen = NOW + round as i64 * 1000;
                     let batch: Vec<StoredEvent> = (0..40)
-                        .map(|i| sample_event_at(round * 1000 + i + 100 * p as u64, p, (round * 40 + i) as i64, NOW))
+                        .map(|i| sample_event_at(round * 1000 + i + 100 * p as u64, p, (round * 40 + i) as i64, seen))
                         .collect();
-                    state.apply_published(p, &batch, NOW).expect("apply");
+                    state.apply_published(p, &batch, seen).expect("apply");
                 }
             }
             state.close().expect("close");
         }
+        let reopened_at = NOW + 3_600_000 + 1500;
         let seeded = |together: bool| {
             let reads = Arc::new(SidecarReads::default());
             let mut state =
                 LocalState::open_observed(Some(dir.path()), settings.clone(), true, reads.clone()).expect("reopen");
             let before = reads.0.load(std::sync::atomic::Ordering::Relaxed);
             if together {
-                state.assign_all(&partitions, NOW).expect("assign together");
+                state.assign_all(&partitions, reopened_at).expect("assign together");
             } else {
                 for &p in &partitions {
-                    state.assign(p, NOW).expect("assign one");
+                    state.assign(p, reopened_at).expect("assign one");
                 }
             }
             let read = reads.0.load(std::sync::atomic::Ordering::Relaxed) - before;
-            let caches: Vec<usize> = partitions.iter().map(|p| state.partitions[p].hot_cache().len()).collect();
+            let caches: Vec<Vec<crate::classify::SeenKey>> = partitions
+                .iter()
+                .map(|p| {
+                    let mut keys: Vec<crate::classify::SeenKey> = state.partitions[p].hot_cache().iter().collect();
+                    keys.sort_by_key(|k| k.output.offset);
+                    keys
+                })
+                .collect();
             state.close().expect("close");
             (read, caches)
         };
         let (read_one_by_one, one_by_one) = seeded(false);
         let (read_together, together) = seeded(true);
         assert_eq!(together, one_by_one, "the same keys, partition by partition");
-        assert_eq!(together, vec![160, 160, 160]);
+        for (p, keys) in partitions.iter().zip(&together) {
+            // 80 keys within the TTL, the newest 50 kept: offsets 110..=159.
+            let offsets: Vec<i64> = keys.iter().map(|k| k.output.offset).collect();
+            assert_eq!(offsets, (110..160).collect::<Vec<i64>>(), "partition {p}");
+            assert!(keys.iter().all(|k| k.output.partition == *p));
+        }
         assert!(read_together > 0, "the keys came from segments");
         assert_eq!(read_one_by_one, 3 * read_together, "one read of each segment, not one per partition");
     }
