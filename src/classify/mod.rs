@@ -15,5 +15,8 @@ pub use classifier::{
 };
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use hot_cache::{HotCache, HotEvictions};
-pub use outcome::{classify_records, Classified, InputRecord, OnMisrouted, Outcome, Placement};
+pub use outcome::{
+    classify_records, classify_validated, validate_records, Classified, InputRecord, OnMisrouted, Outcome, Placement,
+    Validated,
+};
 pub use seen::SeenKey;

@@ -127,10 +127,30 @@ pub fn classify_records(
     now_ms: i64,
     placement: Option<&Placement>,
 ) -> Result<Classified, HorizonError> {
+    classify_validated(classifier, long, validate_records(validator, records, now_ms, placement), now_ms)
+}
+
+/// A batch decoded, validated, placed and hashed: the part of classifying
+/// it that reads no local state, so a worker does it outside the engine's
+/// lock ([`validate_records`]; the rest is [`classify_validated`]).
+#[derive(Debug)]
+pub struct Validated {
+    items: Vec<Result<(UsageEvent, IdHash, PayloadHash), Rejection>>,
+    sources: Vec<crate::event::Position>,
+    misrouted: u64,
+}
+
+/// The stateless half of [`classify_records`]: every record decoded,
+/// validated, checked against `placement` and hashed. Pure.
+pub fn validate_records(
+    validator: &Validator,
+    records: &[InputRecord<'_>],
+    now_ms: i64,
+    placement: Option<&Placement>,
+) -> Validated {
     let mut misrouted = 0u64;
     let mut scratch = Vec::with_capacity(256);
     let mut validated: Vec<Result<(UsageEvent, IdHash, PayloadHash), Rejection>> = Vec::with_capacity(records.len());
-    let mut candidates = Vec::with_capacity(records.len());
     for r in records {
         let v = match r.payload {
             None => {
@@ -159,6 +179,20 @@ pub fn classify_records(
         });
         validated.push(v);
     }
+    Validated { items: validated, sources: records.iter().map(|r| r.source).collect(), misrouted }
+}
+
+/// The stateful half of [`classify_records`]: a validated batch against
+/// what `classifier` (the hot cache) and `long` (the key store) remember.
+/// Read-only.
+pub fn classify_validated(
+    classifier: &PartitionClassifier,
+    long: &dyn LongHorizon,
+    batch: Validated,
+    now_ms: i64,
+) -> Result<Classified, HorizonError> {
+    let Validated { items: mut validated, sources, misrouted } = batch;
+    let mut candidates = Vec::with_capacity(validated.len());
     // A correction or retraction must refer to an event this partition
     // knows (placement puts it beside its original): remembered by the hot
     // cache or the key store, or a valid event earlier in the batch. One
@@ -183,13 +217,13 @@ pub fn classify_records(
             }
         }
     }
-    for (v, r) in validated.iter().zip(records) {
+    for (v, source) in validated.iter().zip(&sources) {
         if let Ok((_, id, payload)) = v {
-            candidates.push(Candidate { id_hash: *id, payload_hash: *payload, source: r.source });
+            candidates.push(Candidate { id_hash: *id, payload_hash: *payload, source: *source });
         }
     }
     let mut verdicts = classifier.classify(&candidates, long, now_ms)?.into_iter();
-    let mut out = Vec::with_capacity(records.len());
+    let mut out = Vec::with_capacity(validated.len());
     for v in validated {
         let outcome = match v {
             Err(rejection) => Outcome::Rejected(rejection),

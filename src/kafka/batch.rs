@@ -3,6 +3,12 @@
 //!
 //! Free of rdkafka and of any I/O but local state's reads, so the worker and
 //! the simulator classify a batch with the same code.
+//!
+//! Local state is reached through a [`WithEngine`] for each of its few
+//! calls (classify the validated batch, find conflicts' originals, preview
+//! the ledger), so a worker holds its engine lock for those alone: decoding,
+//! validating and hashing the records, and building the records to publish,
+//! run unlocked, beside other partitions' state work.
 
 use hashbrown::HashMap;
 
@@ -13,6 +19,23 @@ use crate::kafka::records::{
     accepted_record, adjustment_record, conflict_record, rejected_record, rollup_record, OutRecord,
 };
 use crate::metrics::BatchClassified;
+
+/// How [`classify_batch`] reaches local state: it calls this with what it
+/// wants done, and this runs it on the engine, once (the worker under its
+/// engine lock, taken for that call alone; the simulator directly).
+pub type WithEngine<'a> = &'a dyn Fn(&mut dyn FnMut(&dyn Engine));
+
+/// `f` run on the engine through `with`.
+fn using<T>(with: WithEngine<'_>, f: impl FnOnce(&dyn Engine) -> T) -> T {
+    let mut f = Some(f);
+    let mut out = None;
+    with(&mut |e| {
+        if let Some(f) = f.take() {
+            out = Some(f(e));
+        }
+    });
+    out.expect("a WithEngine runs what it is given exactly once")
+}
 
 /// One input record of a batch.
 #[derive(Clone, Copy, Debug)]
@@ -51,7 +74,7 @@ pub struct Prepared {
 /// alone is the event, so unknown or hostile headers cannot change a
 /// record's bucket.
 pub fn classify_batch(
-    engine: &dyn Engine,
+    with: WithEngine<'_>,
     partition: i32,
     inputs: &[BatchInput<'_>],
     now_ms: i64,
@@ -59,7 +82,9 @@ pub fn classify_batch(
 ) -> Result<Prepared, EngineError> {
     let records_in: Vec<InputRecord<'_>> =
         inputs.iter().map(|m| InputRecord { source: Position::new(partition, m.offset), payload: m.payload }).collect();
-    let classified = engine.classify(partition, &records_in, now_ms, layout.placement.as_ref())?;
+    let validator = using(with, |e| e.validator());
+    let validated = crate::classify::validate_records(&validator, &records_in, now_ms, layout.placement.as_ref());
+    let classified = using(with, |e| e.classify_validated(partition, validated, now_ms))?;
     let outcomes = classified.outcomes;
     // The originals of conflicts with earlier batches, read together: a
     // storm of them against one segment reads it once.
@@ -72,7 +97,8 @@ pub fn classify_batch(
             _ => None,
         })
         .collect();
-    let mut originals = if wanted.is_empty() { Vec::new() } else { engine.originals(partition, &wanted) }.into_iter();
+    let mut originals =
+        if wanted.is_empty() { Vec::new() } else { using(with, |e| e.originals(partition, &wanted)) }.into_iter();
     let mut summary = BatchClassified { partition, misrouted: classified.misrouted, ..Default::default() };
     let mut records = Vec::with_capacity(inputs.len());
     let mut accepted = Vec::new();
@@ -138,7 +164,7 @@ pub fn classify_batch(
     // disagrees with the output. Offsets are not known yet and the records
     // do not need them.
     let events: Vec<(&UsageEvent, i64)> = accepted.iter().map(|(_, s)| (&s.event, -1)).collect();
-    if let Some(preview) = engine.ledger_preview(partition, &events)? {
+    if let Some(preview) = using(with, |e| e.ledger_preview(partition, &events))? {
         summary.late = preview.folded.adjustments.len() as u64;
         if let Some(rollups_partitions) = layout.rollups_partitions {
             for (key, rollup) in preview.rollups() {

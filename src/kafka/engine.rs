@@ -71,6 +71,18 @@ pub trait Engine: Send + 'static {
         now_ms: i64,
         placement: Option<&Placement>,
     ) -> Result<Classified, EngineError>;
+    /// The validator [`classify`](Self::classify) uses, for the stateless
+    /// half of classifying ([`crate::classify::validate_records`]), which a
+    /// worker does outside the engine's lock. A clone: closed periods are
+    /// shared, so it stays current.
+    fn validator(&self) -> Validator;
+    /// [`classify`](Self::classify) of a batch already validated.
+    fn classify_validated(
+        &self,
+        partition: i32,
+        batch: crate::classify::Validated,
+        now_ms: i64,
+    ) -> Result<Classified, EngineError>;
     /// Remembers published events. Idempotent by output offset: events at or
     /// below the checkpoint are skipped.
     fn apply_published(&mut self, partition: i32, events: &[StoredEvent], now_ms: i64) -> Result<(), EngineError>;
@@ -176,6 +188,21 @@ impl Engine for StateEngine {
     ) -> Result<Classified, EngineError> {
         self.state("classify", partition)?
             .classify(partition, &self.validator, records, now_ms, placement)
+            .map_err(state_error("classify", partition))
+    }
+
+    fn validator(&self) -> Validator {
+        self.validator.clone()
+    }
+
+    fn classify_validated(
+        &self,
+        partition: i32,
+        batch: crate::classify::Validated,
+        now_ms: i64,
+    ) -> Result<Classified, EngineError> {
+        self.state("classify", partition)?
+            .classify_validated(partition, batch, now_ms)
             .map_err(state_error("classify", partition))
     }
 

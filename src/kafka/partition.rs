@@ -16,6 +16,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::event::Position;
 use crate::kafka::batch::{classify_batch, BatchInput, Prepared};
+use crate::kafka::engine::Engine;
 use crate::kafka::error::KafkaError;
 use crate::kafka::publisher::{PublishError, Published};
 use crate::kafka::repair::{lock_engine, monotonic_ms, RepairClients, RepairOutcome};
@@ -420,8 +421,12 @@ fn commit_input(shared: &Arc<Shared>, partition: i32, next: i64) {
 fn prepare(shared: &Shared, partition: i32, batch: &[OwnedMessage], now_ms: i64) -> Result<Prepared, KafkaError> {
     let inputs: Vec<BatchInput<'_>> =
         batch.iter().map(|m| BatchInput { offset: m.offset(), key: m.key(), payload: m.payload() }).collect();
-    let engine = lock_engine(&shared.engine);
-    let prepared = classify_batch(engine.as_ref(), partition, &inputs, now_ms, &shared.batch_layout())?;
+    // The engine lock is taken for each of classification's calls to local
+    // state alone: the stateless work between them runs beside other
+    // partitions'. Safe: nothing else changes this partition's state
+    // meanwhile (one task per partition; standbys never follow it).
+    let with = |f: &mut dyn FnMut(&dyn Engine)| f(lock_engine(&shared.engine).as_ref());
+    let prepared = classify_batch(&with, partition, &inputs, now_ms, &shared.batch_layout())?;
     shared.batches.fetch_add(1, Ordering::Relaxed);
     Ok(prepared)
 }

@@ -435,6 +435,18 @@ impl LocalState {
         Ok(classify_records(validator, classifier, self.long_horizon(), records, now_ms, placement)?)
     }
 
+    /// [`classify`](Self::classify) of a batch already validated
+    /// ([`crate::classify::validate_records`], which needs no state).
+    pub fn classify_validated(
+        &self,
+        partition: i32,
+        batch: crate::classify::Validated,
+        now_ms: i64,
+    ) -> Result<Classified, StateError> {
+        let classifier = self.partitions.get(&partition).ok_or(StateError::NotAssigned { partition })?;
+        Ok(crate::classify::classify_validated(classifier, self.long_horizon(), batch, now_ms)?)
+    }
+
     /// Applies published events of `partition`, in output-offset order.
     /// Events at or below the checkpoint are skipped. Returns how many were
     /// new to the state as a whole.

@@ -10,7 +10,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use crate::config::EngineSettings;
 use crate::event::Position;
 use crate::kafka::batch::{classify_batch, BatchInput, BatchLayout, Prepared};
-use crate::kafka::engine::StateEngine;
+use crate::kafka::engine::{Engine, StateEngine};
 use crate::kafka::records::{parse_output, Destination, OutRecord};
 use crate::pipeline::{
     BatchFailure, DeliveryMode, EndAttempt, EndDecision, Ending, Event, LifeSettings, PartitionLife, Step,
@@ -876,7 +876,8 @@ fn perform(w: &mut World, worker: usize, partition: i32) {
                 rollups_partitions: None,
             };
             let engine = wk.engine.as_ref().expect("engine");
-            match classify_batch(engine, partition, &inputs, now, &layout) {
+            let with = |f: &mut dyn FnMut(&dyn Engine)| f(engine);
+            match classify_batch(&with, partition, &inputs, now, &layout) {
                 Ok(prepared) => {
                     let s = slot(w, worker, partition);
                     s.prepared = Some(prepared);
