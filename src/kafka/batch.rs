@@ -179,3 +179,118 @@ pub fn classify_batch(
     summary.conflicts_by_tenant = tenants.into_iter().collect();
     Ok(Prepared { records, accepted, summary })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+
+    use super::*;
+    use crate::config::EngineSettings;
+    use crate::kafka::engine::StateEngine;
+    use crate::ledger::UsageQuery;
+    use crate::state::LocalState;
+
+    const NOW: i64 = 1_790_000_000_000;
+
+    fn ev(id: &str, customer: &str, qty: &str) -> Vec<u8> {
+        format!(
+            r#"{{"event_id":"{id}","tenant_id":"t","customer_id":"{customer}","meter":"m","quantity":"{qty}","timestamp":{NOW}}}"#
+        )
+        .into_bytes()
+    }
+
+    fn inputs(payloads: &[Vec<u8>], first_offset: i64) -> Vec<BatchInput<'_>> {
+        payloads
+            .iter()
+            .zip(first_offset..)
+            .map(|(p, offset)| BatchInput { offset, key: None, payload: Some(p.as_slice()) })
+            .collect()
+    }
+
+    const LAYOUT: BatchLayout = BatchLayout {
+        placement: None,
+        conflicts_partitions: 1,
+        rejected_partitions: 1,
+        max_rejected_raw_bytes: 1024,
+        rollups_partitions: Some(2),
+    };
+
+    /// Classifies and applies `payloads` on `partition` of `e`, output
+    /// offsets from `first_output`; returns what was prepared.
+    fn ingest(e: &RefCell<StateEngine>, partition: i32, payloads: &[Vec<u8>], first_output: i64) -> Prepared {
+        let with = |f: &mut dyn FnMut(&dyn Engine)| f(&*e.borrow());
+        let prepared =
+            classify_batch(&with, partition, &inputs(payloads, first_output), NOW, &LAYOUT).expect("classify");
+        let stored: Vec<StoredEvent> = prepared
+            .accepted
+            .iter()
+            .zip(first_output..)
+            .map(|((_, s), offset)| {
+                let mut s = s.clone();
+                s.key.output = Position::new(partition, offset);
+                s
+            })
+            .collect();
+        e.borrow_mut().apply_published(partition, &stored, NOW).expect("apply");
+        prepared
+    }
+
+    /// A worker takes the engine lock for each of a batch's calls to local
+    /// state, so other partitions' applies, previews and maintenance (which
+    /// flushes the usage store's memtable) run between them. None of it may
+    /// change what the batch classifies to, the records it publishes, or
+    /// what applying it leaves in the ledger.
+    #[test]
+    fn other_partitions_work_between_a_batchs_engine_calls_changes_nothing_it_prepares() {
+        let history: Vec<Vec<u8>> = (0..30).map(|i| ev(&format!("h{i}"), "c0", "1")).collect();
+        let mut batch: Vec<Vec<u8>> = (0..10).map(|i| ev(&format!("n{i}"), "c0", "2")).collect();
+        batch.extend((0..5).map(|i| ev(&format!("h{i}"), "c0", "1"))); // retries: duplicates
+        batch.push(ev("h5", "c0", "9")); // another payload: a conflict, with its original
+        batch.push(b"{not json".to_vec());
+        let open = |dir: &std::path::Path| {
+            let settings = EngineSettings { memtable_events: 20, ..EngineSettings::default() };
+            let state = LocalState::open(Some(dir), settings.clone(), true).expect("open");
+            let e = RefCell::new(StateEngine::new(state, settings.validator()));
+            e.borrow_mut().assign_all(&[0, 1], NOW).expect("assign");
+            ingest(&e, 0, &history, 0);
+            e
+        };
+        let (quiet_dir, busy_dir) = (tempfile::tempdir().expect("dir"), tempfile::tempdir().expect("dir"));
+        let quiet = open(quiet_dir.path());
+        let busy = open(busy_dir.path());
+
+        let alone = ingest(&quiet, 0, &batch, 30);
+        // The same batch with partition 1's work before every engine call.
+        let others = RefCell::new(0i64);
+        let with = |f: &mut dyn FnMut(&dyn Engine)| {
+            let next = *others.borrow();
+            let theirs: Vec<Vec<u8>> = (next..next + 25).map(|i| ev(&format!("o{i}"), "c1", "3")).collect();
+            ingest(&busy, 1, &theirs, next);
+            busy.borrow_mut().maintain(NOW).expect("maintain");
+            *others.borrow_mut() += 25;
+            f(&*busy.borrow())
+        };
+        let interleaved = classify_batch(&with, 0, &inputs(&batch, 30), NOW, &LAYOUT).expect("classify");
+        assert!(*others.borrow() >= 75, "partition 1 worked between the batch's calls");
+        assert_eq!(interleaved.summary, alone.summary);
+        assert_eq!((alone.summary.accepted, alone.summary.duplicate, alone.summary.conflict), (10, 5, 1));
+        assert_eq!(format!("{:?}", interleaved.records), format!("{:?}", alone.records));
+        assert_eq!(format!("{:?}", interleaved.accepted), format!("{:?}", alone.accepted));
+        let stored: Vec<StoredEvent> = interleaved
+            .accepted
+            .iter()
+            .zip(30..)
+            .map(|((_, s), offset)| {
+                let mut s = s.clone();
+                s.key.output = Position::new(0, offset);
+                s
+            })
+            .collect();
+        busy.borrow_mut().apply_published(0, &stored, NOW).expect("apply");
+        let query =
+            UsageQuery::parse(Some("t".into()), Some("c0".into()), None, Some("2026-01"), Some("2027-01"), None)
+                .expect("query");
+        let answer = |e: &RefCell<StateEngine>| e.borrow().usage(&query).expect("usage").expect("ledger").to_json();
+        assert_eq!(answer(&busy), answer(&quiet), "customer c0's usage, with and without the other partition's work");
+    }
+}
