@@ -215,13 +215,10 @@ mod tests {
         rollups_partitions: Some(2),
     };
 
-    /// Classifies and applies `payloads` on `partition` of `e`, output
-    /// offsets from `first_output`; returns what was prepared.
-    fn ingest(e: &RefCell<StateEngine>, partition: i32, payloads: &[Vec<u8>], first_output: i64) -> Prepared {
-        let with = |f: &mut dyn FnMut(&dyn Engine)| f(&*e.borrow());
-        let prepared =
-            classify_batch(&with, partition, &inputs(payloads, first_output), NOW, &LAYOUT).expect("classify");
-        let stored: Vec<StoredEvent> = prepared
+    /// `prepared`'s accepted events as published: output offsets from
+    /// `first_output`.
+    fn published(prepared: &Prepared, partition: i32, first_output: i64) -> Vec<StoredEvent> {
+        prepared
             .accepted
             .iter()
             .zip(first_output..)
@@ -230,8 +227,16 @@ mod tests {
                 s.key.output = Position::new(partition, offset);
                 s
             })
-            .collect();
-        e.borrow_mut().apply_published(partition, &stored, NOW).expect("apply");
+            .collect()
+    }
+
+    /// Classifies and applies `payloads` on `partition` of `e`, output
+    /// offsets from `first_output`; returns what was prepared.
+    fn ingest(e: &RefCell<StateEngine>, partition: i32, payloads: &[Vec<u8>], first_output: i64) -> Prepared {
+        let with = |f: &mut dyn FnMut(&dyn Engine)| f(&*e.borrow());
+        let prepared =
+            classify_batch(&with, partition, &inputs(payloads, first_output), NOW, &LAYOUT).expect("classify");
+        e.borrow_mut().apply_published(partition, &published(&prepared, partition, first_output), NOW).expect("apply");
         prepared
     }
 
@@ -276,17 +281,7 @@ mod tests {
         assert_eq!((alone.summary.accepted, alone.summary.duplicate, alone.summary.conflict), (10, 5, 1));
         assert_eq!(format!("{:?}", interleaved.records), format!("{:?}", alone.records));
         assert_eq!(format!("{:?}", interleaved.accepted), format!("{:?}", alone.accepted));
-        let stored: Vec<StoredEvent> = interleaved
-            .accepted
-            .iter()
-            .zip(30..)
-            .map(|((_, s), offset)| {
-                let mut s = s.clone();
-                s.key.output = Position::new(0, offset);
-                s
-            })
-            .collect();
-        busy.borrow_mut().apply_published(0, &stored, NOW).expect("apply");
+        busy.borrow_mut().apply_published(0, &published(&interleaved, 0, 30), NOW).expect("apply");
         let query =
             UsageQuery::parse(Some("t".into()), Some("c0".into()), None, Some("2026-01"), Some("2027-01"), None)
                 .expect("query");

@@ -63,14 +63,18 @@ pub trait Engine: Send + 'static {
     fn horizon(&self) -> std::time::Duration;
     /// Classifies a batch read-only, checking each record's partition
     /// against `placement` when given. Nothing is remembered until
-    /// [`Engine::apply_published`].
+    /// [`Engine::apply_published`]. Both halves in one call; the worker
+    /// calls them apart (`crate::kafka::batch`).
     fn classify(
         &self,
         partition: i32,
         records: &[InputRecord<'_>],
         now_ms: i64,
         placement: Option<&Placement>,
-    ) -> Result<Classified, EngineError>;
+    ) -> Result<Classified, EngineError> {
+        let validated = crate::classify::validate_records(&self.validator(), records, now_ms, placement);
+        self.classify_validated(partition, validated, now_ms)
+    }
     /// The validator [`classify`](Self::classify) uses, for the stateless
     /// half of classifying ([`crate::classify::validate_records`]), which a
     /// worker does outside the engine's lock. A clone: closed periods are
@@ -177,18 +181,6 @@ impl Engine for StateEngine {
 
     fn horizon(&self) -> std::time::Duration {
         self.horizon
-    }
-
-    fn classify(
-        &self,
-        partition: i32,
-        records: &[InputRecord<'_>],
-        now_ms: i64,
-        placement: Option<&Placement>,
-    ) -> Result<Classified, EngineError> {
-        self.state("classify", partition)?
-            .classify(partition, &self.validator, records, now_ms, placement)
-            .map_err(state_error("classify", partition))
     }
 
     fn validator(&self) -> Validator {
