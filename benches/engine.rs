@@ -18,7 +18,8 @@
 //! `--threads` defaults to the machine's cores, so the same command measures
 //! a bigger machine unchanged.
 
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use dedupd::classify::{Clock, SystemClock};
@@ -90,15 +91,28 @@ fn batch(p: usize, b: usize, now_ms: i64) -> Vec<Vec<u8>> {
 }
 
 /// One run: `partitions` partitions on `threads` threads; events/s.
-fn run(partitions: usize, a: &Args) -> f64 {
+/// Where a run's time went, summed over its threads: inside the engine
+/// lock for classification's calls to local state, and for applies.
+#[derive(Default)]
+struct Spent {
+    classify_locked_ns: AtomicU64,
+    apply_locked_ns: AtomicU64,
+    batch_ns: AtomicU64,
+}
+
+fn add(counter: &AtomicU64, since: Instant) {
+    counter.fetch_add(u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+}
+
+fn run(partitions: usize, a: &Args) -> (f64, Spent) {
     let dir = tempfile::tempdir().expect("tempdir");
     let settings = EngineSettings { fsync: a.fsync.clone(), ..EngineSettings::default() };
     let state = LocalState::open(Some(dir.path()), settings.clone(), true).expect("open local state");
-    let engine: Arc<Mutex<Box<dyn Engine>>> =
-        Arc::new(Mutex::new(Box::new(StateEngine::new(state, settings.validator()))));
+    let engine: Arc<RwLock<Box<dyn Engine>>> =
+        Arc::new(RwLock::new(Box::new(StateEngine::new(state, settings.validator()))));
     let now = SystemClock.now_ms();
     for p in 0..partitions {
-        engine.lock().expect("engine").assign(i32::try_from(p).expect("partition"), now).expect("assign");
+        engine.write().expect("engine").assign(i32::try_from(p).expect("partition"), now).expect("assign");
     }
     let batches = a.events_per_partition / BATCH;
     // The input, made before the clock starts.
@@ -113,10 +127,11 @@ fn run(partitions: usize, a: &Args) -> f64 {
         rollups_partitions: None,
     };
     let threads = a.threads.min(partitions);
+    let spent = Spent::default();
     let started = Instant::now();
     std::thread::scope(|s| {
         for t in 0..threads {
-            let (engine, input) = (engine.clone(), input.clone());
+            let (engine, input, spent) = (engine.clone(), input.clone(), &spent);
             s.spawn(move || {
                 let mine: Vec<usize> = (t..partitions).step_by(threads).collect();
                 for b in 0..batches {
@@ -133,9 +148,15 @@ fn run(partitions: usize, a: &Args) -> f64 {
                             })
                             .collect();
                         let now_ms = SystemClock.now_ms();
+                        let batch_started = Instant::now();
                         // The engine lock for each call to local state, as
                         // the worker takes it.
-                        let with = |f: &mut dyn FnMut(&dyn Engine)| f(engine.lock().expect("engine").as_ref());
+                        let with = |f: &mut dyn FnMut(&dyn Engine)| {
+                            let engine = engine.read().expect("engine");
+                            let locked = Instant::now();
+                            f(engine.as_ref());
+                            add(&spent.classify_locked_ns, locked);
+                        };
                         let prepared = classify_batch(&with, partition, &inputs, now_ms, &layout).expect("classify");
                         assert_eq!(prepared.accepted.len(), BATCH, "every event is new");
                         // The broker's answer: output offsets in publish order.
@@ -148,15 +169,21 @@ fn run(partitions: usize, a: &Args) -> f64 {
                                 s
                             })
                             .collect();
-                        engine.lock().expect("engine").apply_published(partition, &stored, now_ms).expect("apply");
+                        {
+                            let mut engine = engine.write().expect("engine");
+                            let locked = Instant::now();
+                            engine.apply_published(partition, &stored, now_ms).expect("apply");
+                            add(&spent.apply_locked_ns, locked);
+                        }
+                        add(&spent.batch_ns, batch_started);
                     }
                 }
             });
         }
     });
     let seconds = started.elapsed().as_secs_f64();
-    engine.lock().expect("engine").close().expect("close");
-    (partitions * batches * BATCH) as f64 / seconds
+    engine.write().expect("engine").close().expect("close");
+    ((partitions * batches * BATCH) as f64 / seconds, spent)
 }
 
 fn main() {
@@ -165,11 +192,22 @@ fn main() {
         "engine: durable classify+apply, batches of {BATCH}, {} events per partition, {} thread(s), fsync {:?}",
         a.events_per_partition, a.threads, a.fsync
     );
-    println!("{:>10} {:>14} {:>16}", "partitions", "events/s", "ratio to one");
+    println!(
+        "{:>10} {:>14} {:>13} {:>18} {:>15}",
+        "partitions", "events/s", "ratio to one", "locked: classify", "locked: apply"
+    );
     let mut one = None;
     for &p in &a.partitions {
-        let rate = run(p, &a);
-        let base = *one.get_or_insert(if p == 1 { rate } else { run(1, &a) });
-        println!("{p:>10} {rate:>14.0} {:>15.2}x", rate / base);
+        let (rate, spent) = run(p, &a);
+        let base = *one.get_or_insert(if p == 1 { rate } else { run(1, &a).0 });
+        // Shares of the threads' batch time spent holding the engine lock.
+        let total = spent.batch_ns.load(Ordering::Relaxed).max(1) as f64;
+        let share = |c: &AtomicU64| 100.0 * c.load(Ordering::Relaxed) as f64 / total;
+        println!(
+            "{p:>10} {rate:>14.0} {:>12.2}x {:>17.0}% {:>14.0}%",
+            rate / base,
+            share(&spent.classify_locked_ns),
+            share(&spent.apply_locked_ns)
+        );
     }
 }

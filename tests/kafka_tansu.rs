@@ -786,7 +786,7 @@ async fn state_for_a_never_owned_partition_is_rebuilt_from_the_output_within_the
         config: clients::repair_consumer_config(&run_settings),
         output_topic: topics.output.clone(),
         validator,
-        engine: std::sync::Arc::new(std::sync::Mutex::new(engine)),
+        engine: std::sync::Arc::new(std::sync::RwLock::new(engine)),
         clock: std::sync::Arc::new(ManualClock::new(now)),
         stall_timeout: Duration::from_secs(30),
         settle_timeout: Duration::from_secs(30),
@@ -795,7 +795,7 @@ async fn state_for_a_never_owned_partition_is_rebuilt_from_the_output_within_the
         metrics: std::sync::Arc::new(dedupd::metrics::Metrics::new()),
     };
     for p in 0..PARTITIONS {
-        repairer.engine.lock().expect("engine").assign(p, now).expect("assign");
+        repairer.engine.write().expect("engine").assign(p, now).expect("assign");
         let outcome = tokio::task::block_in_place(|| repairer.repair_blocking(p, &|| false))
             .expect("repair")
             .expect("not abandoned");

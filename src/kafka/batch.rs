@@ -6,9 +6,11 @@
 //!
 //! Local state is reached through a [`WithEngine`] for each of its few
 //! calls (classify the validated batch, find conflicts' originals, preview
-//! the ledger), so a worker holds its engine lock for those alone: decoding,
-//! validating and hashing the records, and building the records to publish,
-//! run unlocked, beside other partitions' state work.
+//! the ledger), so a worker holds its engine lock for those alone, and
+//! shared (other partitions classify at the same time; only changes to
+//! local state take it alone): decoding, validating and hashing the
+//! records, and building the records to publish, run unlocked, beside other
+//! partitions' state work.
 
 use hashbrown::HashMap;
 
@@ -22,7 +24,7 @@ use crate::metrics::BatchClassified;
 
 /// How [`classify_batch`] reaches local state: it calls this with what it
 /// wants done, and this runs it on the engine, once (the worker under its
-/// engine lock, taken for that call alone; the simulator directly).
+/// engine lock, taken shared for that call alone; the simulator directly).
 pub type WithEngine<'a> = &'a dyn Fn(&mut dyn FnMut(&dyn Engine));
 
 /// `f` run on the engine through `with`.

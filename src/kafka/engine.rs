@@ -40,7 +40,7 @@ pub struct EngineError {
 }
 
 /// What the worker needs from local state. See the module doc.
-pub trait Engine: Send + 'static {
+pub trait Engine: Send + Sync + 'static {
     /// Takes ownership of `partition`: loads what local state holds for it.
     fn assign(&mut self, partition: i32, now_ms: i64) -> Result<(), EngineError>;
     /// [`assign`](Self::assign) for several partitions; engines that can
@@ -114,6 +114,28 @@ pub trait Engine: Send + 'static {
     fn maintain(&mut self, now_ms: i64) -> Result<(), EngineError>;
     /// Flushes everything durable; called once at shutdown.
     fn close(&mut self) -> Result<(), EngineError>;
+}
+
+/// The engine as a worker's tasks share it. Calls that only read local
+/// state (classification's lookups, conflicts' originals, the ledger
+/// preview, checkpoints, queries) take it shared, so partitions classify
+/// side by side; calls that change it (assign, apply, revoke, upkeep) take
+/// it alone. Every call may block: callers hold it on blocking threads,
+/// never across an await.
+pub type SharedEngine = std::sync::Arc<std::sync::RwLock<Box<dyn Engine>>>;
+
+/// The engine for a call that reads local state.
+pub fn read_engine(engine: &std::sync::RwLock<Box<dyn Engine>>) -> std::sync::RwLockReadGuard<'_, Box<dyn Engine>> {
+    // A panic while holding the lock leaves the engine as it was before the
+    // panicking call's first write; engines apply idempotently by output
+    // offset, so carrying on is safe.
+    engine.read().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The engine for a call that changes local state.
+pub fn write_engine(engine: &std::sync::RwLock<Box<dyn Engine>>) -> std::sync::RwLockWriteGuard<'_, Box<dyn Engine>> {
+    // As in `read_engine`: applies are idempotent by output offset.
+    engine.write().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// [`Engine`] over the engine's [`LocalState`].

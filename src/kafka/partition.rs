@@ -16,10 +16,10 @@ use tokio::sync::{mpsc, watch};
 
 use crate::event::Position;
 use crate::kafka::batch::{classify_batch, BatchInput, Prepared};
-use crate::kafka::engine::Engine;
+use crate::kafka::engine::{read_engine, write_engine, Engine};
 use crate::kafka::error::KafkaError;
 use crate::kafka::publisher::{PublishError, Published};
-use crate::kafka::repair::{lock_engine, monotonic_ms, RepairClients, RepairOutcome};
+use crate::kafka::repair::{monotonic_ms, RepairClients, RepairOutcome};
 use crate::kafka::worker::{InputQueue, Shared};
 use crate::metrics::{PublishRetried, RepairCompleted, Stage, StageTimed};
 use crate::pipeline::{BatchFailure, Event, PartitionLife, Step};
@@ -100,7 +100,7 @@ pub(crate) async fn run_partition(
 ) {
     let result = pipeline(&shared, partition, &queue, &mut stop, &mut strays, &progress).await;
     let engine = shared.engine.clone();
-    let _ = tokio::task::spawn_blocking(move || lock_engine(&engine).revoke(partition)).await;
+    let _ = tokio::task::spawn_blocking(move || write_engine(&engine).revoke(partition)).await;
     if let Err(e) = result {
         shared.fail(e);
     }
@@ -354,7 +354,7 @@ async fn apply(shared: &Arc<Shared>, partition: i32, batch: &mut InFlight) -> Re
     }
     let engine = shared.engine.clone();
     let now_ms = batch.now_ms;
-    tokio::task::spawn_blocking(move || lock_engine(&engine).apply_published(partition, &stored, now_ms))
+    tokio::task::spawn_blocking(move || write_engine(&engine).apply_published(partition, &stored, now_ms))
         .await
         .map_err(join_error)??;
     StageTimed { stage: Stage::apply, duration: started.elapsed() }.emit(&shared.metrics);
@@ -422,10 +422,11 @@ fn prepare(shared: &Shared, partition: i32, batch: &[OwnedMessage], now_ms: i64)
     let inputs: Vec<BatchInput<'_>> =
         batch.iter().map(|m| BatchInput { offset: m.offset(), key: m.key(), payload: m.payload() }).collect();
     // The engine lock is taken for each of classification's calls to local
-    // state alone: the stateless work between them runs beside other
-    // partitions'. Safe: nothing else changes this partition's state
-    // meanwhile (one task per partition; standbys never follow it).
-    let with = |f: &mut dyn FnMut(&dyn Engine)| f(lock_engine(&shared.engine).as_ref());
+    // state alone, and shared: the stateless work between them, and other
+    // partitions' classification, run beside them. Safe: nothing else
+    // changes this partition's state meanwhile (one task per partition;
+    // standbys never follow it), and the calls only read.
+    let with = |f: &mut dyn FnMut(&dyn Engine)| f(read_engine(&shared.engine).as_ref());
     let prepared = classify_batch(&with, partition, &inputs, now_ms, &shared.batch_layout())?;
     shared.batches.fetch_add(1, Ordering::Relaxed);
     Ok(prepared)

@@ -24,7 +24,7 @@
 //! [`crate::pipeline::PartitionLife`]'s; this module performs its repair
 //! steps with librdkafka and local state ([`Repairer::perform`]).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdkafka::config::ClientConfig;
@@ -35,7 +35,7 @@ use rdkafka::{Offset, TopicPartitionList};
 
 use crate::classify::Clock;
 use crate::event::{Position, Validator};
-use crate::kafka::engine::{Engine, StoredEvent};
+use crate::kafka::engine::{read_engine, write_engine, SharedEngine, StoredEvent};
 use crate::kafka::error::KafkaError;
 use crate::kafka::records::parse_output;
 use crate::kafka::settings::OnOutputGap;
@@ -59,7 +59,7 @@ pub struct Repairer {
     pub config: ClientConfig,
     pub output_topic: String,
     pub validator: Validator,
-    pub engine: Arc<Mutex<Box<dyn Engine>>>,
+    pub engine: SharedEngine,
     pub clock: Arc<dyn Clock>,
     /// Longest repair waits without any progress before failing.
     pub stall_timeout: Duration,
@@ -78,13 +78,6 @@ impl std::fmt::Debug for Repairer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Repairer").field("output_topic", &self.output_topic).finish_non_exhaustive()
     }
-}
-
-pub(crate) fn lock_engine(engine: &Mutex<Box<dyn Engine>>) -> std::sync::MutexGuard<'_, Box<dyn Engine>> {
-    // A panic while holding the lock leaves the engine as it was before the
-    // panicking call's first write; engines apply idempotently by output
-    // offset, so carrying on is safe.
-    engine.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// How often a running repair logs its progress.
@@ -197,7 +190,7 @@ impl Repairer {
     ) -> Result<Option<Event>, KafkaError> {
         let event = match *step {
             Step::Load { assign } => {
-                let mut engine = lock_engine(&self.engine);
+                let mut engine = write_engine(&self.engine);
                 if assign {
                     engine.assign(partition, self.clock.now_ms())?;
                 }
@@ -377,7 +370,7 @@ impl Repairer {
         high: i64,
         timeout: Duration,
     ) -> i64 {
-        let horizon_ms = i64::try_from(lock_engine(&self.engine).horizon().as_millis()).unwrap_or(i64::MAX);
+        let horizon_ms = i64::try_from(read_engine(&self.engine).horizon().as_millis()).unwrap_or(i64::MAX);
         let since = self.clock.now_ms().saturating_sub(horizon_ms);
         match self.offset_for_time(consumer, partition, since, timeout) {
             Ok(Some(Offset::Offset(o))) => o.clamp(low, high),
@@ -422,7 +415,7 @@ impl Repairer {
             return Ok(());
         }
         let now = self.clock.now_ms();
-        lock_engine(&self.engine).apply_published(partition, chunk, now)?;
+        write_engine(&self.engine).apply_published(partition, chunk, now)?;
         chunk.clear();
         Ok(())
     }

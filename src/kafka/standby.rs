@@ -41,10 +41,10 @@ use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::watch;
 
 use crate::event::Position;
-use crate::kafka::engine::StoredEvent;
+use crate::kafka::engine::{write_engine, StoredEvent};
 use crate::kafka::error::KafkaError;
 use crate::kafka::records::parse_output;
-use crate::kafka::repair::{lock_engine, APPLY_CHUNK};
+use crate::kafka::repair::APPLY_CHUNK;
 use crate::kafka::worker::{member_id, InputConsumer, Shared};
 use crate::metrics::StandbyProgressed;
 use crate::pipeline::standby::{assigned_partitions, standby_partitions, GroupMember};
@@ -206,7 +206,7 @@ impl Standbys {
                 continue;
             }
             f.backoff.remove(&p);
-            lock_engine(&shared.engine).revoke(p);
+            write_engine(&shared.engine).revoke(p);
             tracing::info!(partition = p, "no longer a standby of this partition");
         }
         let starting: Vec<i32> = wanted
@@ -217,7 +217,7 @@ impl Standbys {
             .collect();
         // Their hot caches from one pass over the stored keys; a failure
         // comes back to each follower's own load.
-        if let Err(e) = lock_engine(&shared.engine).assign_all(&starting, shared.clock.now_ms()) {
+        if let Err(e) = write_engine(&shared.engine).assign_all(&starting, shared.clock.now_ms()) {
             tracing::warn!(error = %e, "loading the followed partitions' state together failed");
         }
         for p in starting {
@@ -378,7 +378,7 @@ pub(crate) fn spawn(
 fn follow(shared: &Shared, partition: i32, stop: &AtomicBool) -> Result<(), KafkaError> {
     let r = &shared.repairer;
     let checkpoint = {
-        let mut engine = lock_engine(&r.engine);
+        let mut engine = write_engine(&r.engine);
         engine.assign(partition, r.clock.now_ms())?;
         engine.checkpoint(partition)
     };
@@ -480,7 +480,7 @@ fn apply(
         return Ok(());
     }
     let now = shared.clock.now_ms();
-    let mut engine = lock_engine(&shared.engine);
+    let mut engine = write_engine(&shared.engine);
     // The previous owner's task, ending, may have released the partition.
     engine.assign(partition, now)?;
     let checkpoint = engine.checkpoint(partition);

@@ -33,11 +33,11 @@ use tokio::sync::{mpsc, watch};
 use crate::classify::Clock;
 use crate::event::Validator;
 use crate::kafka::clients::{self, TopicLayout};
-use crate::kafka::engine::Engine;
+use crate::kafka::engine::{read_engine, write_engine, Engine, SharedEngine};
 use crate::kafka::error::KafkaError;
 use crate::kafka::partition::{run_partition, PartitionProgress};
 use crate::kafka::publisher::{self, Publisher, TxnTimeouts};
-use crate::kafka::repair::{lock_engine, Repairer};
+use crate::kafka::repair::Repairer;
 use crate::kafka::settings::{DeliveryMode, RunSettings};
 use crate::metrics::{
     AssignmentChanged, Bucket, GroupStuck, HeadAgeObserved, LagObserved, Metrics, MetricsServer, PartitionsStalled,
@@ -78,10 +78,10 @@ pub struct RunReport {
 pub(crate) struct Shared {
     pub settings: RunSettings,
     pub layout: TopicLayout,
-    /// A std `Mutex`, not tokio's: it is only ever taken on blocking threads
-    /// (engine calls may fsync), never held across an await, and the
-    /// rebalance callback runs outside any async context.
-    pub engine: Arc<Mutex<Box<dyn Engine>>>,
+    /// A std `RwLock`, not tokio's: it is only ever taken on blocking
+    /// threads (engine calls may fsync), never held across an await, and
+    /// the rebalance callback runs outside any async context.
+    pub engine: SharedEngine,
     pub repairer: Repairer,
     pub publisher: Publisher,
     pub metrics: Arc<Metrics>,
@@ -203,7 +203,7 @@ impl WorkerContext {
         // (each task's repair would otherwise read them all once per
         // partition). A failure here comes back to each task's own load.
         let now = self.shared.clock.now_ms();
-        if let Err(e) = block_outside_runtime(|| lock_engine(&self.shared.engine).assign_all(&new, now)) {
+        if let Err(e) = block_outside_runtime(|| write_engine(&self.shared.engine).assign_all(&new, now)) {
             tracing::warn!(error = %e, "loading the assigned partitions' state together failed; each loads its own");
         }
         for p in new {
@@ -521,8 +521,8 @@ impl ConsumerContext for WorkerContext {
     }
 }
 
-fn engine_stats(engine: &Mutex<Box<dyn Engine>>, now_ms: i64) -> StateObserved {
-    let s = lock_engine(engine).stats(now_ms);
+fn engine_stats(engine: &std::sync::RwLock<Box<dyn Engine>>, now_ms: i64) -> StateObserved {
+    let s = read_engine(engine).stats(now_ms);
     let age = |ms: Option<i64>| ms.map(|m| Duration::from_millis(u64::try_from(now_ms.saturating_sub(m)).unwrap_or(0)));
     StateObserved {
         hot_cache_entries: s.hot_cache_entries,
@@ -667,13 +667,13 @@ pub async fn run(
         None => None,
     };
 
-    let engine = Arc::new(Mutex::new(engine));
+    let engine: SharedEngine = Arc::new(std::sync::RwLock::new(engine));
     let (server_stop, server_stop_rx) = watch::channel(false);
     let server_task = match settings.metrics_addr {
         Some(addr) => {
             let local = engine.clone();
             let usage: crate::metrics::UsageSource = Arc::new(move |query| {
-                let answer = lock_engine(&local).usage(query).map_err(|e| e.to_string())?;
+                let answer = read_engine(&local).usage(query).map_err(|e| e.to_string())?;
                 Ok(answer.map(|a| a.to_json()))
             });
             let server = MetricsServer::bind(addr, metrics.clone()).await?.with_usage(usage);
@@ -756,7 +756,7 @@ pub async fn run(
                 let (engine, task_clock) = (engine.clone(), clock.clone());
                 let result = tokio::task::spawn_blocking(move || {
                     let now = task_clock.now_ms();
-                    let r = lock_engine(&engine).maintain(now);
+                    let r = write_engine(&engine).maintain(now);
                     (r, engine_stats(&engine, now))
                 })
                 .await;
@@ -858,7 +858,7 @@ pub async fn run(
     let _ = server_stop.send(true);
     let _ = maintain_task.await;
     let e = engine.clone();
-    let closed = blocking(move || lock_engine(&e).close()).await?;
+    let closed = blocking(move || write_engine(&e).close()).await?;
     if let Some(t) = server_task {
         match t.await {
             Ok(Err(e)) => tracing::warn!(error = %e, "metrics endpoint failed"),

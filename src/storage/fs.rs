@@ -18,7 +18,7 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
 /// A file opened for appending (the active WAL file).
-pub trait AppendFile: Send {
+pub trait AppendFile: Send + Sync {
     /// Appends all of `bytes`. On error some prefix may have been written.
     fn append(&mut self, bytes: &[u8]) -> io::Result<()>;
     /// Makes every appended byte durable (`fdatasync`).
