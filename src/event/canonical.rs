@@ -14,6 +14,19 @@ use super::model::UsageEvent;
 /// Appends `s` as a JSON string literal.
 pub fn push_json_str(out: &mut String, s: &str) {
     out.push('"');
+    // Almost every id, meter and dimension needs no escape: copy those
+    // whole. 0xE2 leads both line separators' UTF-8 encodings (and other
+    // characters, which `push_escaped` copies unchanged).
+    if s.bytes().any(|b| b < 0x20 || b == b'"' || b == b'\\' || b == 0xE2) {
+        push_escaped(out, s);
+    } else {
+        out.push_str(s);
+    }
+    out.push('"');
+}
+
+/// The characters of `s`, escaped as the canonical form escapes them.
+fn push_escaped(out: &mut String, s: &str) {
     for c in s.chars() {
         match c {
             '"' => out.push_str("\\\""),
@@ -27,7 +40,6 @@ pub fn push_json_str(out: &mut String, s: &str) {
             c => out.push(c),
         }
     }
-    out.push('"');
 }
 
 /// Formats epoch milliseconds as RFC 3339 UTC with exactly three fractional digits.
@@ -118,4 +130,38 @@ pub fn write_canonical_json(e: &UsageEvent, out: &mut String) {
         out.push_str(",\"event_id_derived\":true");
     }
     out.push('}');
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::{push_escaped, push_json_str};
+
+    fn pushed(s: &str) -> String {
+        let mut out = String::new();
+        push_json_str(&mut out, s);
+        out
+    }
+
+    proptest! {
+        /// The copy-whole path writes exactly what escaping each character
+        /// writes: the canonical form, and so every published payload,
+        /// does not depend on which path a string took.
+        #[test]
+        fn strings_are_written_as_escaping_each_character_writes_them(
+            s in prop_oneof![any::<String>(), "[a-z0-9_\\-\"\\\\\n\u{2028}\u{2029}\u{2013}\u{1}]{0,12}"]
+        ) {
+            let mut each = String::from('"');
+            push_escaped(&mut each, &s);
+            each.push('"');
+            prop_assert_eq!(pushed(&s), each);
+        }
+    }
+
+    #[test]
+    fn plain_and_escaped_strings_are_written_as_pinned() {
+        assert_eq!(pushed("cust-42"), r#""cust-42""#);
+        assert_eq!(pushed("a\"b\\c\n\u{1}\u{2028}\u{2013}"), "\"a\\\"b\\\\c\\n\\u0001\\u2028\u{2013}\"");
+    }
 }
