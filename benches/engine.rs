@@ -170,7 +170,7 @@ fn run(partitions: usize, a: &Args) -> (f64, Spent) {
                             })
                             .collect();
                         {
-                            let mut engine = engine.write().expect("engine");
+                            let engine = engine.read().expect("engine");
                             let locked = Instant::now();
                             engine.apply_published(partition, &stored, now_ms).expect("apply");
                             add(&spent.apply_locked_ns, locked);

@@ -88,8 +88,10 @@ pub trait Engine: Send + Sync + 'static {
         now_ms: i64,
     ) -> Result<Classified, EngineError>;
     /// Remembers published events. Idempotent by output offset: events at or
-    /// below the checkpoint are skipped.
-    fn apply_published(&mut self, partition: i32, events: &[StoredEvent], now_ms: i64) -> Result<(), EngineError>;
+    /// below the checkpoint are skipped. Takes `&self`: partitions apply side
+    /// by side (and beside other partitions' classification); one
+    /// partition's applies come from its one task, in output order.
+    fn apply_published(&self, partition: i32, events: &[StoredEvent], now_ms: i64) -> Result<(), EngineError>;
     /// The accepted event with this id, first seen at `first_seen_ms`, if
     /// local state still holds it (one segment read, never a history scan).
     fn original(&self, partition: i32, id: &IdHash, first_seen_ms: i64) -> Option<UsageEvent>;
@@ -118,9 +120,10 @@ pub trait Engine: Send + Sync + 'static {
 
 /// The engine as a worker's tasks share it. Calls that only read local
 /// state (classification's lookups, conflicts' originals, the ledger
-/// preview, checkpoints, queries) take it shared, so partitions classify
-/// side by side; calls that change it (assign, apply, revoke, upkeep) take
-/// it alone. Every call may block: callers hold it on blocking threads,
+/// preview, checkpoints, queries) and applies take it shared, so partitions
+/// classify and apply side by side (local state has finer locks of its
+/// own); calls that change which partitions it holds or its files (assign,
+/// revoke, upkeep, close) take it alone. Every call may block: callers hold it on blocking threads,
 /// never across an await.
 pub type SharedEngine = std::sync::Arc<std::sync::RwLock<Box<dyn Engine>>>;
 
@@ -235,8 +238,8 @@ impl Engine for StateEngine {
         }
     }
 
-    fn apply_published(&mut self, partition: i32, events: &[StoredEvent], now_ms: i64) -> Result<(), EngineError> {
-        self.state_mut("apply", partition)?
+    fn apply_published(&self, partition: i32, events: &[StoredEvent], now_ms: i64) -> Result<(), EngineError> {
+        self.state("apply", partition)?
             .apply_published(partition, events, now_ms)
             .map(|_| ())
             .map_err(state_error("apply", partition))

@@ -354,7 +354,7 @@ async fn apply(shared: &Arc<Shared>, partition: i32, batch: &mut InFlight) -> Re
     }
     let engine = shared.engine.clone();
     let now_ms = batch.now_ms;
-    tokio::task::spawn_blocking(move || write_engine(&engine).apply_published(partition, &stored, now_ms))
+    tokio::task::spawn_blocking(move || read_engine(&engine).apply_published(partition, &stored, now_ms))
         .await
         .map_err(join_error)??;
     StageTimed { stage: Stage::apply, duration: started.elapsed() }.emit(&shared.metrics);

@@ -415,7 +415,7 @@ impl Repairer {
             return Ok(());
         }
         let now = self.clock.now_ms();
-        write_engine(&self.engine).apply_published(partition, chunk, now)?;
+        read_engine(&self.engine).apply_published(partition, chunk, now)?;
         chunk.clear();
         Ok(())
     }

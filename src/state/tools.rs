@@ -12,7 +12,7 @@ use crate::ledger::{
 };
 use crate::storage::FileStatus;
 
-use super::{LocalState, StateError, StoredEvent};
+use super::{locked, LocalState, StateError, StoredEvent};
 
 /// `dedupd verify`: every checksum of the usage store (WAL frames, segment
 /// footers, sidecars, manifests), every block of the key store, and every
@@ -95,7 +95,8 @@ pub fn inspect(
         "known": false,
     });
     if let Some(d) = &state.durable {
-        if let Some(stored) = d.usage.get(None, &id)? {
+        let stored = locked(&d.usage).get(None, &id)?;
+        if let Some(stored) = stored {
             let k = stored.key;
             answer["known"] = true.into();
             answer["bucket"] = "accepted".into();
@@ -108,7 +109,8 @@ pub fn inspect(
                 .unwrap_or(serde_json::Value::Null);
         }
         let mut in_keystore = Vec::new();
-        for p in d.usage.partitions() {
+        let partitions = locked(&d.usage).partitions();
+        for p in partitions {
             let mut answer = Vec::with_capacity(1);
             d.keys.lookup_many(p, &[id], &mut answer)?;
             if let Some(Some(k)) = answer.pop() {
@@ -196,14 +198,16 @@ pub fn usage_from_events(
 ) -> Result<UsageAnswer, StateError> {
     let lateness = settings.lateness.clone();
     let state = LocalState::open_for_reading(state_dir, settings)?;
-    let Some(crate::ledger::Ledger::Durable(ledger)) = state.ledger() else {
+    let held = state.ledger();
+    let Some(crate::ledger::Ledger::Durable(ledger)) = held.as_deref() else {
         return Err(StateError::Ledger(crate::ledger::LedgerError::Missing {
             dir: state_dir.join("ledger").display().to_string(),
         }));
     };
     let mut partitions = Vec::new();
     if let Some(d) = &state.durable {
-        for p in d.usage.partitions() {
+        let stored = locked(&d.usage).partitions();
+        for p in stored {
             let events = applied_events(&state, ledger, p)?;
             partitions.push(events.into_iter().map(|e| (e.key.output.offset, e.event)).collect::<Vec<_>>());
         }
@@ -238,7 +242,8 @@ pub fn verify_ledger(state_dir: &Path, settings: EngineSettings) -> Result<Ledge
 
     let lateness = settings.lateness.clone();
     let state = LocalState::open_for_reading(state_dir, settings)?;
-    let Some(crate::ledger::Ledger::Durable(ledger)) = state.ledger() else {
+    let held = state.ledger();
+    let Some(crate::ledger::Ledger::Durable(ledger)) = held.as_deref() else {
         return Err(StateError::Ledger(crate::ledger::LedgerError::Missing {
             dir: state_dir.join("ledger").display().to_string(),
         }));
@@ -252,7 +257,7 @@ pub fn verify_ledger(state_dir: &Path, settings: EngineSettings) -> Result<Ledge
     let mut stored_adjustments: BTreeMap<(i32, i64), Adjustment> =
         ledger.all_adjustments()?.into_iter().map(|(p, a)| ((p, a.output_offset), a)).collect();
     let Some(d) = &state.durable else { return Ok(check) };
-    let mut partitions = d.usage.partitions();
+    let mut partitions = locked(&d.usage).partitions();
     for (k, p) in stored.keys() {
         let _ = k;
         partitions.push(*p);
