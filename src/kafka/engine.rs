@@ -123,7 +123,9 @@ pub trait Engine: Send + Sync + 'static {
 /// preview, checkpoints, queries) and applies take it shared, so partitions
 /// classify and apply side by side (local state has finer locks of its
 /// own); calls that change which partitions it holds or its files (assign,
-/// revoke, upkeep, close) take it alone. Every call may block: callers hold it on blocking threads,
+/// revoke, upkeep, close) take it alone, and so do steps that must see a
+/// partition's state unchanged between two calls (repair's load, a warm
+/// standby's check-then-apply). Every call may block: callers hold it on blocking threads,
 /// never across an await.
 pub type SharedEngine = std::sync::Arc<std::sync::RwLock<Box<dyn Engine>>>;
 

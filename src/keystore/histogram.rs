@@ -114,7 +114,13 @@ impl Histogram {
     }
 
     pub(crate) fn bucket_of(&self, first_seen_ms: i64) -> i64 {
-        first_seen_ms.div_euclid(self.bucket_ms)
+        Self::bucket_of_ms(self.bucket_ms, first_seen_ms)
+    }
+
+    /// [`bucket_of`](Self::bucket_of) for buckets of `bucket_ms`, without
+    /// the histogram (and its lock) at hand.
+    pub(crate) fn bucket_of_ms(bucket_ms: i64, first_seen_ms: i64) -> i64 {
+        first_seen_ms.div_euclid(bucket_ms)
     }
 
     /// Last millisecond of `bucket`.

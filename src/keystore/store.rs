@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use hashbrown::HashSet;
 use rocksdb::{
@@ -57,26 +57,31 @@ struct WriteState {
     histogram: Histogram,
     /// Whether the last `age_out` found the size cap binding.
     size_limited: bool,
-    /// Value encoding scratch, reused across batches.
-    values: Vec<u8>,
 }
 
 /// The long-horizon key store: RocksDB under `<state-dir>/keystore`.
 ///
 /// `Send + Sync`, shared by the partition tasks. Reads (`get`,
-/// `lookup_many`) take no lock. Writes (`apply_batch`, `age_out`,
-/// `drop_partition`, `bulk_load`) serialise on one std `Mutex`: each holds it
-/// for a read-check-write of one batch (the check is what makes the first
-/// delivery win and replays idempotent, so it must not interleave with
-/// another write), never across I/O other than that one RocksDB batch, and
-/// the store is sync code that never runs on an async executor's thread
-/// while holding it across an await.
+/// `lookup_many`) take no lock. A batch's apply is a read-check-write of
+/// its partition's keys (the check is what makes the first delivery win and
+/// replays idempotent), so it must not interleave with another write to the
+/// same partition, or with a store-wide one: it holds its partition's lock
+/// and the store-wide lock shared, so batches of different partitions apply
+/// at the same time (RocksDB takes concurrent writers). Store-wide writes
+/// (`age_out`, `drop_partition`, `bulk_load`) take the store-wide lock
+/// alone. The in-memory histogram has a lock of its own, held only to read
+/// or change the counts. Locks are std locks, held across no I/O other than
+/// the RocksDB reads and write batch of one call, never across an await.
 pub struct KeyStore {
     db: DB,
     dir: PathBuf,
     opts: KeyStoreOptions,
     floor: Floor,
     write_opts: WriteOptions,
+    /// Taken shared by a batch's apply, alone by store-wide writes.
+    writes: RwLock<()>,
+    /// Each partition's apply lock (created on its first apply).
+    partition_writes: Mutex<hashbrown::HashMap<i32, Arc<Mutex<()>>>>,
     state: Mutex<WriteState>,
     /// Kept so the block cache outlives every table reader using it.
     _cache: Cache,
@@ -108,11 +113,9 @@ impl KeyStore {
             dir: dir.to_path_buf(),
             floor,
             write_opts,
-            state: Mutex::new(WriteState {
-                histogram: Histogram::new(opts.histogram_bucket_ms),
-                size_limited: false,
-                values: Vec::new(),
-            }),
+            writes: RwLock::new(()),
+            partition_writes: Mutex::new(hashbrown::HashMap::new()),
+            state: Mutex::new(WriteState { histogram: Histogram::new(opts.histogram_bucket_ms), size_limited: false }),
             opts,
             _cache: cache,
         };
@@ -131,7 +134,26 @@ impl KeyStore {
     fn lock(&self) -> MutexGuard<'_, WriteState> {
         // A panic while holding the lock leaves only in-memory counts that
         // the next open rebuilds from RocksDB; carrying on is safe.
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The store-wide write lock, shared: a batch's apply. (The locks
+    /// guard no data of their own: a panic under them leaves nothing half
+    /// done that RocksDB's atomic write batches did not already settle.)
+    fn apply_writes(&self) -> RwLockReadGuard<'_, ()> {
+        self.writes.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The store-wide write lock, alone: age-out, dropping or bulk-loading
+    /// a partition.
+    fn store_writes(&self) -> RwLockWriteGuard<'_, ()> {
+        self.writes.write().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// `partition`'s apply lock.
+    fn partition_writes(&self, partition: i32) -> Arc<Mutex<()>> {
+        let mut all = self.partition_writes.lock().unwrap_or_else(PoisonError::into_inner);
+        all.entry(partition).or_default().clone()
     }
 
     fn load_meta(&self) -> Result<(), KeystoreError> {
@@ -193,7 +215,9 @@ impl KeyStore {
     pub fn apply_batch(&self, partition: i32, keys: &[SeenKey], checkpoint: i64) -> Result<(), KeystoreError> {
         let keys_cf = self.keys_cf()?;
         let meta_cf = self.meta_cf()?;
-        let mut st = self.lock();
+        let _store_wide = self.apply_writes();
+        let mine = self.partition_writes(partition);
+        let _partition = mine.lock().unwrap_or_else(PoisonError::into_inner);
         let stored = self.checkpoint(partition)?;
         if stored.is_some_and(|c| c >= checkpoint) {
             // The whole batch is at or below the checkpoint: a replay.
@@ -218,8 +242,8 @@ impl KeyStore {
 
         let mut batch = WriteBatch::default();
         let mut cells: Vec<(i64, BucketStats)> = Vec::new();
-        let WriteState { histogram, values, .. } = &mut *st;
-        values.clear();
+        let bucket_ms = self.opts.histogram_bucket_ms;
+        let mut values: Vec<u8> = Vec::with_capacity(fresh.len() * 48);
         let mut spans = Vec::with_capacity(fresh.len());
         for ((k, key), old) in fresh.iter().zip(&encoded).zip(existing) {
             let old = old.map_err(KeystoreError::rocks("read before write"))?;
@@ -231,9 +255,9 @@ impl KeyStore {
                 }
             }
             let start = values.len();
-            encode_value(partition, k, values);
+            encode_value(partition, k, &mut values);
             spans.push((key, start, values.len()));
-            let bucket = histogram.bucket_of(k.first_seen_ms);
+            let bucket = Histogram::bucket_of_ms(bucket_ms, k.first_seen_ms);
             match cells.iter_mut().find(|(b, _)| *b == bucket) {
                 Some((_, s)) => s.absorb(&BucketStats::one(k.first_seen_ms)),
                 None => cells.push((bucket, BucketStats::one(k.first_seen_ms))),
@@ -247,8 +271,9 @@ impl KeyStore {
         }
         batch.put_cf(meta_cf, checkpoint_key(partition), checkpoint.to_be_bytes());
         self.db.write_opt(batch, &self.write_opts).map_err(KeystoreError::rocks("apply batch"))?;
+        let mut st = self.lock();
         for (bucket, s) in &cells {
-            histogram.add(*bucket, partition, s);
+            st.histogram.add(*bucket, partition, s);
         }
         Ok(())
     }
@@ -293,6 +318,7 @@ impl KeyStore {
     /// is plenty).
     pub fn age_out(&self, now_ms: i64) -> Result<AgeOutReport, KeystoreError> {
         let meta_cf = self.meta_cf()?;
+        let _store_wide = self.store_writes();
         let mut st = self.lock();
         let horizon_floor_ms = now_ms.saturating_sub(self.opts.horizon_ms);
         let disk_bytes = self.disk_bytes();
@@ -383,6 +409,7 @@ impl KeyStore {
     pub fn drop_partition(&self, partition: i32) -> Result<(), KeystoreError> {
         let keys_cf = self.keys_cf()?;
         let meta_cf = self.meta_cf()?;
+        let _store_wide = self.store_writes();
         let mut st = self.lock();
         let (start, end) = partition_range(partition);
         let cells = st.histogram.remove_partition(partition);
@@ -467,6 +494,7 @@ impl KeyStore {
     ) -> Result<u64, KeystoreError> {
         let keys_cf = self.keys_cf()?;
         let meta_cf = self.meta_cf()?;
+        let _store_wide = self.store_writes();
         let mut st = self.lock();
         let (start, end) = partition_range(partition);
         {
@@ -636,6 +664,54 @@ mod tests {
             source: Position::new(0, offset + 1000),
             output: Position::new(0, offset),
         }
+    }
+
+    /// Batches of different partitions apply at the same time, beside
+    /// age-outs (which take the store alone), and each partition's batches
+    /// come twice at once from two threads (the read-check-write of one
+    /// partition must not interleave): afterwards every key is remembered
+    /// once with its first value, every checkpoint is its partition's last,
+    /// and the counts add up to the keys written, not twice that.
+    #[test]
+    fn partitions_applying_at_once_beside_age_outs_lose_and_double_nothing() -> Result<(), KeystoreError> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = KeyStore::open(dir.path(), opts())?;
+        const PARTITIONS: i32 = 4;
+        const BATCHES: i64 = 40;
+        const PER_BATCH: i64 = 50;
+        let now = 100 * HOUR;
+        let key_of = |p: i32, offset: i64| {
+            let mut k = key(u64::try_from(p).expect("p") * 1_000_000 + u64::try_from(offset).expect("o"), now, offset);
+            k.output = Position::new(p, offset);
+            k
+        };
+        std::thread::scope(|scope| {
+            for p in (0..PARTITIONS).chain(0..PARTITIONS) {
+                let store = &store;
+                scope.spawn(move || {
+                    for b in 0..BATCHES {
+                        let keys: Vec<SeenKey> = (b * PER_BATCH..(b + 1) * PER_BATCH).map(|o| key_of(p, o)).collect();
+                        store.apply_batch(p, &keys, (b + 1) * PER_BATCH - 1).expect("apply");
+                    }
+                });
+            }
+            let store = &store;
+            scope.spawn(move || {
+                for _ in 0..20 {
+                    store.age_out(now).expect("age out");
+                }
+            });
+        });
+        for p in 0..PARTITIONS {
+            assert_eq!(store.checkpoint(p)?, Some(BATCHES * PER_BATCH - 1), "partition {p}");
+            assert_eq!(store.partition_key_count(p)?, u64::try_from(BATCHES * PER_BATCH).expect("n"));
+            for o in [0, BATCHES * PER_BATCH / 2, BATCHES * PER_BATCH - 1] {
+                let want = key_of(p, o);
+                assert_eq!(store.get(p, &want.id_hash)?, Some(want), "partition {p} offset {o}");
+            }
+        }
+        assert_eq!(store.key_count(), u64::try_from(i64::from(PARTITIONS) * BATCHES * PER_BATCH).expect("n"));
+        Ok(())
     }
 
     #[test]

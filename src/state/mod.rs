@@ -12,9 +12,9 @@
 //! Order of apply: the usage store (the WAL fsync is the durability point),
 //! key store and hot cache. Applies take `&self`, so partitions apply side
 //! by side: the usage store and the ledger take one batch at a time (held
-//! together, see `apply_published`), while the key store (RocksDB, which
-//! takes concurrent writers) and each partition's hot cache need no lock
-//! across partitions. In a state directory, a batch of 256 events or
+//! together, see `apply_published`), while the key store (which locks per
+//! partition; RocksDB takes concurrent writers) and each partition's hot
+//! cache apply beside other partitions. In a state directory, a batch of 256 events or
 //! more has the ledger fold it (and write behind, see [`LedgerStore`]) on
 //! another thread beside the usage store's append, as it depends on none of it; a smaller
 //! batch folds it first, inline. So does the batch before which the ledger
@@ -103,13 +103,13 @@ struct Durable {
 /// may drop whole files, cheap but not free per batch.
 const AGE_OUT_EVERY_MS: i64 = 60_000;
 
-/// Batches this large fold the ledger on another thread, beside the other
-/// tiers; smaller ones fold it first, inline (a thread costs tens of
-/// microseconds, the fold of a small batch less).
+/// Batches this large fold the ledger on another thread, beside the usage
+/// store's append; smaller ones fold it first, inline (a thread costs tens
+/// of microseconds, the fold of a small batch less).
 #[cfg(not(test))]
 const LEDGER_BESIDE_MIN_EVENTS: usize = 256;
 /// The unit tests' batches are small: there, any batch of two or more
-/// events takes the path beside the other tiers, and single events the
+/// events takes the path beside the usage store, and single events the
 /// inline one, so the model tests cover both.
 #[cfg(test)]
 const LEDGER_BESIDE_MIN_EVENTS: usize = 2;
@@ -119,8 +119,9 @@ pub struct LocalState {
     settings: EngineSettings,
     detect_replays: bool,
     /// Each partition's classifier behind a lock of its own: its one task
-    /// classifies and applies, so the lock is never contended; it is there
-    /// so other partitions can apply at the same time (`&self`).
+    /// classifies and applies, so only the metrics' `stats` ever waits on
+    /// it; it is there so other partitions can apply at the same time
+    /// (`&self`).
     partitions: BTreeMap<i32, Mutex<PartitionClassifier>>,
     durable: Option<Durable>,
     /// In-memory mode only: last output offset applied, per partition.
@@ -485,7 +486,9 @@ impl LocalState {
         let classifier = self.partitions.get(&partition).ok_or(StateError::NotAssigned { partition })?;
         let checkpoint = self.checkpoint(partition);
         let mut previous = checkpoint.unwrap_or(i64::MIN);
-        let mut fresh: Vec<StoredEvent> = Vec::with_capacity(batch.len());
+        // By reference: the usage store copies each event once, into its
+        // memtable; every other tier reads them.
+        let mut fresh: Vec<&StoredEvent> = Vec::with_capacity(batch.len());
         for e in batch {
             let offset = e.key.output.offset;
             if checkpoint.is_some_and(|c| offset <= c) {
@@ -495,7 +498,7 @@ impl LocalState {
                 return Err(StateError::OffsetsOutOfOrder { partition, previous, next: offset });
             }
             previous = offset;
-            fresh.push(e.clone());
+            fresh.push(e);
         }
         let (Some(first), Some(last)) = (fresh.first(), fresh.last()) else {
             return Ok(0);
@@ -503,9 +506,8 @@ impl LocalState {
         let (first, last) = (first.key.output.offset, last.key.output.offset);
         let fresh = &fresh[..];
         self.apply_usage_and_ledger(partition, fresh, first, last)?;
-        // The key store and the hot cache are this partition's alone (RocksDB
-        // takes concurrent writers): they apply beside other partitions.
-        // After the usage store, as before: each tier skips what it already
+        // The key store (locked per partition) and the hot cache apply
+        // beside other partitions. After the usage store, as before: each tier skips what it already
         // holds, so a tier that got ahead of the other before a crash is not
         // written twice.
         if let Some(d) = &self.durable {
@@ -531,7 +533,7 @@ impl LocalState {
     fn apply_usage_and_ledger(
         &self,
         partition: i32,
-        fresh: &[StoredEvent],
+        fresh: &[&StoredEvent],
         first: i64,
         last: i64,
     ) -> Result<(), StateError> {

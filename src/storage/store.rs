@@ -292,11 +292,14 @@ impl UsageStore {
 
     /// Persists a batch; see the module doc for durability. Events at or
     /// below their partition's checkpoint are skipped. Returns how many were stored.
-    pub fn append(&mut self, batch: &[StoredEvent]) -> Result<usize, StorageError> {
+    /// Takes the events by value or by reference: they are copied once,
+    /// into the memtable.
+    pub fn append<E: std::borrow::Borrow<StoredEvent>>(&mut self, batch: &[E]) -> Result<usize, StorageError> {
         self.check_poison()?;
         let mut fresh: Vec<&StoredEvent> = Vec::with_capacity(batch.len());
         let mut advanced: BTreeMap<i32, i64> = BTreeMap::new();
         for e in batch {
+            let e = e.borrow();
             let p = e.key.output.partition;
             let cp = advanced.get(&p).copied().or_else(|| self.checkpoints.get(&p).copied());
             if cp.is_none_or(|cp| e.key.output.offset > cp) {
