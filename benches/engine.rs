@@ -30,6 +30,10 @@ use dedupd::kafka::{Engine, StateEngine};
 use dedupd::state::LocalState;
 use dedupd::storage::FsyncPolicy;
 
+/// As the `dedupd` binary allocates (see `src/main.rs`).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const BATCH: usize = 1000;
 
 struct Args {

@@ -54,12 +54,3 @@ pub mod runbook;
 pub mod sim;
 pub mod state;
 pub mod storage;
-
-/// Every program built on this crate (the `dedupd` binary, the tests, the
-/// benches) allocates through mimalloc: the hot path makes many small,
-/// short-lived allocations per event on several threads at once, and a
-/// profile of the durable batch path spent about a sixth of its time in
-/// glibc's malloc and free. One declaration here, so what the tests and
-/// benches exercise is what ships.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
