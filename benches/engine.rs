@@ -12,7 +12,7 @@
 //!
 //! ```text
 //! cargo bench --bench engine -- [--partitions 1,2,4,8] [--threads N]
-//!     [--events-per-partition E] [--fsync always|interval]
+//!     [--events-per-partition E] [--fsync always|interval] [--rounds R]
 //! ```
 //!
 //! `--threads` defaults to the machine's cores, so the same command measures
@@ -41,6 +41,7 @@ struct Args {
     threads: usize,
     events_per_partition: usize,
     fsync: FsyncPolicy,
+    rounds: usize,
 }
 
 fn args() -> Args {
@@ -49,6 +50,7 @@ fn args() -> Args {
         threads: std::thread::available_parallelism().map_or(2, usize::from),
         events_per_partition: 100_000,
         fsync: FsyncPolicy::Always,
+        rounds: 1,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -59,6 +61,7 @@ fn args() -> Args {
             }
             "--threads" => a.threads = value().parse().expect("--threads: a number"),
             "--events-per-partition" => a.events_per_partition = value().parse().expect("a number"),
+            "--rounds" => a.rounds = value().parse().expect("--rounds: a number"),
             "--fsync" => {
                 a.fsync = match value().as_str() {
                     "always" => FsyncPolicy::Always,
@@ -71,7 +74,7 @@ fn args() -> Args {
             other => panic!("unknown argument {other}"),
         }
     }
-    assert!(a.threads > 0 && !a.partitions.is_empty() && a.events_per_partition >= BATCH);
+    assert!(a.threads > 0 && a.rounds > 0 && !a.partitions.is_empty() && a.events_per_partition >= BATCH);
     a
 }
 
@@ -94,7 +97,21 @@ fn batch(p: usize, b: usize, now_ms: i64) -> Vec<Vec<u8>> {
         .collect()
 }
 
-/// One run: `partitions` partitions on `threads` threads; events/s.
+/// Counts the usage store's WAL fsyncs: with group commit one may cover
+/// several partitions' batches.
+#[derive(Default)]
+struct Fsyncs {
+    count: AtomicU64,
+    took_ns: AtomicU64,
+}
+
+impl dedupd::storage::StorageObserver for Fsyncs {
+    fn wal_fsync(&self, took: Duration) {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.took_ns.fetch_add(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+}
+
 /// Where a run's time went, summed over its threads: inside the engine
 /// lock for classification's calls to local state, and for applies.
 #[derive(Default)]
@@ -108,10 +125,14 @@ fn add(counter: &AtomicU64, since: Instant) {
     counter.fetch_add(u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
 }
 
-fn run(partitions: usize, a: &Args) -> (f64, Spent) {
+/// One run: `partitions` partitions on `threads` threads: events/s, where
+/// the time went, WAL fsyncs per batch and their mean time in ms.
+fn run(partitions: usize, a: &Args) -> (f64, Spent, f64, f64) {
     let dir = tempfile::tempdir().expect("tempdir");
     let settings = EngineSettings { fsync: a.fsync.clone(), ..EngineSettings::default() };
-    let state = LocalState::open(Some(dir.path()), settings.clone(), true).expect("open local state");
+    let fsyncs = Arc::new(Fsyncs::default());
+    let state =
+        LocalState::open_observed(Some(dir.path()), settings.clone(), true, fsyncs.clone()).expect("open local state");
     let engine: Arc<RwLock<Box<dyn Engine>>> =
         Arc::new(RwLock::new(Box::new(StateEngine::new(state, settings.validator()))));
     let now = SystemClock.now_ms();
@@ -186,29 +207,40 @@ fn run(partitions: usize, a: &Args) -> (f64, Spent) {
         }
     });
     let seconds = started.elapsed().as_secs_f64();
+    let count = fsyncs.count.load(Ordering::Relaxed);
+    let fsyncs_per_batch = count as f64 / (partitions * batches) as f64;
+    let fsync_ms = fsyncs.took_ns.load(Ordering::Relaxed) as f64 / count.max(1) as f64 / 1e6;
     engine.write().expect("engine").close().expect("close");
-    ((partitions * batches * BATCH) as f64 / seconds, spent)
+    ((partitions * batches * BATCH) as f64 / seconds, spent, fsyncs_per_batch, fsync_ms)
+}
+
+/// The median round of `a.rounds` by events/s.
+fn median_run(partitions: usize, a: &Args) -> (f64, Spent, f64, f64) {
+    let mut runs: Vec<(f64, Spent, f64, f64)> = (0..a.rounds).map(|_| run(partitions, a)).collect();
+    runs.sort_by(|x, y| x.0.total_cmp(&y.0));
+    runs.swap_remove(runs.len() / 2)
 }
 
 fn main() {
     let a = args();
     println!(
-        "engine: durable classify+apply, batches of {BATCH}, {} events per partition, {} thread(s), fsync {:?}",
-        a.events_per_partition, a.threads, a.fsync
+        "engine: durable classify+apply, batches of {BATCH}, {} events per partition, {} thread(s), fsync {:?}, \
+         median of {} round(s)",
+        a.events_per_partition, a.threads, a.fsync, a.rounds
     );
     println!(
-        "{:>10} {:>14} {:>13} {:>18} {:>15}",
-        "partitions", "events/s", "ratio to one", "locked: classify", "locked: apply"
+        "{:>10} {:>14} {:>13} {:>18} {:>15} {:>16} {:>12}",
+        "partitions", "events/s", "ratio to one", "locked: classify", "locked: apply", "fsyncs per batch", "fsync (ms)"
     );
     let mut one = None;
     for &p in &a.partitions {
-        let (rate, spent) = run(p, &a);
-        let base = *one.get_or_insert(if p == 1 { rate } else { run(1, &a).0 });
+        let (rate, spent, fsyncs, fsync_ms) = median_run(p, &a);
+        let base = *one.get_or_insert(if p == 1 { rate } else { median_run(1, &a).0 });
         // Shares of the threads' batch time spent holding the engine lock.
         let total = spent.batch_ns.load(Ordering::Relaxed).max(1) as f64;
         let share = |c: &AtomicU64| 100.0 * c.load(Ordering::Relaxed) as f64 / total;
         println!(
-            "{p:>10} {rate:>14.0} {:>12.2}x {:>17.0}% {:>14.0}%",
+            "{p:>10} {rate:>14.0} {:>12.2}x {:>17.0}% {:>14.0}% {fsyncs:>16.2} {fsync_ms:>12.2}",
             rate / base,
             share(&spent.classify_locked_ns),
             share(&spent.apply_locked_ns)

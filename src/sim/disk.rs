@@ -360,6 +360,16 @@ impl AppendFile for SimAppend {
     fn sync_data(&mut self) -> io::Result<()> {
         self.disk.lock().sync_inode(self.inode)
     }
+
+    fn syncer(&self) -> io::Result<std::sync::Arc<dyn crate::storage::fs::FileSyncer>> {
+        Ok(std::sync::Arc::new(SimAppend { disk: self.disk.clone(), inode: self.inode }))
+    }
+}
+
+impl crate::storage::fs::FileSyncer for SimAppend {
+    fn sync_data(&self) -> io::Result<()> {
+        self.disk.lock().sync_inode(self.inode)
+    }
 }
 
 impl FileSystem for SimDisk {

@@ -9,22 +9,26 @@
 //! below it, so repair can replay the output freely and a crash between two
 //! tiers' writes heals on the next apply.
 //!
-//! Order of apply: the usage store (the WAL fsync is the durability point),
-//! key store and hot cache. Applies take `&self`, so partitions apply side
-//! by side: the usage store and the ledger take one batch at a time (held
-//! together, see `apply_published`), while the key store (which locks per
-//! partition; RocksDB takes concurrent writers) and each partition's hot
-//! cache apply beside other partitions. In a state directory, a batch of 256 events or
-//! more has the ledger fold it (and write behind, see [`LedgerStore`]) on
-//! another thread beside the usage store's append, as it depends on none of it; a smaller
-//! batch folds it first, inline. So does the batch before which the ledger
-//! must be written: one that makes the usage store flush its memtable, or
-//! one the usage store already partly holds (the ledger being repaired
-//! behind it). Because the ledger is written before every memtable flush,
-//! the batches it folded but had not written when a process died are still
-//! in the usage store's memtable (rebuilt from its WAL): opening the
-//! directory folds them again (`catch_up_ledger`). The state directory is
-//! locked for one process.
+//! Order of apply: the ledger folds the batch, then the usage store
+//! appends it (its WAL fsync is the durability point), then the key store
+//! and the hot cache. Applies take `&self`, so partitions apply side by
+//! side, each tier behind its own lock: the ledger's and the usage store's
+//! take one batch at a time, the key store locks per partition (RocksDB
+//! takes concurrent writers), and each partition's hot cache is its own.
+//! With `--fsync always` the usage store leaves a batch's fsync to a group
+//! commit, waited for without its lock, so one fsync covers every batch
+//! written when it starts.
+//!
+//! The ledger writes behind (see [`LedgerStore`]): what it folded but had
+//! not written when a process died is folded again at open from the usage
+//! store's memtable (rebuilt from its WAL, `catch_up_ledger`). So every
+//! event must be in the ledger's writes before the memtable moves it into
+//! a segment. Each batch is folded before the usage store holds it, and
+//! the batch that fills the memtable has the ledger write first, under the
+//! usage store's lock: that write covers every event the memtable holds,
+//! whichever partition's it is. A batch the usage store already partly
+//! holds (the ledger being repaired behind it) is written at once. The
+//! state directory is locked for one process.
 //!
 //! Sync: no tokio, no rdkafka. Methods may block on fsync.
 
@@ -42,7 +46,8 @@ use crate::event::{IdHash, UsageEvent, Validator};
 use crate::keystore::{KeyStore, KeyStoreOptions, KeyTier, KeystoreError};
 use crate::ledger::{Ledger, LedgerError, LedgerStore, Preview};
 use crate::storage::{
-    FileSystem, NoopObserver, RecoveryReport, StateDirLock, StorageError, StorageObserver, StoreOptions, UsageStore,
+    FileSystem, NoopObserver, PendingSync, RecoveryReport, StateDirLock, StorageError, StorageObserver, StoreOptions,
+    UsageStore,
 };
 
 pub use crate::storage::StoredEvent;
@@ -102,17 +107,6 @@ struct Durable {
 /// How often the key store's horizon is enforced: it walks a histogram and
 /// may drop whole files, cheap but not free per batch.
 const AGE_OUT_EVERY_MS: i64 = 60_000;
-
-/// Batches this large fold the ledger on another thread, beside the usage
-/// store's append; smaller ones fold it first, inline (a thread costs tens
-/// of microseconds, the fold of a small batch less).
-#[cfg(not(test))]
-const LEDGER_BESIDE_MIN_EVENTS: usize = 256;
-/// The unit tests' batches are small: there, any batch of two or more
-/// events takes the path beside the usage store, and single events the
-/// inline one, so the model tests cover both.
-#[cfg(test)]
-const LEDGER_BESIDE_MIN_EVENTS: usize = 2;
 
 /// The local state of every partition this process owns.
 pub struct LocalState {
@@ -486,8 +480,8 @@ impl LocalState {
         let classifier = self.partitions.get(&partition).ok_or(StateError::NotAssigned { partition })?;
         let checkpoint = self.checkpoint(partition);
         let mut previous = checkpoint.unwrap_or(i64::MIN);
-        // By reference: the usage store copies each event once, into its
-        // memtable; every other tier reads them.
+        // By reference: every tier reads them; the usage store's memtable
+        // keeps one copy.
         let mut fresh: Vec<&StoredEvent> = Vec::with_capacity(batch.len());
         for e in batch {
             let offset = e.key.output.offset;
@@ -505,86 +499,84 @@ impl LocalState {
         };
         let (first, last) = (first.key.output.offset, last.key.output.offset);
         let fresh = &fresh[..];
-        self.apply_usage_and_ledger(partition, fresh, first, last)?;
-        // The key store (locked per partition) and the hot cache apply
-        // beside other partitions. After the usage store, as before: each tier skips what it already
-        // holds, so a tier that got ahead of the other before a crash is not
-        // written twice.
+        // The ledger folds the batch before the usage store holds it: see
+        // `append_usage` for why.
+        self.fold_into_ledger(partition, fresh, first)?;
+        // The copies the usage store's memtable keeps, made before taking
+        // its lock, and the keys the other tiers remember.
+        let copies: Vec<StoredEvent> = fresh.iter().map(|e| (*e).clone()).collect();
+        let keys: Vec<_> = fresh.iter().map(|e| e.key).collect();
+        // With `--fsync always` the usage store's append leaves the fsync to
+        // a group commit, waited for here without its lock: other
+        // partitions' batches append meanwhile, and an fsync covers every
+        // batch written when it starts. The key store (locked per
+        // partition) is written before the wait, so another partition's
+        // fsync may cover this batch while it is. Each tier skips what it
+        // already holds, so one that got ahead of another before a crash is
+        // not written twice. The apply returns once the fsync that covers
+        // the batch has.
+        let pending = self.append_usage(partition, copies, last)?;
         if let Some(d) = &self.durable {
-            let keys: Vec<_> = fresh.iter().map(|e| e.key).collect();
             d.keys.apply_batch(partition, &keys, last)?;
+        }
+        if let Some(pending) = pending {
+            pending.wait()?;
         }
         locked(classifier).commit(fresh.iter().map(|e| &e.key), now_ms);
         Ok(fresh.len())
     }
 
-    /// The usage store's and the ledger's part of an apply: one partition's
-    /// batch at a time, holding both (the ledger's lock first). Whether a
-    /// batch makes the usage store move its memtable into a segment depends
-    /// on every batch before it, and the ledger must be written before that
-    /// move, so the two are decided and done together.
+    /// The ledger's part of an apply, before the usage store's.
     ///
     /// The ledger folds and writes behind. A restart catches it up from the
-    /// usage store's memtable only, so it writes now when its events will not
-    /// all be there: before the usage store moves its memtable into a
-    /// segment, and when the usage store already holds some of them (the
-    /// ledger is being repaired behind it). Then it goes first; otherwise it
-    /// is independent of the usage store and runs beside it on another core.
-    fn apply_usage_and_ledger(
+    /// usage store's memtable only (`catch_up_ledger`), so every event the
+    /// memtable moves into a segment must be written to the ledger first.
+    /// Folding each batch before the usage store holds it makes that a
+    /// matter of one write at the move (`append_usage`), whichever
+    /// partition's batch fills the memtable. One case writes now: the usage
+    /// store already holds some of the batch (the ledger is being repaired
+    /// behind it), so those events may be in a segment already.
+    fn fold_into_ledger(&self, partition: i32, fresh: &[&StoredEvent], first: i64) -> Result<(), StateError> {
+        let Some(ledger) = &self.ledger else {
+            return Ok(());
+        };
+        // Only this partition's task appends to it: the answer holds.
+        let behind =
+            self.durable.as_ref().is_some_and(|d| locked(&d.usage).checkpoint(partition).is_some_and(|u| u >= first));
+        let accepted: Vec<(&UsageEvent, i64)> = fresh.iter().map(|e| (&e.event, e.key.output.offset)).collect();
+        let mut ledger = locked(ledger);
+        ledger.apply(partition, &self.settings.lateness, &accepted)?;
+        if behind || ledger.write_due() {
+            ledger.write_pending()?;
+        }
+        Ok(())
+    }
+
+    /// The usage store's part of an apply (or, without a state directory,
+    /// the partition's checkpoint in memory, moved only after the ledger's
+    /// fold succeeded). When this batch makes the memtable move into a
+    /// segment, the ledger writes first: every event in the memtable was
+    /// folded before it was appended, so that write covers them all. The
+    /// one place both locks are held: the usage store's, then the
+    /// ledger's. With `--fsync always`, returns the batch's pending fsync,
+    /// for the caller to wait on without the lock.
+    fn append_usage(
         &self,
         partition: i32,
-        fresh: &[&StoredEvent],
-        first: i64,
+        events: Vec<StoredEvent>,
         last: i64,
-    ) -> Result<(), StateError> {
-        let mut ledger = self.ledger.as_ref().map(locked);
-        let mut usage = self.durable.as_ref().map(|d| locked(&d.usage));
-        let in_state_dir = usage.is_some();
-        let not_in_memtable = usage
-            .as_ref()
-            .is_some_and(|u| u.flush_due(fresh.len()) || u.checkpoint(partition).is_some_and(|u| u >= first));
-        let mut append = || -> Result<(), StateError> {
-            match usage.as_deref_mut() {
-                Some(u) => {
-                    u.append(fresh)?;
-                }
-                None => {
-                    locked(&self.memory_checkpoints).insert(partition, last);
-                }
+    ) -> Result<Option<PendingSync>, StateError> {
+        let Some(d) = &self.durable else {
+            locked(&self.memory_checkpoints).insert(partition, last);
+            return Ok(None);
+        };
+        let mut usage = locked(&d.usage);
+        if usage.flush_due(events.len()) {
+            if let Some(ledger) = &self.ledger {
+                locked(ledger).write_pending()?;
             }
-            Ok(())
-        };
-        let Some(ledger) = ledger.as_deref_mut() else {
-            return append();
-        };
-        let lateness = &self.settings.lateness;
-        let fold = |ledger: &mut Ledger| -> Result<(), LedgerError> {
-            let accepted: Vec<(&UsageEvent, i64)> = fresh.iter().map(|e| (&e.event, e.key.output.offset)).collect();
-            ledger.apply(partition, lateness, &accepted)?;
-            if not_in_memtable || ledger.write_due() {
-                ledger.write_pending()?;
-            }
-            Ok(())
-        };
-        // Without a state directory the usage store is a checkpoint in
-        // memory: nothing to run beside, and that checkpoint must not move
-        // past a batch whose fold failed.
-        if not_in_memtable || fresh.len() < LEDGER_BESIDE_MIN_EVENTS || !in_state_dir {
-            fold(ledger)?;
-            return append();
         }
-        std::thread::scope(|scope| {
-            let beside = scope.spawn(|| fold(ledger));
-            let appended = append();
-            // A tier's failure stops the batch either way; each tier skips
-            // what it already holds when the batch comes again. The usage
-            // store's error first: a failed fsync or a poisoned store is the
-            // one an operator must see.
-            let folded = beside.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-            appended?;
-            folded?;
-            Ok(())
-        })
+        Ok(usage.append_deferred(events)?.1)
     }
 
     /// The accepted event with this id, first seen at `first_seen_ms` (as
@@ -847,7 +839,7 @@ mod tests {
     }
 
     #[test]
-    fn a_ledger_fold_that_fails_beside_the_other_tiers_holds_the_checkpoint_back() {
+    fn a_ledger_fold_that_fails_holds_the_checkpoint_back() {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut state = LocalState::open(Some(dir.path()), EngineSettings::default(), true).expect("open");
         state.assign(2, NOW).expect("assign");
@@ -864,8 +856,7 @@ mod tests {
         let fine = [event(1, 0, 1.into()), event(2, 1, 1.into())];
         state.apply_published(2, &fine, NOW).expect("apply");
         // Two events whose sum no exact decimal holds: the ledger's fold
-        // (beside the usage store and key store: the unit tests' threshold
-        // is two events) fails, so the batch fails and the state's
+        // (first of the tiers) fails, so the batch fails and the state's
         // checkpoint stays where the ledger is, for the batch to come again.
         let huge = rust_decimal::Decimal::MAX;
         let overflowing = [event(3, 2, huge), event(4, 3, huge)];
@@ -887,9 +878,8 @@ mod tests {
         use rand::{Rng, SeedableRng};
 
         const PARTITIONS: i32 = 6;
-        // No fsync per batch: an append then takes about as long as
-        // starting the thread that folds beside it, which is what lets the
-        // applies' steps interleave in every order.
+        // No fsync per batch: the applies' steps are then short and of
+        // similar length, which lets them interleave in many orders.
         let settings = EngineSettings {
             memtable_events: 40,
             fsync: crate::storage::FsyncPolicy::Interval(std::time::Duration::from_secs(3600)),
@@ -898,8 +888,8 @@ mod tests {
         for round in 0..20u8 {
             let dir = tempfile::tempdir().expect("tempdir");
             let mut rng = rand::rngs::StdRng::seed_from_u64(u64::from(round));
-            // Each partition's batches: 1 to 12 events, so both the inline
-            // fold and the one beside the usage store run.
+            // Each partition's batches: 1 to 12 events, so the memtable
+            // fills in the middle of some batches and at the end of others.
             let mut batches: Vec<Vec<Vec<StoredEvent>>> = Vec::new();
             let mut n = 0u64;
             for p in 0..PARTITIONS {

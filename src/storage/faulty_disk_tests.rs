@@ -208,3 +208,57 @@ fn a_new_directory_tree_survives_a_power_loss_level_by_level() {
         );
     }
 }
+
+/// Counts WAL fsyncs.
+#[derive(Default)]
+struct Fsyncs(std::sync::atomic::AtomicU64);
+
+impl super::StorageObserver for Fsyncs {
+    fn wal_fsync(&self, _took: std::time::Duration) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+fn group_commit_store(disk: &SimDisk, fsyncs: Arc<Fsyncs>) -> UsageStore {
+    let opts = StoreOptions { fsync: FsyncPolicy::Always, ..StoreOptions::default() };
+    UsageStore::open_on(Arc::new(disk.clone()), Path::new("/disk/usage"), opts, fsyncs).expect("open").0
+}
+
+/// Group commit: two batches appended before either waits share one
+/// fsync, and both are there after a power loss once their waits returned.
+#[test]
+fn batches_written_before_an_fsync_starts_share_it_and_survive_a_power_loss() {
+    let disk = SimDisk::new(Path::new("/disk"), 7);
+    let fsyncs = Arc::new(Fsyncs::default());
+    let mut store = group_commit_store(&disk, fsyncs.clone());
+    let before = fsyncs.0.load(std::sync::atomic::Ordering::Relaxed);
+    let (_, first) = store.append_deferred(vec![sample_event(1, 0, 1), sample_event(2, 0, 2)]).expect("append");
+    let (_, second) = store.append_deferred(vec![sample_event(3, 1, 1)]).expect("append");
+    first.expect("a pending fsync with --fsync always").wait().expect("fsync");
+    second.expect("a pending fsync with --fsync always").wait().expect("already covered");
+    assert_eq!(fsyncs.0.load(std::sync::atomic::Ordering::Relaxed) - before, 1, "one fsync for both batches");
+    drop(store);
+    disk.power_loss();
+    let store = group_commit_store(&disk, Arc::new(Fsyncs::default()));
+    let mut ids = Vec::new();
+    store.for_each_event(|e| ids.push(e.event.event_id.clone())).expect("read");
+    ids.sort();
+    assert_eq!(ids, ["evt_00000001", "evt_00000002", "evt_00000003"]);
+}
+
+/// A failed fsync fails every batch it would have covered, not only its
+/// leader's (a later fsync of the same file could "succeed" over pages the
+/// kernel dropped), and the store refuses all work after it.
+#[test]
+fn a_failed_group_fsync_fails_every_batch_waiting_on_it_and_poisons_the_store() {
+    let disk = SimDisk::new(Path::new("/disk"), 11);
+    let mut store = group_commit_store(&disk, Arc::new(Fsyncs::default()));
+    let (_, first) = store.append_deferred(vec![sample_event(1, 0, 1)]).expect("append");
+    let (_, second) = store.append_deferred(vec![sample_event(2, 0, 2)]).expect("append");
+    disk.set_faults(DiskFaults { fsync_error_per_million: 1_000_000, ..DiskFaults::default() });
+    assert!(first.expect("pending").wait().is_err(), "the leader's fsync failed");
+    disk.set_faults(DiskFaults::default());
+    assert!(second.expect("pending").wait().is_err(), "covered by the failed fsync, never by a later one");
+    let refused = store.append(&[sample_event(3, 0, 3)]).expect_err("a poisoned store");
+    assert!(matches!(refused, super::StorageError::Poisoned { .. }), "{refused}");
+}

@@ -16,6 +16,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// A file opened for appending (the active WAL file).
 pub trait AppendFile: Send + Sync {
@@ -23,6 +24,16 @@ pub trait AppendFile: Send + Sync {
     fn append(&mut self, bytes: &[u8]) -> io::Result<()>;
     /// Makes every appended byte durable (`fdatasync`).
     fn sync_data(&mut self) -> io::Result<()>;
+    /// A second handle on the same open file that makes its appended bytes
+    /// durable from another thread: the WAL's group commit fsyncs through
+    /// it without the store's lock, while other batches append.
+    fn syncer(&self) -> io::Result<Arc<dyn FileSyncer>>;
+}
+
+/// See [`AppendFile::syncer`].
+pub trait FileSyncer: Send + Sync {
+    /// Makes every byte appended so far durable (`fdatasync`).
+    fn sync_data(&self) -> io::Result<()>;
 }
 
 /// The filesystem operations of the usage store.
@@ -78,6 +89,21 @@ impl AppendFile for RealAppend {
     }
 
     fn sync_data(&mut self) -> io::Result<()> {
+        self.0.sync_data()
+    }
+
+    fn syncer(&self) -> io::Result<Arc<dyn FileSyncer>> {
+        // A duplicated descriptor shares the open file description, so an
+        // fsync through it covers every byte appended through the other,
+        // and a writeback error is reported to it as to the original.
+        Ok(Arc::new(RealSyncer(self.0.try_clone()?)))
+    }
+}
+
+struct RealSyncer(File);
+
+impl FileSyncer for RealSyncer {
+    fn sync_data(&self) -> io::Result<()> {
         self.0.sync_data()
     }
 }

@@ -18,8 +18,13 @@
 //! # Durability and the loss window
 //!
 //! - `FsyncPolicy::Always` (`--fsync always`): `append` writes the whole batch
-//!   as one frame and fdatasyncs before returning (group commit: one fsync per
-//!   call). Nothing `append` acknowledged is lost by a crash or power loss.
+//!   as one frame and fdatasyncs before returning. Nothing `append`
+//!   acknowledged is lost by a crash or power loss. `append_deferred` writes
+//!   the frame and hands back the fsync as a `PendingSync`, waited for after
+//!   the caller lets go of the store's lock: a group commit, where one fsync
+//!   covers every batch written when it starts (`wal::writer`). The batch is
+//!   acknowledged when that wait returns; a failed fsync fails every batch
+//!   it would have covered and poisons the store.
 //! - `FsyncPolicy::Interval(d)` (`--fsync interval:<ms>`): `append` fsyncs
 //!   only when `d` has passed since the last fsync; `maintain`, `flush`, WAL
 //!   rotation and `close` also fsync. A process crash loses nothing (the bytes
@@ -95,6 +100,7 @@ pub use manifest::Manifest;
 pub use segment::SegmentMeta;
 pub use store::{MaintainReport, RecoveryReport, TornTail, UsageStore};
 pub use verify::{verify, verify_on, FileKind, FileReport, FileStatus, VerifyReport};
+pub use wal::writer::PendingSync;
 
 use crate::classify::SeenKey;
 use crate::event::UsageEvent;
@@ -106,10 +112,17 @@ pub struct StoredEvent {
     pub event: UsageEvent,
 }
 
+/// A copy, for [`UsageStore::append_deferred`] given events by reference.
+impl From<&StoredEvent> for StoredEvent {
+    fn from(e: &StoredEvent) -> StoredEvent {
+        e.clone()
+    }
+}
+
 /// When the WAL is fsynced. See the module doc for the loss window.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FsyncPolicy {
-    /// fsync every `append` before it returns (group commit).
+    /// fsync every batch before it is acknowledged (group commit).
     Always,
     /// fsync at most once per interval.
     Interval(Duration),

@@ -10,7 +10,10 @@ use super::manifest::{self, Manifest};
 use super::memtable::Memtable;
 use super::segment::{self, GroupEntry, Segment, SegmentIndex, SegmentMeta};
 use super::sidecar::{self, SidecarEntry};
-use super::wal::{self, reader, writer::WalWriter};
+use super::wal::{
+    self, reader,
+    writer::{GroupCommit, PendingSync, WalWriter},
+};
 use super::{failpoint, fsutil, RecoveryPath, StorageError, StorageObserver, StoreOptions, StoredEvent};
 use crate::classify::SeenKey;
 use crate::event::IdHash;
@@ -88,6 +91,9 @@ pub struct UsageStore {
     /// Highest output offset per partition in segments + memtable (= written to the WAL).
     checkpoints: BTreeMap<i32, i64>,
     wal: WalWriter,
+    /// Shared with batches waiting for their fsync outside the store's
+    /// lock (see `wal::writer`).
+    commits: Arc<GroupCommit>,
     /// Set by the first failed write/fsync; every later call fails.
     poisoned: Option<String>,
     /// The group index of each segment a lookup has touched (`None`: a
@@ -174,7 +180,7 @@ impl UsageStore {
                 }
                 // Fresh store: WAL 1 exists before the manifest that names it,
                 // so a live manifest always finds its first WAL file.
-                drop(WalWriter::create(fs.as_ref(), &wal_dir, 1, skip_dir_fsync)?);
+                drop(WalWriter::create(fs.as_ref(), &wal_dir, 1, skip_dir_fsync, &GroupCommit::new())?);
                 let m = Manifest { generation: 1, next_segment_id: 1, wal_start: 1, ..Manifest::default() };
                 m.write(fs.as_ref(), &man_dir, crash_at.as_deref())?;
                 report.created = true;
@@ -247,7 +253,8 @@ impl UsageStore {
         }
         checkpoints.retain(|_, o| *o != i64::MIN);
         let next_wal = live.last().map(|(seq, _)| seq + 1).unwrap_or(manifest.wal_start);
-        let wal = WalWriter::create(fs.as_ref(), &wal_dir, next_wal, skip_dir_fsync)?;
+        let commits = GroupCommit::new();
+        let wal = WalWriter::create(fs.as_ref(), &wal_dir, next_wal, skip_dir_fsync, &commits)?;
 
         let mut store = UsageStore {
             fs,
@@ -260,6 +267,7 @@ impl UsageStore {
             previous,
             highest_generation,
             memtable,
+            commits,
             checkpoints,
             wal,
             poisoned: None,
@@ -270,8 +278,8 @@ impl UsageStore {
     }
 
     fn check_poison(&self) -> Result<(), StorageError> {
-        match &self.poisoned {
-            Some(cause) => Err(StorageError::Poisoned { cause: cause.clone() }),
+        match self.poisoned.clone().or_else(|| self.commits.failure()) {
+            Some(cause) => Err(StorageError::Poisoned { cause }),
             None => Ok(()),
         }
     }
@@ -291,53 +299,70 @@ impl UsageStore {
     }
 
     /// Persists a batch; see the module doc for durability. Events at or
-    /// below their partition's checkpoint are skipped. Returns how many were stored.
-    /// Takes the events by value or by reference: they are copied once,
-    /// into the memtable.
+    /// below their partition's checkpoint are skipped. Returns how many were
+    /// stored. Takes the events by value or by reference: they are copied
+    /// once, into the memtable.
     pub fn append<E: std::borrow::Borrow<StoredEvent>>(&mut self, batch: &[E]) -> Result<usize, StorageError> {
+        let (n, pending) = self.append_deferred(batch.iter().map(std::borrow::Borrow::borrow).collect::<Vec<_>>())?;
+        if let Some(pending) = pending {
+            let r = pending.wait();
+            self.poison_on_err(r)?;
+        }
+        Ok(n)
+    }
+
+    /// [`append`](Self::append), except that with `--fsync always` the
+    /// batch's fsync is left to the caller: it waits on the returned
+    /// [`PendingSync`] after letting go of whatever lock guards the store,
+    /// so other batches append meanwhile and one fsync covers them all
+    /// (group commit). The batch is durable only once that wait returns;
+    /// until then it is readable here, as events already published are.
+    ///
+    /// Events given by value move into the memtable; by reference, they are
+    /// copied there: a caller that holds a lock around the store copies them
+    /// before taking it.
+    pub fn append_deferred<E: std::borrow::Borrow<StoredEvent> + Into<StoredEvent>>(
+        &mut self,
+        batch: Vec<E>,
+    ) -> Result<(usize, Option<PendingSync>), StorageError> {
         self.check_poison()?;
         let mut fresh: Vec<&StoredEvent> = Vec::with_capacity(batch.len());
+        let mut kept: Vec<bool> = Vec::with_capacity(batch.len());
         let mut advanced: BTreeMap<i32, i64> = BTreeMap::new();
-        for e in batch {
+        for e in &batch {
             let e = e.borrow();
             let p = e.key.output.partition;
             let cp = advanced.get(&p).copied().or_else(|| self.checkpoints.get(&p).copied());
-            if cp.is_none_or(|cp| e.key.output.offset > cp) {
+            let keep = cp.is_none_or(|cp| e.key.output.offset > cp);
+            if keep {
                 advanced.insert(p, e.key.output.offset);
                 fresh.push(e);
             }
+            kept.push(keep);
         }
         if fresh.is_empty() {
-            return Ok(0);
+            return Ok((0, None));
         }
         let r = self.wal.write(&fresh, self.opts.crash_at.as_deref());
         self.poison_on_err(r)?;
         let n = fresh.len();
-        if self.wal.sync_due_after_write(&self.opts.fsync) {
-            // The fsync runs on a scoped thread while this one copies the batch
-            // into the memtable: the copy is CPU work and the fsync is waiting
-            // on the disk, so overlapping them shortens every group commit.
-            // Nothing reads the memtable before the fsync is known good: on
-            // failure the store is poisoned before this function returns.
-            let (wal, memtable, observer) = (&mut self.wal, &mut self.memtable, self.observer.as_ref());
-            let synced = std::thread::scope(|scope| {
-                let fsync = scope.spawn(move || wal.sync(observer));
-                for e in &fresh {
-                    memtable.push((*e).clone());
+        let pending = match self.opts.fsync {
+            super::FsyncPolicy::Always => Some(self.wal.pending(&self.observer, self.crash_at())),
+            super::FsyncPolicy::Interval(_) => {
+                if self.wal.sync_due_after_write(&self.opts.fsync) {
+                    let r = self.wal.sync(self.observer.as_ref());
+                    self.poison_on_err(r)?;
                 }
-                fsync.join().unwrap_or_else(|_| {
-                    Err(StorageError::Poisoned { cause: "the WAL fsync thread panicked".to_string() })
-                })
-            });
-            self.poison_on_err(synced)?;
-            let r = failpoint::check("wal_after_fsync", self.crash_at());
-            self.poison_on_err(r)?;
-        } else {
-            for e in fresh {
-                self.memtable.push(e.clone());
+                None
+            }
+        };
+        for (e, keep) in batch.into_iter().zip(kept) {
+            if keep {
+                self.memtable.push(e.into());
             }
         }
         self.checkpoints.extend(advanced);
+        // Rotation and a flush fsync the WAL inline, covering this batch.
         if self.wal.len() >= self.opts.wal_rotate_bytes {
             let r = self.rotate_wal();
             self.poison_on_err(r)?;
@@ -345,14 +370,15 @@ impl UsageStore {
         if self.memtable.len() >= self.opts.memtable_max_events {
             self.flush()?;
         }
-        Ok(n)
+        Ok((n, pending))
     }
 
     /// Seals the active WAL file (fsync) and starts the next one.
     fn rotate_wal(&mut self) -> Result<(), StorageError> {
         self.wal.sync(self.observer.as_ref())?;
         let skip_dir_fsync = self.opts.mutations.has(Mutation::WalCreatedWithoutDirFsync);
-        self.wal = WalWriter::create(self.fs.as_ref(), &self.wal_dir, self.wal.seq() + 1, skip_dir_fsync)?;
+        self.wal =
+            WalWriter::create(self.fs.as_ref(), &self.wal_dir, self.wal.seq() + 1, skip_dir_fsync, &self.commits)?;
         Ok(())
     }
 
@@ -399,7 +425,8 @@ impl UsageStore {
     }
 
     /// WAL bytes written but not yet fsynced (always 0 with `FsyncPolicy::Always`
-    /// once `append` returned): what a power loss could take.
+    /// once `append` returned, or `append_deferred`'s pending fsync was
+    /// waited for): what a power loss could take.
     pub fn unsynced_wal_bytes(&self) -> u64 {
         self.wal.unsynced_bytes()
     }

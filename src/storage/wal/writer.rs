@@ -1,24 +1,165 @@
 //! Appending to the WAL: group commit and the fsync policy.
+//!
+//! With `--fsync always` a batch's write returns a [`PendingSync`] instead of
+//! fsyncing under the store's lock. The caller waits on it after letting the
+//! lock go, so other partitions' batches append meanwhile; the first waiter
+//! to find no fsync running becomes the leader and fsyncs everything
+//! written by then (through [`FileSyncer`], a second handle on the file),
+//! and every batch that fsync covers returns with it: one fsync for every
+//! batch waiting at that moment.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 use super::frame::{write_frame, MAX_PAYLOAD};
 use crate::storage::codec::encode_event;
 use crate::storage::error::IoContext;
-use crate::storage::fs::{AppendFile, FileSystem};
+use crate::storage::fs::{AppendFile, FileSyncer, FileSystem};
 use crate::storage::{failpoint, fsutil, FsyncPolicy, StorageError, StorageObserver, StoredEvent};
+
+/// What the group commit knows of the active WAL file, shared by the store
+/// (under its lock) and the batches waiting for their fsync (outside it).
+pub(crate) struct GroupCommit {
+    state: Mutex<Commits>,
+    /// Signalled when an fsync ends (well or not).
+    fsync_ended: Condvar,
+}
+
+struct Commits {
+    /// The active file: its number, a handle to fsync it through, and its path.
+    seq: u64,
+    file: Option<Arc<dyn FileSyncer>>,
+    path: PathBuf,
+    /// Bytes of the active file handed to the kernel, and known durable.
+    written: u64,
+    durable: u64,
+    /// A leader's fsync is running.
+    syncing: bool,
+    /// The first failed fsync: after it nothing is known durable again (the
+    /// kernel may have dropped the dirty pages and marked them clean), and
+    /// the store refuses all work.
+    failed: Option<String>,
+}
+
+impl GroupCommit {
+    pub(crate) fn new() -> Arc<GroupCommit> {
+        Arc::new(GroupCommit {
+            state: Mutex::new(Commits {
+                seq: 0,
+                file: None,
+                path: PathBuf::new(),
+                written: 0,
+                durable: 0,
+                syncing: false,
+                failed: None,
+            }),
+            fsync_ended: Condvar::new(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Commits> {
+        // Only counters live under this lock, each written in one statement.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The first failed fsync, if any.
+    pub(crate) fn failure(&self) -> Option<String> {
+        self.lock().failed.clone()
+    }
+
+    /// Bytes of file `seq` known durable (0 for a file no longer active: the
+    /// writer that asks knows its own file).
+    fn durable(&self, seq: u64) -> u64 {
+        let st = self.lock();
+        if st.seq == seq {
+            st.durable
+        } else {
+            0
+        }
+    }
+
+    /// Waits until byte `len` of WAL file `seq` is durable, fsyncing as the
+    /// leader when no fsync is running. A file older than the active one
+    /// was fsynced whole before the next was created.
+    fn wait(&self, seq: u64, len: u64, observer: &dyn StorageObserver) -> Result<(), StorageError> {
+        let mut st = self.lock();
+        loop {
+            if let Some(cause) = &st.failed {
+                return Err(StorageError::Poisoned { cause: cause.clone() });
+            }
+            if st.seq > seq || st.durable >= len {
+                return Ok(());
+            }
+            if st.syncing {
+                st = self.fsync_ended.wait(st).unwrap_or_else(PoisonError::into_inner);
+                continue;
+            }
+            let (file, path, target, file_seq) = match &st.file {
+                Some(f) => (Arc::clone(f), st.path.clone(), st.written, st.seq),
+                None => return Err(StorageError::Poisoned { cause: "no WAL file to fsync".to_string() }),
+            };
+            st.syncing = true;
+            drop(st);
+            let started = Instant::now();
+            let synced = file.sync_data();
+            observer.wal_fsync(started.elapsed());
+            st = self.lock();
+            st.syncing = false;
+            match synced {
+                Ok(()) if st.seq == file_seq => st.durable = st.durable.max(target),
+                Ok(()) => {}
+                Err(e) => {
+                    let failure = StorageError::Io { path, source: e };
+                    st.failed.get_or_insert_with(|| failure.to_string());
+                }
+            }
+            self.fsync_ended.notify_all();
+        }
+    }
+}
+
+/// A batch's WAL bytes, written and not yet known durable: see the module
+/// doc. [`wait`](PendingSync::wait) returns once an fsync covers them.
+#[must_use = "a batch is durable only once its pending fsync is waited for"]
+pub struct PendingSync {
+    commits: Arc<GroupCommit>,
+    observer: Arc<dyn StorageObserver>,
+    seq: u64,
+    len: u64,
+    crash_at: Option<String>,
+}
+
+impl std::fmt::Debug for PendingSync {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingSync").field("wal", &self.seq).field("through_byte", &self.len).finish()
+    }
+}
+
+impl PendingSync {
+    /// Blocks until the batch's bytes are durable. An error means they may
+    /// not be, ever: the store is poisoned, and the process must stop and
+    /// repair from the output topic.
+    pub fn wait(self) -> Result<(), StorageError> {
+        self.commits.wait(self.seq, self.len, self.observer.as_ref())?;
+        failpoint::check("wal_after_fsync", self.crash_at.as_deref())
+    }
+}
 
 /// The active (unsealed) WAL file.
 ///
-/// Invariant: bytes `0..synced_len` of the file are durable; `synced_len..len`
-/// were written but may be lost on power failure (only possible with
-/// [`FsyncPolicy::Interval`]).
+/// Invariant: bytes `0..synced_len()` of the file are durable; the rest
+/// were written but may be lost on power failure (with
+/// [`FsyncPolicy::Interval`], or with `Always` until the batch's
+/// [`PendingSync`] is waited for).
 pub(crate) struct WalWriter {
     seq: u64,
     path: PathBuf,
     file: Box<dyn AppendFile>,
+    commits: Arc<GroupCommit>,
     len: u64,
+    /// Durable by this writer's own fsyncs; group commits add to it
+    /// (see [`synced_len`](WalWriter::synced_len)).
     synced_len: u64,
     last_sync: Instant,
     frame_buf: Vec<u8>,
@@ -32,21 +173,35 @@ impl WalWriter {
     /// `skip_dir_fsync` is the simulator's deliberate bug
     /// ([`Mutation::WalCreatedWithoutDirFsync`](crate::pipeline::Mutation)),
     /// never set outside test builds.
+    ///
+    /// `commits` is the store's group commit, which moves to this file: every
+    /// byte of the previous one must already be durable.
     pub(crate) fn create(
         fs: &dyn FileSystem,
         dir: &Path,
         seq: u64,
         skip_dir_fsync: bool,
+        commits: &Arc<GroupCommit>,
     ) -> Result<WalWriter, StorageError> {
         let path = super::wal_path(dir, seq);
         let file = fs.create_append(&path).at(&path)?;
         if !skip_dir_fsync {
             fsutil::fsync_dir(fs, dir)?;
         }
+        let syncer = file.syncer().at(&path)?;
+        {
+            let mut st = commits.lock();
+            st.seq = seq;
+            st.file = Some(syncer);
+            st.path = path.clone();
+            st.written = 0;
+            st.durable = 0;
+        }
         Ok(WalWriter {
             seq,
             path,
             file,
+            commits: Arc::clone(commits),
             len: 0,
             synced_len: 0,
             last_sync: Instant::now(),
@@ -67,8 +222,21 @@ impl WalWriter {
         self.len
     }
 
+    /// Bytes of this file known durable, by this writer's fsyncs or a
+    /// group commit's.
     pub(crate) fn synced_len(&self) -> u64 {
-        self.synced_len
+        self.synced_len.max(self.commits.durable(self.seq))
+    }
+
+    /// What a caller waits on for everything written so far to be durable.
+    pub(crate) fn pending(&self, observer: &Arc<dyn StorageObserver>, crash_at: Option<&str>) -> PendingSync {
+        PendingSync {
+            commits: Arc::clone(&self.commits),
+            observer: Arc::clone(observer),
+            seq: self.seq,
+            len: self.len,
+            crash_at: crash_at.map(str::to_string),
+        }
     }
 
     /// Writes `events` as one frame (more if over [`MAX_PAYLOAD`]) with a
@@ -92,6 +260,7 @@ impl WalWriter {
         }
         self.file.append(&self.frame_buf).at(&self.path)?;
         self.len += self.frame_buf.len() as u64;
+        self.commits.lock().written = self.len;
         failpoint::check("wal_after_write", crash_at)
     }
 
@@ -107,14 +276,29 @@ impl WalWriter {
     /// caller: after a failed fsync the kernel may have dropped the dirty pages
     /// and marked them clean, so a retry could "succeed" over lost data.
     pub(crate) fn sync(&mut self, observer: &dyn StorageObserver) -> Result<(), StorageError> {
-        if self.synced_len == self.len {
+        if let Some(cause) = self.commits.failure() {
+            return Err(StorageError::Poisoned { cause });
+        }
+        if self.synced_len() == self.len {
             self.last_sync = Instant::now();
             return Ok(());
         }
         let started = Instant::now();
-        self.file.sync_data().at(&self.path)?;
+        if let Err(e) = self.file.sync_data() {
+            let failure = StorageError::Io { path: self.path.clone(), source: e };
+            // Batches waiting on the group commit must not be told their
+            // bytes are durable by a later fsync of the same file.
+            self.commits.lock().failed.get_or_insert_with(|| failure.to_string());
+            return Err(failure);
+        }
         observer.wal_fsync(started.elapsed());
         self.synced_len = self.len;
+        let mut st = self.commits.lock();
+        if st.seq == self.seq {
+            st.durable = st.durable.max(self.len);
+        }
+        drop(st);
+        self.commits.fsync_ended.notify_all();
         self.last_sync = Instant::now();
         Ok(())
     }
@@ -122,13 +306,13 @@ impl WalWriter {
     /// True when an interval policy's deadline has passed with unsynced bytes.
     pub(crate) fn sync_due(&self, policy: &FsyncPolicy) -> bool {
         match policy {
-            FsyncPolicy::Always => self.synced_len < self.len,
-            FsyncPolicy::Interval(every) => self.synced_len < self.len && self.last_sync.elapsed() >= *every,
+            FsyncPolicy::Always => self.synced_len() < self.len,
+            FsyncPolicy::Interval(every) => self.synced_len() < self.len && self.last_sync.elapsed() >= *every,
         }
     }
 
     /// Bytes written but not yet fsynced.
     pub(crate) fn unsynced_bytes(&self) -> u64 {
-        self.len - self.synced_len
+        self.len - self.synced_len()
     }
 }
