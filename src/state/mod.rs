@@ -122,8 +122,9 @@ pub struct LocalState {
     memory_checkpoints: Mutex<BTreeMap<i32, i64>>,
     /// The usage ledger tier; `None` when the ledger is off (and on the
     /// simulator's disk, which models the usage store and key store only).
-    /// Where a call takes both, the ledger's lock comes before the usage
-    /// store's.
+    /// Where a call takes both, the usage store's lock comes before the
+    /// ledger's (`append_usage`; the read-only tools, which hold the state
+    /// alone, are the exception and cannot meet another thread).
     ledger: Option<Mutex<Ledger>>,
     last_age_out_ms: i64,
     /// Evictions of hot caches already dropped (revoked partitions), so the
@@ -557,7 +558,7 @@ impl LocalState {
     /// fold succeeded). When this batch makes the memtable move into a
     /// segment, the ledger writes first: every event in the memtable was
     /// folded before it was appended, so that write covers them all. The
-    /// one place both locks are held: the usage store's, then the
+    /// one place an apply holds both locks: the usage store's, then the
     /// ledger's. With `--fsync always`, returns the batch's pending fsync,
     /// for the caller to wait on without the lock.
     fn append_usage(

@@ -341,7 +341,13 @@ impl UsageStore {
             kept.push(keep);
         }
         if fresh.is_empty() {
-            return Ok((0, None));
+            // A batch that comes again after a failure between its write and
+            // its wait: the WAL holds it, maybe not durably yet. It is
+            // acknowledged only once an fsync covers it.
+            let unsynced = self.wal.synced_len() < self.wal.len();
+            let pending = (self.opts.fsync == super::FsyncPolicy::Always && unsynced)
+                .then(|| self.wal.pending(&self.observer, self.crash_at()));
+            return Ok((0, pending));
         }
         let r = self.wal.write(&fresh, self.opts.crash_at.as_deref());
         self.poison_on_err(r)?;

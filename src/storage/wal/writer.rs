@@ -95,27 +95,63 @@ impl GroupCommit {
                 st = self.fsync_ended.wait(st).unwrap_or_else(PoisonError::into_inner);
                 continue;
             }
-            let (file, path, target, file_seq) = match &st.file {
-                Some(f) => (Arc::clone(f), st.path.clone(), st.written, st.seq),
-                None => return Err(StorageError::Poisoned { cause: "no WAL file to fsync".to_string() }),
+            let Some(file) = st.file.clone() else {
+                return Err(StorageError::Poisoned { cause: "no WAL file to fsync".to_string() });
             };
-            st.syncing = true;
-            drop(st);
-            let started = Instant::now();
-            let synced = file.sync_data();
-            observer.wal_fsync(started.elapsed());
-            st = self.lock();
-            st.syncing = false;
-            match synced {
-                Ok(()) if st.seq == file_seq => st.durable = st.durable.max(target),
-                Ok(()) => {}
-                Err(e) => {
-                    let failure = StorageError::Io { path, source: e };
-                    st.failed.get_or_insert_with(|| failure.to_string());
-                }
-            }
-            self.fsync_ended.notify_all();
+            let (path, target) = (st.path.clone(), st.written);
+            st = self.fsync_as_leader(st, file.as_ref(), &path, target, observer);
         }
+    }
+
+    /// One fsync of the active file, covering its first `target` bytes, with
+    /// no other running: the first fsync to see a writeback error is the
+    /// only one the kernel tells (a later one of the same file succeeds over
+    /// the lost pages), so fsyncs of one file never overlap, and the failure
+    /// is recorded before anyone is told anything newer is durable. Takes
+    /// and returns the lock, letting it go for the fsync itself.
+    fn fsync_as_leader<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, Commits>,
+        file: &dyn FileSyncer,
+        path: &Path,
+        target: u64,
+        observer: &dyn StorageObserver,
+    ) -> MutexGuard<'a, Commits> {
+        let file_seq = st.seq;
+        st.syncing = true;
+        drop(st);
+        // Should the fsync or the observer panic, waiters must not sleep
+        // forever behind a fsync that will never end.
+        let leading = Leading(self);
+        let started = Instant::now();
+        let synced = file.sync_data();
+        observer.wal_fsync(started.elapsed());
+        std::mem::forget(leading);
+        let mut st = self.lock();
+        st.syncing = false;
+        match synced {
+            Ok(()) if st.seq == file_seq => st.durable = st.durable.max(target),
+            Ok(()) => {}
+            Err(e) => {
+                let failure = StorageError::Io { path: path.to_path_buf(), source: e };
+                st.failed.get_or_insert_with(|| failure.to_string());
+            }
+        }
+        self.fsync_ended.notify_all();
+        st
+    }
+}
+
+/// Held by a leader over its fsync; dropped only by a panic, which it
+/// records as a failure so that waiters wake and fail.
+struct Leading<'a>(&'a GroupCommit);
+
+impl Drop for Leading<'_> {
+    fn drop(&mut self) {
+        let mut st = self.0.lock();
+        st.syncing = false;
+        st.failed.get_or_insert_with(|| "a WAL fsync panicked".to_string());
+        self.0.fsync_ended.notify_all();
     }
 }
 
@@ -142,7 +178,12 @@ impl PendingSync {
     /// repair from the output topic.
     pub fn wait(self) -> Result<(), StorageError> {
         self.commits.wait(self.seq, self.len, self.observer.as_ref())?;
-        failpoint::check("wal_after_fsync", self.crash_at.as_deref())
+        let crashed = failpoint::check("wal_after_fsync", self.crash_at.as_deref());
+        if let Err(e) = &crashed {
+            // The store stops here, as a process would.
+            self.commits.lock().failed.get_or_insert_with(|| e.to_string());
+        }
+        crashed
     }
 }
 
@@ -240,9 +281,10 @@ impl WalWriter {
     }
 
     /// Writes `events` as one frame (more if over [`MAX_PAYLOAD`]) with a
-    /// single `write`. Durability is the caller's next step: [`WalWriter::sync`]
-    /// when [`WalWriter::sync_due_after_write`] says so (group commit: one
-    /// fsync per `append` with `Always`, at most one per interval otherwise).
+    /// single `write`. Durability is the caller's next step: with `Always`,
+    /// a [`PendingSync`] ([`pending`](WalWriter::pending)) waited for; with
+    /// an interval, [`WalWriter::sync`] when
+    /// [`WalWriter::sync_due_after_write`] says so.
     pub(crate) fn write(&mut self, events: &[&StoredEvent], crash_at: Option<&str>) -> Result<(), StorageError> {
         self.frame_buf.clear();
         let mut i = 0;
@@ -275,30 +317,38 @@ impl WalWriter {
     /// Makes everything written so far durable. An error here must poison the
     /// caller: after a failed fsync the kernel may have dropped the dirty pages
     /// and marked them clean, so a retry could "succeed" over lost data.
+    ///
+    /// Called under the store's lock (rotation, flush, upkeep, close). It
+    /// takes its turn with the group commit's fsyncs, never beside one (see
+    /// `GroupCommit::fsync_as_leader`); waiting for a running one needs
+    /// nothing the store's lock guards.
     pub(crate) fn sync(&mut self, observer: &dyn StorageObserver) -> Result<(), StorageError> {
-        if let Some(cause) = self.commits.failure() {
-            return Err(StorageError::Poisoned { cause });
+        let commits = Arc::clone(&self.commits);
+        let mut st = commits.lock();
+        loop {
+            if let Some(cause) = &st.failed {
+                return Err(StorageError::Poisoned { cause: cause.clone() });
+            }
+            if !st.syncing {
+                break;
+            }
+            st = commits.fsync_ended.wait(st).unwrap_or_else(PoisonError::into_inner);
         }
-        if self.synced_len() == self.len {
-            self.last_sync = Instant::now();
-            return Ok(());
-        }
-        let started = Instant::now();
-        if let Err(e) = self.file.sync_data() {
-            let failure = StorageError::Io { path: self.path.clone(), source: e };
-            // Batches waiting on the group commit must not be told their
-            // bytes are durable by a later fsync of the same file.
-            self.commits.lock().failed.get_or_insert_with(|| failure.to_string());
-            return Err(failure);
-        }
-        observer.wal_fsync(started.elapsed());
-        self.synced_len = self.len;
-        let mut st = self.commits.lock();
-        if st.seq == self.seq {
-            st.durable = st.durable.max(self.len);
+        let durable = if st.seq == self.seq { st.durable } else { 0 };
+        if self.synced_len.max(durable) < self.len {
+            let file = st.file.clone();
+            st = match file {
+                Some(file) if st.seq == self.seq => {
+                    commits.fsync_as_leader(st, file.as_ref(), &self.path, self.len, observer)
+                }
+                _ => return Err(StorageError::Poisoned { cause: "no WAL file to fsync".to_string() }),
+            };
+            if let Some(cause) = &st.failed {
+                return Err(StorageError::Poisoned { cause: cause.clone() });
+            }
         }
         drop(st);
-        self.commits.fsync_ended.notify_all();
+        self.synced_len = self.len;
         self.last_sync = Instant::now();
         Ok(())
     }
