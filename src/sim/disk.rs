@@ -357,10 +357,6 @@ impl AppendFile for SimAppend {
         self.disk.lock().write_at_end(self.inode, bytes)
     }
 
-    fn sync_data(&mut self) -> io::Result<()> {
-        self.disk.lock().sync_inode(self.inode)
-    }
-
     fn syncer(&self) -> io::Result<std::sync::Arc<dyn crate::storage::fs::FileSyncer>> {
         Ok(std::sync::Arc::new(SimAppend { disk: self.disk.clone(), inode: self.inode }))
     }

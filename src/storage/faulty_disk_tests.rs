@@ -172,7 +172,7 @@ fn unsynced_appends_come_back_as_a_prefix_and_a_rename_is_all_or_nothing() {
         let mut f = disk.create_append(Path::new("/d/wal")).expect("create");
         disk.sync_dir(Path::new("/d")).expect("sync dir");
         f.append(b"synced-").expect("append");
-        f.sync_data().expect("sync");
+        f.syncer().expect("syncer").sync_data().expect("sync");
         f.append(&[7u8; 64]).expect("append");
         disk.write_file(Path::new("/d/m"), b"old").expect("write");
         disk.sync_file(Path::new("/d/m")).expect("sync");

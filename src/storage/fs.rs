@@ -22,11 +22,10 @@ use std::sync::Arc;
 pub trait AppendFile: Send + Sync {
     /// Appends all of `bytes`. On error some prefix may have been written.
     fn append(&mut self, bytes: &[u8]) -> io::Result<()>;
-    /// Makes every appended byte durable (`fdatasync`).
-    fn sync_data(&mut self) -> io::Result<()>;
     /// A second handle on the same open file that makes its appended bytes
-    /// durable from another thread: the WAL's group commit fsyncs through
-    /// it without the store's lock, while other batches append.
+    /// durable (`fdatasync`), from any thread: the WAL fsyncs only through
+    /// it, the group commit without the store's lock while other batches
+    /// append.
     fn syncer(&self) -> io::Result<Arc<dyn FileSyncer>>;
 }
 
@@ -86,10 +85,6 @@ struct RealAppend(File);
 impl AppendFile for RealAppend {
     fn append(&mut self, bytes: &[u8]) -> io::Result<()> {
         self.0.write_all(bytes)
-    }
-
-    fn sync_data(&mut self) -> io::Result<()> {
-        self.0.sync_data()
     }
 
     fn syncer(&self) -> io::Result<Arc<dyn FileSyncer>> {
