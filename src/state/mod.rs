@@ -30,6 +30,12 @@
 //! holds (the ledger being repaired behind it) is written at once. The
 //! state directory is locked for one process.
 //!
+//! The usage store's long writes run on threads of their own, off every
+//! partition's batch (`storage` says how): the batch that fills the
+//! memtable freezes it and starts its flush (after the ledger write
+//! above), and upkeep (`maintain`) starts compactions. Each thread
+//! installs its job under the usage store's lock. Close and drop join them.
+//!
 //! Sync: no tokio, no rdkafka. Methods may block on fsync.
 
 mod tools;
@@ -96,12 +102,126 @@ struct Durable {
     dir: PathBuf,
     /// Behind its own lock: partitions apply beside each other, and take
     /// the usage store one batch at a time (see `apply_published`).
-    usage: Mutex<UsageStore>,
+    /// Shared with the thread that writes a frozen memtable's segment.
+    usage: Arc<Mutex<UsageStore>>,
+    /// The thread writing a frozen memtable's segment (`start_flush`),
+    /// and the one merging segments (`start_compaction`).
+    flusher: JobThread,
+    compactor: JobThread,
     keys: Box<dyn KeyTier>,
     recovery: RecoveryReport,
     /// Held for the life of the state: one process per directory. `None`
     /// only on the simulator's disk, where no other process exists.
     _lock: Option<StateDirLock>,
+}
+
+/// A thread that writes for the usage store without its lock: a frozen
+/// memtable's segment, or a compaction's merged segment. Joined when the
+/// state is closed or dropped: a state dropped without `close` (a crash in
+/// a test) lets the write it started finish before the directory's lock
+/// is let go, so no thread of a dead state writes beside the next one.
+#[derive(Default)]
+struct JobThread(Mutex<Option<std::thread::JoinHandle<()>>>);
+
+impl JobThread {
+    fn join(&self) {
+        let handle = locked(&self.0).take();
+        if let Some(handle) = handle {
+            // A panicked job never installed: `usage_with_room` finds the
+            // flush still out and poisons the store.
+            let _ = handle.join();
+        }
+    }
+
+    /// Whether no thread is running (none started, or it ended).
+    fn idle(&self) -> bool {
+        locked(&self.0).as_ref().is_none_or(std::thread::JoinHandle::is_finished)
+    }
+
+    /// Runs `work` on `job` on a new thread named `name`. Called with the
+    /// usage store's lock held, just after the store started the job: the
+    /// thread before it on this slot has installed its job (the store
+    /// starts one at a time), so joining it is short. A job no thread can
+    /// be started for is abandoned, which poisons the store: it could
+    /// never be installed.
+    fn run<J: Send + 'static>(
+        &self,
+        usage: &mut UsageStore,
+        name: &str,
+        job: J,
+        work: impl FnOnce(J) + Send + 'static,
+    ) -> Result<(), StateError> {
+        self.join();
+        match std::thread::Builder::new().name(name.to_owned()).spawn(move || work(job)) {
+            Ok(handle) => {
+                *locked(&self.0) = Some(handle);
+                Ok(())
+            }
+            Err(e) => {
+                let cause = format!("cannot start the {name} thread: {e}");
+                usage.abandon_job(&cause);
+                Err(StateError::Storage(crate::storage::StorageError::Poisoned { cause }))
+            }
+        }
+    }
+}
+
+impl Drop for JobThread {
+    fn drop(&mut self) {
+        self.join();
+    }
+}
+
+impl Durable {
+    /// The usage store's lock, once the memtable has room: while a flush
+    /// is being written and the next memtable has grown to twice its
+    /// bound, an append waits (without the lock) for that flush, so a
+    /// disk slower than the input bounds memory instead of exhausting it.
+    fn usage_with_room(&self) -> MutexGuard<'_, UsageStore> {
+        loop {
+            let mut usage = locked(&self.usage);
+            if !usage.must_wait_for_flush() {
+                return usage;
+            }
+            if self.flusher.idle() {
+                // Its thread ended without installing the flush (it
+                // panicked): the store cannot move on, and says why.
+                usage.abandon_job("the flush thread ended before its segment was installed");
+                return usage;
+            }
+            drop(usage);
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
+    /// Freezes the memtable and writes its segment on the flush thread,
+    /// which then installs it under the usage store's lock. A failure
+    /// there poisons the store: the next append reports it, and the
+    /// frozen events are still in the WAL.
+    fn start_flush(&self, usage: &mut UsageStore) -> Result<(), StateError> {
+        let Some(job) = usage.start_flush()? else {
+            return Ok(());
+        };
+        let store = Arc::clone(&self.usage);
+        self.flusher.run(usage, "dedupd-flush", job, move |mut job| {
+            job.write();
+            let _ = locked(&store).finish_flush(job);
+        })
+    }
+
+    /// Plans a compaction (retention, small segments merged) and runs it
+    /// on the compaction thread; the store installs it under its lock.
+    /// Every partition appends, and the memtable flushes, meanwhile.
+    fn start_compaction(&self, usage: &mut UsageStore, now_ms: i64) -> Result<(), StateError> {
+        let Some(job) = usage.start_compaction(now_ms)? else {
+            return Ok(());
+        };
+        let store = Arc::clone(&self.usage);
+        self.compactor.run(usage, "dedupd-compact", job, move |mut job| {
+            job.run();
+            let _ = locked(&store).finish_compaction(job);
+        })
+    }
 }
 
 /// How often the key store's horizon is enforced: it walks a histogram and
@@ -159,6 +279,9 @@ pub fn store_options(settings: &EngineSettings) -> StoreOptions {
         fsync: settings.fsync.clone(),
         wal_rotate_bytes: settings.wal_rotate_bytes,
         memtable_max_events: settings.memtable_events,
+        // A memtable's segment is written on a thread of its own, off
+        // every partition's batches (`Durable::start_flush`).
+        write_in_background: true,
         retention_ms: settings.retention_ms(),
         hot_ttl_ms: settings.hot_ttl_ms(),
         hot_capacity: settings.hot_capacity,
@@ -254,7 +377,9 @@ impl LocalState {
         state.ledger = ledger;
         state.durable = Some(Durable {
             dir: dir.to_owned(),
-            usage: Mutex::new(usage),
+            usage: Arc::new(Mutex::new(usage)),
+            flusher: JobThread::default(),
+            compactor: JobThread::default(),
             keys: Box::new(keys),
             recovery,
             _lock: Some(lock),
@@ -271,7 +396,7 @@ impl LocalState {
         let (Some(ledger), Some(d)) = (&mut self.ledger, &mut self.durable) else {
             return Ok(0);
         };
-        let (ledger, usage) = (owned(ledger), owned(&mut d.usage));
+        let (ledger, usage) = (owned(ledger), &mut *locked(&d.usage));
         let mut folded = 0;
         for p in usage.partitions() {
             let written = ledger.checkpoint(p)?;
@@ -303,7 +428,15 @@ impl LocalState {
         let (usage, recovery) = UsageStore::open_on(fs, &dir.join("usage"), store, Arc::new(NoopObserver))?;
         let mut state = LocalState::in_memory(settings, detect_replays);
         state.ledger = None;
-        state.durable = Some(Durable { dir: dir.to_owned(), usage: Mutex::new(usage), keys, recovery, _lock: None });
+        state.durable = Some(Durable {
+            dir: dir.to_owned(),
+            usage: Arc::new(Mutex::new(usage)),
+            flusher: JobThread::default(),
+            compactor: JobThread::default(),
+            keys,
+            recovery,
+            _lock: None,
+        });
         Ok(state)
     }
 
@@ -363,7 +496,7 @@ impl LocalState {
             return Ok(());
         }
         let mut keys = match &mut self.durable {
-            Some(d) => owned(&mut d.usage).recovery_hot_keys_of(&new, now_ms)?,
+            Some(d) => locked(&d.usage).recovery_hot_keys_of(&new, now_ms)?,
             None => Default::default(),
         };
         for p in new {
@@ -571,13 +704,29 @@ impl LocalState {
             locked(&self.memory_checkpoints).insert(partition, last);
             return Ok(None);
         };
-        let mut usage = locked(&d.usage);
+        let mut usage = d.usage_with_room();
         if usage.flush_due(events.len()) {
             if let Some(ledger) = &self.ledger {
                 locked(ledger).write_pending()?;
             }
         }
-        Ok(usage.append_deferred(events)?.1)
+        let pending = usage.append_deferred(events)?.1;
+        self.start_flush_if_wanted(d, &mut usage)?;
+        Ok(pending)
+    }
+
+    /// Starts moving a full memtable into a segment on the flush thread,
+    /// the ledger's write first (the same rule as an inline flush: every
+    /// event in the memtable was folded before it was appended, so that
+    /// write covers them all). Called with the usage store's lock held.
+    fn start_flush_if_wanted(&self, d: &Durable, usage: &mut UsageStore) -> Result<(), StateError> {
+        if !usage.flush_wanted() {
+            return Ok(());
+        }
+        if let Some(ledger) = &self.ledger {
+            locked(ledger).write_pending()?;
+        }
+        d.start_flush(usage)
     }
 
     /// The accepted event with this id, first seen at `first_seen_ms` (as
@@ -646,15 +795,18 @@ impl LocalState {
         for c in self.partitions.values_mut() {
             owned(c).evict_expired(now_ms);
         }
-        if let Some(d) = &mut self.durable {
-            let usage = owned(&mut d.usage);
-            if let Some(ledger) = &mut self.ledger {
-                let ledger = owned(ledger);
+        if let Some(d) = &self.durable {
+            let mut usage = locked(&d.usage);
+            if let Some(ledger) = &self.ledger {
+                let ledger = locked(ledger);
                 if usage.flush_due(0) || ledger.write_due() {
                     ledger.write_pending()?;
                 }
             }
+            self.start_flush_if_wanted(d, &mut usage)?;
             usage.maintain(now_ms)?;
+            d.start_compaction(&mut usage, now_ms)?;
+            drop(usage);
             if now_ms.saturating_sub(self.last_age_out_ms) >= AGE_OUT_EVERY_MS {
                 d.keys.age_out(now_ms)?;
                 self.last_age_out_ms = now_ms;
@@ -690,7 +842,11 @@ impl LocalState {
         }
         if let Some(d) = self.durable {
             d.keys.flush()?;
-            d.usage.into_inner().unwrap_or_else(PoisonError::into_inner).close()?;
+            // A flush being written finishes first (its segment is as good
+            // as close's own), then close's flush moves the rest.
+            d.flusher.join();
+            d.compactor.join();
+            locked(&d.usage).flush()?;
         }
         Ok(())
     }
@@ -867,11 +1023,13 @@ mod tests {
     }
 
     /// Partitions apply side by side (`&self`), and the usage store moves
-    /// its memtable into segments under whichever partition's batch fills
-    /// it. The ledger must still be written before every such move, or a
-    /// crash loses folded batches no longer in the memtable. Six
-    /// partitions apply at once on threads, with a memtable of 40 events
-    /// (a move every few batches), until the process dies without closing.
+    /// its memtable into segments on its flush thread, started by
+    /// whichever partition's batch fills it. The ledger must still be
+    /// written before every such move, or a crash loses folded batches no
+    /// longer in the memtable. Six partitions apply at once on threads,
+    /// with a memtable of 40 events (a move every few batches) and
+    /// compactions merging segments on their own thread, until the
+    /// process dies without closing.
     /// Reopened, every tier holds every partition's whole output, and the
     /// ledger holds exactly what the usage store's events fold to.
     #[test]
@@ -913,17 +1071,24 @@ mod tests {
             {
                 let mut state = LocalState::open(Some(dir.path()), settings.clone(), true).expect("open");
                 state.assign_all(&(0..PARTITIONS).collect::<Vec<_>>(), NOW).expect("assign");
-                let state = &state;
-                std::thread::scope(|scope| {
-                    for (p, mine) in batches.iter().enumerate() {
-                        scope.spawn(move || {
-                            let p = i32::try_from(p).expect("partition");
-                            for batch in mine {
-                                state.apply_published(p, batch, NOW).expect("apply");
-                            }
-                        });
-                    }
-                });
+                // Three rounds of ten batches per partition, with upkeep
+                // between them (as the worker's, under the engine's lock
+                // alone): the compaction it starts merges segments on its
+                // thread while the next round applies and flushes.
+                for round_batches in 0..3 {
+                    let shared = &state;
+                    std::thread::scope(|scope| {
+                        for (p, mine) in batches.iter().enumerate() {
+                            scope.spawn(move || {
+                                let p = i32::try_from(p).expect("partition");
+                                for batch in &mine[round_batches * 10..(round_batches + 1) * 10] {
+                                    shared.apply_published(p, batch, NOW).expect("apply");
+                                }
+                            });
+                        }
+                    });
+                    state.maintain(NOW).expect("upkeep");
+                }
                 // The process dies here: no close, the ledger's last
                 // batches unwritten.
             }
@@ -937,6 +1102,15 @@ mod tests {
                 assert_eq!(stored, mine.iter().map(Vec::len).sum::<usize>(), "round {round}: partition {p}'s events");
             }
             drop(state);
+            let (usage, _) =
+                UsageStore::open(&dir.path().join("usage"), store_options(&settings), Arc::new(NoopObserver))
+                    .expect("usage store");
+            assert!(
+                usage.segments().iter().any(|m| m.rows > 100),
+                "round {round}: upkeep merged flushed segments (of about 40 rows each): {:?}",
+                usage.segments()
+            );
+            drop(usage);
             let check = verify_ledger(dir.path(), settings.clone()).expect("verify");
             assert!(check.drift.is_empty(), "round {round}: the ledger drifted: {:?}", check.drift);
             assert_eq!(check.events, n, "round {round}");

@@ -12,17 +12,45 @@ pub(crate) struct Memtable {
     events: Vec<StoredEvent>,
     /// First row holding each id: `get` returns the first stored copy.
     first_row: HashMap<IdHash, u32, IdBuildHasher>,
+    /// What the events hold in memory, about: the bound on a memtable is
+    /// in bytes as well as in events, since one event's strings can be
+    /// a hundred times another's.
+    bytes: usize,
+}
+
+/// The memory one stored event takes in the memtable: the struct, its
+/// strings' heap and its slot in the id map.
+pub(crate) fn event_bytes(e: &StoredEvent) -> usize {
+    let ev = &e.event;
+    let opt = |s: &Option<String>| s.as_ref().map_or(0, String::capacity);
+    std::mem::size_of::<StoredEvent>()
+        + std::mem::size_of::<(IdHash, u32)>()
+        + ev.event_id.capacity()
+        + ev.tenant_id.capacity()
+        + ev.customer_id.capacity()
+        + ev.meter.capacity()
+        + opt(&ev.resource_id)
+        + opt(&ev.unit)
+        + opt(&ev.source)
+        + ev.correction_ref.as_ref().map_or(0, |c| c.original_event_id.capacity() + opt(&c.reason))
+        + ev.dimensions.capacity() * std::mem::size_of::<(String, String)>()
+        + ev.dimensions.iter().map(|(k, v)| k.capacity() + v.capacity()).sum::<usize>()
 }
 
 impl Memtable {
     pub(crate) fn push(&mut self, e: StoredEvent) {
         let row = self.events.len() as u32;
         self.first_row.entry(e.key.id_hash).or_insert(row);
+        self.bytes += event_bytes(&e);
         self.events.push(e);
     }
 
     pub(crate) fn len(&self) -> usize {
         self.events.len()
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
     }
 
     pub(crate) fn is_empty(&self) -> bool {
@@ -44,10 +72,5 @@ impl Memtable {
 
     pub(crate) fn keys(&self) -> impl Iterator<Item = &SeenKey> {
         self.events.iter().map(|e| &e.key)
-    }
-
-    pub(crate) fn clear(&mut self) {
-        self.events.clear();
-        self.first_row.clear();
     }
 }

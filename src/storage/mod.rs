@@ -59,6 +59,35 @@
 //!   restart and recover from disk.
 //! - Replay is idempotent: an event whose output offset is at or below its
 //!   partition's checkpoint is skipped, on `append` and on WAL replay alike.
+//!
+//! # Flushes and compactions beside appends
+//!
+//! With [`StoreOptions::write_in_background`] (what `LocalState` uses) the
+//! two long writes are jobs, each in three steps: started under the
+//! store's lock, written without it, installed under it again.
+//! - A flush ([`UsageStore::start_flush`]) seals the WAL file, freezes the
+//!   memtable and gives it a segment id; appends go on into a fresh
+//!   memtable. [`FlushJob::write`] writes the segment and sidecar;
+//!   [`UsageStore::finish_flush`] installs the manifest naming them, with
+//!   the checkpoints of the moment the memtable froze, and drops the WAL
+//!   files only it needed. Until then the frozen events are read as the
+//!   memtable's and are still in the WAL, so a crash at any step replays
+//!   them. One flush at a time; appends wait for it only when the next
+//!   memtable reaches twice its bound (`memtable_max_events`,
+//!   `memtable_max_bytes`).
+//! - A compaction ([`UsageStore::start_compaction`]) picks the segments
+//!   past retention and the small ones to merge; [`CompactionJob::run`]
+//!   reads and merges them (holding at most `compaction_max_bytes` of rows,
+//!   past two inputs) and writes the merged segment;
+//!   [`UsageStore::finish_compaction`] puts it in the place of its oldest
+//!   input in the manifest of that moment. One at a time, so its inputs
+//!   stay in the manifest until then; a flush may install meanwhile.
+//! - Every job's segment id is reserved when it starts, and garbage
+//!   collection keeps the files (finished or temp) of a job still out.
+//! - A failed job poisons the store, as a failed inline write does.
+//!
+//! Without it (the store alone, the simulator) `append` flushes inline and
+//! `maintain` compacts inline, through the same three steps.
 
 mod codec;
 mod error;
@@ -98,7 +127,7 @@ pub fn write_file_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<(), Sto
 pub use lock::StateDirLock;
 pub use manifest::Manifest;
 pub use segment::SegmentMeta;
-pub use store::{MaintainReport, RecoveryReport, TornTail, UsageStore};
+pub use store::{CompactionJob, FlushJob, MaintainReport, RecoveryReport, TornTail, UsageStore};
 pub use verify::{verify, verify_on, FileKind, FileReport, FileStatus, VerifyReport};
 pub use wal::writer::PendingSync;
 
@@ -167,6 +196,18 @@ pub struct StoreOptions {
     pub wal_rotate_bytes: u64,
     /// The memtable is flushed to a segment at this many events. Default 262,144.
     pub memtable_max_events: usize,
+    /// ... or at this many bytes of events in memory, whichever comes
+    /// first. Default 128 MiB. With `write_in_background`, one memtable may
+    /// be frozen and being written while the next fills: appends wait
+    /// for that write when the next reaches twice either bound, so the
+    /// two together stay under three times it.
+    pub memtable_max_bytes: usize,
+    /// Flushes are started by the caller ([`UsageStore::start_flush`])
+    /// and written without the store's lock ([`FlushJob::write`]), not
+    /// inline in the append that fills the memtable. Default false (the
+    /// store alone, the simulator); `LocalState` sets it and runs the
+    /// writes on a thread of their own.
+    pub write_in_background: bool,
     /// Data whose `first_seen_ms` is older than this is dropped by compaction. Default 35 days.
     pub retention_ms: i64,
     /// Window of keys `recovery_hot_keys` returns. Default 7 days.
@@ -179,6 +220,10 @@ pub struct StoreOptions {
     pub compaction_min_segments: usize,
     /// A merge writes at most this many input rows. Default 4,194,304.
     pub compaction_max_rows: u64,
+    /// ... and holds at most about this many bytes of rows in memory (it
+    /// stops reading inputs once past it, after two at least). Default
+    /// 256 MiB.
+    pub compaction_max_bytes: usize,
     /// Test seam: the failpoint name at which the store fails and poisons
     /// itself (see [`failpoint`]). `None` in production.
     pub crash_at: Option<String>,
@@ -192,12 +237,15 @@ impl Default for StoreOptions {
             fsync: FsyncPolicy::Always,
             wal_rotate_bytes: 64 << 20,
             memtable_max_events: 262_144,
+            memtable_max_bytes: 128 << 20,
+            write_in_background: false,
             retention_ms: 35 * DAY_MS,
             hot_ttl_ms: 7 * DAY_MS,
             hot_capacity: 1_000_000,
             compaction_target_rows: 1 << 20,
             compaction_min_segments: 4,
             compaction_max_rows: 4 << 20,
+            compaction_max_bytes: 256 << 20,
             crash_at: None,
             mutations: crate::pipeline::Mutations::NONE,
         }

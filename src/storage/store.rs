@@ -88,6 +88,10 @@ pub struct UsageStore {
     /// Highest generation number seen on disk, readable or not; the next one is above it.
     highest_generation: u64,
     memtable: Memtable,
+    /// A memtable being written to a segment by a [`FlushJob`] without the
+    /// store's lock: still read as the memtable is, until the manifest that
+    /// names its segment is installed. Older than `memtable`.
+    frozen: Option<Arc<Memtable>>,
     /// Highest output offset per partition in segments + memtable (= written to the WAL).
     checkpoints: BTreeMap<i32, i64>,
     wal: WalWriter,
@@ -96,6 +100,16 @@ pub struct UsageStore {
     commits: Arc<GroupCommit>,
     /// Set by the first failed write/fsync; every later call fails.
     poisoned: Option<String>,
+    /// The id the next segment gets. Ahead of the manifest's while a
+    /// job holds the id it was given.
+    next_segment_id: u64,
+    /// Segment ids a [`FlushJob`] or [`CompactionJob`] is writing: their
+    /// files (and temp files) are in no manifest yet, and garbage
+    /// collection must not take them for leftovers.
+    in_flight: HashSet<u64>,
+    /// A [`CompactionJob`] is out: one at a time, so its inputs stay in
+    /// the manifest until it installs.
+    compacting: bool,
     /// The group index of each segment a lookup has touched (`None`: a
     /// version-1 file, read whole). Segments are immutable, so an index
     /// stays right until its segment leaves the manifest; 32 bytes per
@@ -131,6 +145,173 @@ fn has_segment_files(fs: &dyn FileSystem, seg_dir: &Path) -> Result<bool, Storag
         }
     }
     Ok(false)
+}
+
+/// Writes segment `id` and its sidecar (each temp + fsync + rename),
+/// checking the two failpoints named after each file.
+fn write_segment_files(
+    fs: &dyn FileSystem,
+    seg_dir: &Path,
+    crash_at: Option<&str>,
+    id: u64,
+    rows: &[&StoredEvent],
+    [after_segment, after_sidecar]: [&'static str; 2],
+) -> Result<SegmentMeta, StorageError> {
+    let (bytes, meta) = segment::encode(id, rows)?;
+    fsutil::write_atomic(fs, &segment::segment_path(seg_dir, id), &bytes, None, crash_at)?;
+    failpoint::check(after_segment, crash_at)?;
+    let keys: Vec<SeenKey> = rows.iter().map(|e| e.key).collect();
+    fsutil::write_atomic(fs, &sidecar::sidecar_path(seg_dir, id), &sidecar::encode(id, &keys), None, crash_at)?;
+    failpoint::check(after_sidecar, crash_at)?;
+    Ok(meta)
+}
+
+/// A memtable frozen for a flush ([`UsageStore::start_flush`]): its
+/// segment and sidecar are written by [`write`](Self::write) without the
+/// store's lock, so every partition goes on appending meanwhile; the
+/// store installs the result ([`UsageStore::finish_flush`]).
+pub struct FlushJob {
+    fs: Arc<dyn FileSystem>,
+    seg_dir: PathBuf,
+    crash_at: Option<String>,
+    id: u64,
+    rows: Arc<Memtable>,
+    /// The store's checkpoints when the memtable froze: what the
+    /// manifest that names the segment says is flushed.
+    checkpoints: BTreeMap<i32, i64>,
+    /// The first WAL file written after the freeze.
+    wal_start: u64,
+    written: Option<Result<SegmentMeta, StorageError>>,
+}
+
+impl std::fmt::Debug for FlushJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FlushJob").field("segment", &self.id).field("events", &self.rows.len()).finish()
+    }
+}
+
+impl FlushJob {
+    /// Events frozen for this flush.
+    pub fn events(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// Encodes and writes the segment and its sidecar (durably). The
+    /// outcome is kept for `finish_flush`, which poisons the store on a
+    /// failure.
+    pub fn write(&mut self) {
+        let written = self.write_files();
+        self.written = Some(written);
+    }
+
+    fn write_files(&self) -> Result<SegmentMeta, StorageError> {
+        let rows: Vec<&StoredEvent> = self.rows.events().iter().collect();
+        write_segment_files(
+            self.fs.as_ref(),
+            &self.seg_dir,
+            self.crash_at.as_deref(),
+            self.id,
+            &rows,
+            ["flush_after_segment", "flush_after_sidecar"],
+        )
+    }
+}
+
+/// A compaction planned by [`UsageStore::start_compaction`]: its merge
+/// reads the input segments and writes the merged one without the store's
+/// lock; segments are immutable and stay in the manifest until the store
+/// installs the result ([`UsageStore::finish_compaction`]).
+pub struct CompactionJob {
+    fs: Arc<dyn FileSystem>,
+    seg_dir: PathBuf,
+    crash_at: Option<String>,
+    /// The merged segment's id; `None` when only whole segments expire.
+    id: Option<u64>,
+    /// Rows first seen before this are past retention and dropped.
+    cutoff: i64,
+    /// Whole segments past retention.
+    expired: HashSet<u64>,
+    /// Small segments to merge, oldest first.
+    inputs: Vec<SegmentMeta>,
+    /// Bound on the rows held in memory at once (see `StoreOptions`).
+    max_bytes: usize,
+    outcome: Option<Result<Merged, StorageError>>,
+}
+
+/// What a compaction's merge did.
+struct Merged {
+    /// Inputs merged (fewer than planned when the memory bound was reached
+    /// or an input was corrupt; none when fewer than two were readable).
+    merged: Vec<u64>,
+    new_meta: Option<SegmentMeta>,
+    /// Rows of merged inputs dropped as past retention.
+    filtered_rows: u64,
+    corrupt: Vec<PathBuf>,
+}
+
+impl std::fmt::Debug for CompactionJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompactionJob")
+            .field("segment", &self.id)
+            .field("inputs", &self.inputs.len())
+            .field("expired", &self.expired.len())
+            .finish()
+    }
+}
+
+impl CompactionJob {
+    /// Reads and merges the inputs and writes the merged segment
+    /// (durably). The outcome is kept for `finish_compaction`.
+    pub fn run(&mut self) {
+        let merged = self.merge();
+        self.outcome = Some(merged);
+    }
+
+    fn merge(&self) -> Result<Merged, StorageError> {
+        let mut rows: Vec<StoredEvent> = Vec::new();
+        let mut done = Merged { merged: Vec::new(), new_meta: None, filtered_rows: 0, corrupt: Vec::new() };
+        let mut bytes = 0usize;
+        for s in &self.inputs {
+            // The working set is bounded in bytes as well as in rows: it
+            // stops at the first input past the bound (two at least, or
+            // nothing would ever merge); the rest wait for the next round.
+            if done.merged.len() >= 2 && bytes >= self.max_bytes {
+                break;
+            }
+            let path = segment::segment_path(&self.seg_dir, s.id);
+            match Segment::open(self.fs.as_ref(), &path).and_then(|f| f.read_all()) {
+                Ok(r) => {
+                    bytes += r.iter().map(super::memtable::event_bytes).sum::<usize>();
+                    done.merged.push(s.id);
+                    rows.extend(r);
+                }
+                Err(StorageError::Io { source, .. }) if source.kind() != std::io::ErrorKind::InvalidData => {
+                    return Err(StorageError::Io { path, source });
+                }
+                Err(_) => done.corrupt.push(path),
+            }
+        }
+        if done.merged.len() < 2 {
+            // Nothing left worth merging (e.g. a corrupt segment dropped out).
+            done.merged.clear();
+            return Ok(done);
+        }
+        let before = rows.len();
+        rows.retain(|e| e.key.first_seen_ms >= self.cutoff);
+        done.filtered_rows = (before - rows.len()) as u64;
+        if let (Some(id), false) = (self.id, rows.is_empty()) {
+            let refs: Vec<&StoredEvent> = rows.iter().collect();
+            done.new_meta = Some(write_segment_files(
+                self.fs.as_ref(),
+                &self.seg_dir,
+                self.crash_at.as_deref(),
+                id,
+                &refs,
+                ["compact_after_segment", "compact_after_segment"],
+            )?);
+        }
+        Ok(done)
+    }
 }
 
 impl UsageStore {
@@ -256,6 +437,7 @@ impl UsageStore {
         let commits = GroupCommit::new();
         let wal = WalWriter::create(fs.as_ref(), &wal_dir, next_wal, skip_dir_fsync, &commits)?;
 
+        let manifest_next_segment_id = manifest.next_segment_id;
         let mut store = UsageStore {
             fs,
             wal_dir,
@@ -267,10 +449,14 @@ impl UsageStore {
             previous,
             highest_generation,
             memtable,
+            frozen: None,
             commits,
             checkpoints,
             wal,
             poisoned: None,
+            next_segment_id: manifest_next_segment_id,
+            in_flight: HashSet::new(),
+            compacting: false,
             indexes: Default::default(),
         };
         report.removed_files = store.collect_garbage()?;
@@ -373,7 +559,7 @@ impl UsageStore {
             let r = self.rotate_wal();
             self.poison_on_err(r)?;
         }
-        if self.memtable.len() >= self.opts.memtable_max_events {
+        if !self.opts.write_in_background && self.memtable_full() {
             self.flush()?;
         }
         Ok((n, pending))
@@ -398,15 +584,65 @@ impl UsageStore {
         self.checkpoints.keys().copied().collect()
     }
 
-    /// Events in the memtable (not yet in a segment).
+    /// Events not yet in a segment (the memtable, and one being flushed).
     pub fn memtable_len(&self) -> usize {
-        self.memtable.len()
+        self.unflushed().map(Memtable::len).sum()
+    }
+
+    /// The memtables not yet in a segment, oldest first: the one a
+    /// [`FlushJob`] is writing, then the live one.
+    fn unflushed(&self) -> impl Iterator<Item = &Memtable> {
+        self.frozen.as_deref().into_iter().chain(std::iter::once(&self.memtable))
+    }
+
+    /// The first stored copy of `id` not yet in a segment.
+    fn unflushed_get(&self, partition: Option<i32>, id: &IdHash) -> Option<StoredEvent> {
+        self.unflushed().find_map(|m| m.get(partition, id)).cloned()
+    }
+
+    fn memtable_full(&self) -> bool {
+        self.memtable.len() >= self.opts.memtable_max_events || self.memtable.bytes() >= self.opts.memtable_max_bytes
     }
 
     /// Whether the next `append` of `incoming` events, or the next
-    /// `maintain`, moves the memtable into a segment.
+    /// `maintain`, moves the memtable into a segment (without
+    /// `write_in_background`; with it, see [`flush_wanted`](Self::flush_wanted)).
     pub fn flush_due(&self, incoming: usize) -> bool {
-        self.memtable.len() + incoming >= self.opts.memtable_max_events
+        !self.opts.write_in_background
+            && (self.memtable.len() + incoming >= self.opts.memtable_max_events
+                || self.memtable.bytes() >= self.opts.memtable_max_bytes)
+    }
+
+    /// With `write_in_background`: the memtable is full and no flush is
+    /// under way, so the caller should [`start_flush`](Self::start_flush).
+    pub fn flush_wanted(&self) -> bool {
+        self.opts.write_in_background && self.frozen.is_none() && self.poisoned.is_none() && self.memtable_full()
+    }
+
+    /// With `write_in_background`: the memtable has reached twice its bound
+    /// while a flush is still being written; appends should wait for that
+    /// flush to finish, so memory stays bounded however slow the disk is.
+    pub fn must_wait_for_flush(&self) -> bool {
+        self.frozen.is_some()
+            && self.poisoned.is_none()
+            && (self.memtable.len() >= self.opts.memtable_max_events.saturating_mul(2)
+                || self.memtable.bytes() >= self.opts.memtable_max_bytes.saturating_mul(2))
+    }
+
+    /// A job started here will never be finished (no thread could be
+    /// started for it, or its thread died): the store can neither install
+    /// it nor start another, and poisons itself with `cause`. What a flush
+    /// held is in the WAL and a compaction's inputs are untouched; the
+    /// restart replays and cleans up.
+    pub fn abandon_job(&mut self, cause: &str) {
+        if self.poisoned.is_none() {
+            self.poisoned = Some(cause.to_owned());
+        }
+    }
+
+    /// Whether a [`FlushJob`] has been started and not finished.
+    pub fn flush_in_flight(&self) -> bool {
+        self.frozen.is_some()
     }
 
     /// Every stored event of `partition` above output offset `after`, in
@@ -422,9 +658,8 @@ impl UsageStore {
             }
         }
         Some(
-            self.memtable
-                .events()
-                .iter()
+            self.unflushed()
+                .flat_map(|m| m.events().iter())
                 .filter(|e| e.key.output.partition == partition && after.is_none_or(|a| e.key.output.offset > a))
                 .collect(),
         )
@@ -531,7 +766,9 @@ impl UsageStore {
                 }
             }
         }
-        out.extend(self.memtable.keys().copied().filter(|k| wanted(k)));
+        for m in self.unflushed() {
+            out.extend(m.keys().copied().filter(|k| wanted(k)));
+        }
         // Rows are in ingest order, so this is nearly sorted already and cheap.
         out.sort_by_key(|k| (k.first_seen_ms, k.output.offset));
         Ok(out)
@@ -548,7 +785,7 @@ impl UsageStore {
                 return Ok(Some(hit));
             }
         }
-        Ok(self.memtable.get(partition, id).cloned())
+        Ok(self.unflushed_get(partition, id))
     }
 
     /// The event with this id, first seen at `first_seen_ms` (what the hot
@@ -575,7 +812,7 @@ impl UsageStore {
                 return Ok(hit);
             }
         }
-        Ok(self.memtable.get(Some(partition), id).cloned())
+        Ok(self.unflushed_get(Some(partition), id))
     }
 
     /// [`get_first_seen`](Self::get_first_seen) for many events at once (a
@@ -639,7 +876,7 @@ impl UsageStore {
             }
         }
         for i in elsewhere {
-            found[i] = self.memtable.get(Some(partition), &wanted[i].0).cloned();
+            found[i] = self.unflushed_get(Some(partition), &wanted[i].0);
         }
         Ok(found)
     }
@@ -709,7 +946,7 @@ impl UsageStore {
                 f(&e);
             }
         }
-        self.memtable.events().iter().for_each(f);
+        self.unflushed().flat_map(|m| m.events().iter()).for_each(f);
         Ok(())
     }
 
@@ -723,58 +960,100 @@ impl UsageStore {
     }
 
     fn flush_inner(&mut self) -> Result<(), StorageError> {
-        if self.memtable.is_empty() {
-            return self.wal.sync(self.observer.as_ref());
+        // A flush under way keeps its events in the WAL until its manifest
+        // is installed: an inline flush (close, upkeep) then only syncs.
+        match self.start_flush_inner()? {
+            None => self.wal.sync(self.observer.as_ref()),
+            Some(mut job) => {
+                job.write();
+                self.finish_flush_inner(job)
+            }
+        }
+    }
+
+    /// With `write_in_background`: freezes the memtable for a flush whose
+    /// segment is written without the store's lock, and hands back the
+    /// job (`None` when the memtable is empty or a flush is already
+    /// under way). The frozen events stay readable here, and stay in the
+    /// WAL, until [`finish_flush`](Self::finish_flush) installs the
+    /// manifest naming their segment; appends go on into a fresh memtable
+    /// meanwhile. Upkeep neither flushes nor compacts while a job is out.
+    pub fn start_flush(&mut self) -> Result<Option<FlushJob>, StorageError> {
+        self.check_poison()?;
+        let r = self.start_flush_inner();
+        self.poison_on_err(r)
+    }
+
+    fn start_flush_inner(&mut self) -> Result<Option<FlushJob>, StorageError> {
+        if self.frozen.is_some() || self.memtable.is_empty() {
+            return Ok(None);
         }
         // Everything in the memtable is in WAL files <= the current one;
         // rotating makes the next file the first one the new manifest needs.
         self.rotate_wal()?;
-        let id = self.manifest.next_segment_id;
-        let rows: Vec<&StoredEvent> = self.memtable.events().iter().collect();
-        let meta = self.write_segment(id, &rows, "flush_after_segment", "flush_after_sidecar")?;
+        let id = self.take_segment_id();
+        let rows = Arc::new(std::mem::take(&mut self.memtable));
+        self.frozen = Some(Arc::clone(&rows));
+        Ok(Some(FlushJob {
+            fs: Arc::clone(&self.fs),
+            seg_dir: self.seg_dir.clone(),
+            crash_at: self.opts.crash_at.clone(),
+            id,
+            rows,
+            checkpoints: self.checkpoints.clone(),
+            wal_start: self.wal.seq(),
+            written: None,
+        }))
+    }
+
+    /// Installs the manifest naming a [`FlushJob`]'s segment (writing it
+    /// first if the job was not written) and lets go of its frozen
+    /// memtable and of the WAL files only it needed. A job whose write
+    /// failed poisons the store: its events are still in the WAL, and the
+    /// restart that follows replays them.
+    pub fn finish_flush(&mut self, job: FlushJob) -> Result<(), StorageError> {
+        self.check_poison()?;
+        let r = self.finish_flush_inner(job);
+        self.poison_on_err(r)
+    }
+
+    fn finish_flush_inner(&mut self, mut job: FlushJob) -> Result<(), StorageError> {
+        if !self.frozen.as_ref().is_some_and(|f| Arc::ptr_eq(f, &job.rows)) {
+            return Err(StorageError::Poisoned {
+                cause: format!("flush of segment {} was not started by this store", job.id),
+            });
+        }
+        self.in_flight.remove(&job.id);
+        let meta = match job.written.take() {
+            Some(written) => written?,
+            None => job.write_files()?,
+        };
         let mut next = self.next_manifest();
-        next.next_segment_id = id + 1;
-        next.wal_start = self.wal.seq();
+        next.wal_start = job.wal_start;
         next.segments.push(meta);
-        next.checkpoints = self.checkpoints.clone();
+        // What the frozen memtable held: later appends are in the WAL
+        // files from `wal_start` on, which the next open replays.
+        next.checkpoints = job.checkpoints;
         self.install_manifest(next)?;
         failpoint::check("flush_after_manifest", self.crash_at())?;
-        self.memtable.clear();
+        self.frozen = None;
         self.collect_garbage()?;
         Ok(())
     }
 
-    fn write_segment(
-        &self,
-        id: u64,
-        rows: &[&StoredEvent],
-        after_segment: &'static str,
-        after_sidecar: &'static str,
-    ) -> Result<SegmentMeta, StorageError> {
-        let (bytes, meta) = segment::encode(id, rows)?;
-        fsutil::write_atomic(
-            self.fs.as_ref(),
-            &segment::segment_path(&self.seg_dir, id),
-            &bytes,
-            None,
-            self.crash_at(),
-        )?;
-        failpoint::check(after_segment, self.crash_at())?;
-        let keys: Vec<SeenKey> = rows.iter().map(|e| e.key).collect();
-        fsutil::write_atomic(
-            self.fs.as_ref(),
-            &sidecar::sidecar_path(&self.seg_dir, id),
-            &sidecar::encode(id, &keys),
-            None,
-            self.crash_at(),
-        )?;
-        failpoint::check(after_sidecar, self.crash_at())?;
-        Ok(meta)
+    /// A new segment id, kept out of garbage collection until its job
+    /// installs it (or the store is poisoned and the restart cleans up).
+    fn take_segment_id(&mut self) -> u64 {
+        let id = self.next_segment_id;
+        self.next_segment_id += 1;
+        self.in_flight.insert(id);
+        id
     }
 
     fn next_manifest(&self) -> Manifest {
         let mut m = self.manifest.clone();
         m.generation = self.highest_generation.max(self.manifest.generation) + 1;
+        m.next_segment_id = self.next_segment_id;
         m
     }
 
@@ -854,9 +1133,37 @@ impl UsageStore {
         if self.wal.sync_due(&self.opts.fsync) {
             self.wal.sync(self.observer.as_ref())?;
         }
-        if self.memtable.len() >= self.opts.memtable_max_events {
+        if self.opts.write_in_background {
+            // Flushes and compactions are the caller's jobs.
+            return Ok(report);
+        }
+        if self.memtable_full() {
             report.flushed_events = self.memtable.len();
             self.flush_inner()?;
+        }
+        if let Some(mut job) = self.start_compaction_inner(now_ms) {
+            job.run();
+            let compacted = self.finish_compaction_inner(job)?;
+            report = MaintainReport { flushed_events: report.flushed_events, ..compacted };
+        }
+        Ok(report)
+    }
+
+    /// Plans a compaction: the segments past retention (dropped whole)
+    /// and the small segments to merge, oldest first. `None` when there is
+    /// nothing to do or a compaction is already out. With
+    /// `write_in_background` the caller runs the job
+    /// ([`CompactionJob::run`], without the store's lock) and installs it
+    /// ([`finish_compaction`](Self::finish_compaction)); flushes go on
+    /// meanwhile.
+    pub fn start_compaction(&mut self, now_ms: i64) -> Result<Option<CompactionJob>, StorageError> {
+        self.check_poison()?;
+        Ok(self.start_compaction_inner(now_ms))
+    }
+
+    fn start_compaction_inner(&mut self, now_ms: i64) -> Option<CompactionJob> {
+        if self.compacting {
+            return None;
         }
         let cutoff = now_ms.saturating_sub(self.opts.retention_ms);
         let segs = &self.manifest.segments;
@@ -874,53 +1181,62 @@ impl UsageStore {
             merge.clear();
         }
         if expired.is_empty() && merge.is_empty() {
+            return None;
+        }
+        let id = if merge.is_empty() { None } else { Some(self.take_segment_id()) };
+        self.compacting = true;
+        Some(CompactionJob {
+            fs: Arc::clone(&self.fs),
+            seg_dir: self.seg_dir.clone(),
+            crash_at: self.opts.crash_at.clone(),
+            id,
+            cutoff,
+            expired,
+            inputs: merge,
+            max_bytes: self.opts.compaction_max_bytes,
+            outcome: None,
+        })
+    }
+
+    /// Installs a [`CompactionJob`] (running it first if it was not run):
+    /// the merged segment takes the place of its oldest input, and
+    /// segments past retention leave the manifest. A job whose run failed
+    /// on I/O poisons the store; a corrupt input is left in place and
+    /// reported instead.
+    pub fn finish_compaction(&mut self, job: CompactionJob) -> Result<MaintainReport, StorageError> {
+        self.check_poison()?;
+        let r = self.finish_compaction_inner(job);
+        self.poison_on_err(r)
+    }
+
+    fn finish_compaction_inner(&mut self, mut job: CompactionJob) -> Result<MaintainReport, StorageError> {
+        self.compacting = false;
+        if let Some(id) = job.id {
+            self.in_flight.remove(&id);
+        }
+        let done = match job.outcome.take() {
+            Some(done) => done?,
+            None => job.merge()?,
+        };
+        let mut report = MaintainReport {
+            expired_rows: done.filtered_rows,
+            corrupt_segments: done.corrupt,
+            ..MaintainReport::default()
+        };
+        if job.expired.is_empty() && done.merged.is_empty() {
             return Ok(report);
         }
-
-        let mut rows: Vec<StoredEvent> = Vec::with_capacity(merge_rows as usize);
-        let mut merged: Vec<u64> = Vec::new();
-        for s in &merge {
-            let path = segment::segment_path(&self.seg_dir, s.id);
-            match Segment::open(self.fs.as_ref(), &path).and_then(|f| f.read_all()) {
-                Ok(r) => {
-                    merged.push(s.id);
-                    rows.extend(r);
-                }
-                Err(StorageError::Io { source, .. }) if source.kind() != std::io::ErrorKind::InvalidData => {
-                    return Err(StorageError::Io { path, source });
-                }
-                Err(_) => report.corrupt_segments.push(path),
-            }
-        }
-        if merged.len() < 2 {
-            // Nothing left worth merging (e.g. a corrupt segment dropped out).
-            merged.clear();
-            rows.clear();
-        }
-        let before = rows.len();
-        rows.retain(|e| e.key.first_seen_ms >= cutoff);
-        report.expired_rows += (before - rows.len()) as u64;
-        if expired.is_empty() && merged.is_empty() {
-            return Ok(report);
-        }
-
         let mut next = self.next_manifest();
-        let mut new_meta = None;
-        if !rows.is_empty() {
-            let id = next.next_segment_id;
-            let refs: Vec<&StoredEvent> = rows.iter().collect();
-            new_meta = Some(self.write_segment(id, &refs, "compact_after_segment", "compact_after_segment")?);
-            next.next_segment_id = id + 1;
-            report.compacted_into = Some(id);
-        }
+        let mut new_meta = done.new_meta;
+        report.compacted_into = new_meta.map(|m| m.id);
         // The merged segment takes the place of the oldest input, so segment
         // order stays "older data first" for `get`.
         let mut segments = Vec::with_capacity(next.segments.len());
         for s in &next.segments {
-            if expired.contains(&s.id) {
+            if job.expired.contains(&s.id) {
                 report.expired_segments += 1;
                 report.expired_rows += s.rows;
-            } else if merged.contains(&s.id) {
+            } else if done.merged.contains(&s.id) {
                 if let Some(m) = new_meta.take() {
                     segments.push(m);
                 }
@@ -929,7 +1245,7 @@ impl UsageStore {
             }
         }
         next.segments = segments;
-        report.compacted_segments = merged.len();
+        report.compacted_segments = done.merged.len();
         self.install_manifest(next)?;
         failpoint::check("compact_after_manifest", self.crash_at())?;
         self.collect_garbage()?;
@@ -951,13 +1267,18 @@ impl UsageStore {
         let mut doomed: Vec<PathBuf> = Vec::new();
         for path in self.fs.list_dir(&self.seg_dir).at(&self.seg_dir)? {
             let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            let temp = name.strip_suffix(".tmp");
+            let base = temp.unwrap_or(name);
             let id =
-                name.strip_suffix(".seg").or_else(|| name.strip_suffix(".idx")).and_then(|s| s.parse::<u64>().ok());
-            match id {
-                Some(id) if keep.contains(&id) => {}
-                Some(_) => doomed.push(path),
-                None if name.ends_with(".tmp") => doomed.push(path),
-                None => {}
+                base.strip_suffix(".seg").or_else(|| base.strip_suffix(".idx")).and_then(|s| s.parse::<u64>().ok());
+            // A job being written (flush or compaction) keeps its files,
+            // finished or temp, until it installs them.
+            let writing = id.is_some_and(|id| self.in_flight.contains(&id));
+            match (id, temp.is_some()) {
+                _ if writing => {}
+                (Some(id), false) if keep.contains(&id) => {}
+                (Some(_), _) | (None, true) => doomed.push(path),
+                (None, false) => {}
             }
         }
         for (seq, path) in wal::list(self.fs.as_ref(), &self.wal_dir)? {
@@ -1217,5 +1538,179 @@ mod tests {
         drop(store);
         let report = crate::storage::verify(dir.path()).expect("verify");
         assert!(report.is_clean(), "{report:?}");
+    }
+
+    /// A flush written without the store's lock: appends go on into a
+    /// fresh memtable, every frozen event stays readable until the
+    /// segment is installed, and a process death at any point of the job (frozen, written, or
+    /// failed) loses nothing and doubles nothing on reopen.
+    #[test]
+    fn a_flush_written_beside_appends_keeps_every_event_readable_and_recoverable() {
+        use crate::storage::testutil::sample_event;
+        let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
+        let opts = StoreOptions {
+            memtable_max_events: 10,
+            write_in_background: true,
+            compaction_min_segments: 2,
+            compaction_target_rows: 1_000,
+            retention_ms: i64::MAX / 4,
+            ..StoreOptions::default()
+        };
+        let all = |store: &UsageStore| {
+            let mut seen = Vec::new();
+            store.for_each_event(|e| seen.push(e.clone())).expect("scan");
+            seen
+        };
+        // How the job ends: installed, the process dies before the install
+        // (segment written or not), or the write fails.
+        for ending in ["installed", "died_frozen", "died_written", "write_failed"] {
+            let dir = tempfile::tempdir().expect("tmp");
+            let mut opts = opts.clone();
+            // Only the flush under test fails: the store is reopened with
+            // this after the first two segments.
+            if ending == "write_failed" {
+                opts.crash_at = Some("flush_after_sidecar".into());
+            }
+            let plain = StoreOptions { crash_at: None, ..opts.clone() };
+            let (mut store, _) =
+                UsageStore::open_on(Arc::new(RealFs), dir.path(), plain.clone(), observer.clone()).expect("open");
+            let events: Vec<StoredEvent> = (0..35u64).map(|n| sample_event(n, (n % 2) as i32, n as i64)).collect();
+            // Two segments first, so upkeep has something it could merge.
+            for chunk in events[..20].chunks(10) {
+                store.append(chunk).expect("append");
+                assert!(
+                    store.flush_wanted(),
+                    "{ending}: a full memtable asks for a flush, and the append did not do it"
+                );
+                let job = store.start_flush().expect("start").expect("a job");
+                store.finish_flush(job).expect("finish");
+            }
+            assert_eq!(store.segments().len(), 2, "{ending}");
+            drop(store);
+            let (mut store, _) =
+                UsageStore::open_on(Arc::new(RealFs), dir.path(), opts.clone(), observer.clone()).expect("open");
+            store.append(&events[20..30]).expect("append");
+            let mut job = store.start_flush().expect("start").expect("a job");
+            assert_eq!(job.events(), 10);
+            assert!(store.start_flush().expect("start").is_none(), "one flush at a time");
+            assert!(!store.flush_wanted());
+            // Appends go on while the job is out; every event reads back.
+            store.append(&events[30..]).expect("append");
+            assert_eq!(store.memtable_len(), 15);
+            assert_eq!(all(&store), events, "{ending}: frozen events read as the memtable's");
+            let e = &events[25];
+            assert_eq!(
+                store
+                    .get_first_seen(e.key.output.partition, &e.key.id_hash, e.key.first_seen_ms)
+                    .expect("get")
+                    .as_ref(),
+                Some(e)
+            );
+            assert_eq!(store.recent_keys(1, 0, usize::MAX).expect("keys").len(), 17);
+            assert_eq!(
+                store.unflushed_after(1, Some(23)).map(|v| v.len()),
+                Some(5),
+                "the frozen and the live memtable"
+            );
+            let report = store.maintain(i64::MAX / 8).expect("maintain");
+            assert_eq!(report, MaintainReport::default(), "{ending}: upkeep leaves flushes and compactions to jobs");
+            match ending {
+                "installed" => {
+                    job.write();
+                    store.finish_flush(job).expect("finish");
+                    assert_eq!(store.memtable_len(), 5);
+                    assert_eq!(all(&store), events);
+                    let mut compaction = store.start_compaction(1).expect("plan").expect("three small segments");
+                    compaction.run();
+                    let report = store.finish_compaction(compaction).expect("install");
+                    assert_eq!(report.compacted_segments, 3, "the flushed segment merges with the rest");
+                    assert_eq!(all(&store), events);
+                    store.simulate_crash(0).expect("crash");
+                }
+                "died_frozen" => store.simulate_crash(0).expect("crash"),
+                "died_written" => {
+                    job.write();
+                    store.simulate_crash(0).expect("crash");
+                }
+                _ => {
+                    job.write();
+                    let err = store.finish_flush(job).expect_err("a failed write");
+                    assert!(matches!(err, StorageError::Failpoint { .. }), "{err}");
+                    assert!(store.append(&events[..1]).is_err(), "the store is poisoned");
+                    store.simulate_crash(0).expect("crash");
+                }
+            }
+            let (store, recovery) =
+                UsageStore::open_on(Arc::new(RealFs), dir.path(), plain, observer.clone()).expect("reopen");
+            let mut got = all(&store);
+            got.sort_by_key(|e| (e.key.output.offset, e.key.output.partition));
+            assert_eq!(got, events, "{ending}: every acknowledged event once, after {recovery:?}");
+            drop(store);
+            let report = crate::storage::verify(dir.path()).expect("verify");
+            assert!(report.is_clean(), "{ending}: {report:?}");
+        }
+    }
+
+    /// A compaction merged without the store's lock while flushes come and
+    /// go: a flush's garbage collection leaves the compaction's unfinished
+    /// files alone, both install into the manifest, ids never collide, and
+    /// the merge's working set stops at its byte bound.
+    #[test]
+    fn a_compaction_merged_beside_flushes_installs_and_keeps_to_its_memory_bound() {
+        use crate::storage::testutil::sample_event;
+        let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
+        let opts = StoreOptions {
+            memtable_max_events: 10,
+            write_in_background: true,
+            compaction_min_segments: 2,
+            compaction_target_rows: 1_000,
+            retention_ms: i64::MAX / 4,
+            ..StoreOptions::default()
+        };
+        let dir = tempfile::tempdir().expect("tmp");
+        let (mut store, _) =
+            UsageStore::open_on(Arc::new(RealFs), dir.path(), opts.clone(), observer.clone()).expect("open");
+        let events: Vec<StoredEvent> = (0..60u64).map(|n| sample_event(n, 0, n as i64)).collect();
+        let flush = |store: &mut UsageStore, chunk: &[StoredEvent]| {
+            store.append(chunk).expect("append");
+            let mut job = store.start_flush().expect("start").expect("a flush");
+            job.write();
+            store.finish_flush(job).expect("finish");
+        };
+        for chunk in events[..40].chunks(10) {
+            flush(&mut store, chunk);
+        }
+        assert_eq!(store.maintain(1).expect("maintain"), MaintainReport::default(), "upkeep leaves compaction to jobs");
+        let mut compaction = store.start_compaction(1).expect("plan").expect("four small segments");
+        assert!(store.start_compaction(1).expect("plan").is_none(), "one compaction at a time");
+        compaction.run();
+        // Two flushes install (each collecting garbage) while the merged
+        // segment waits, written but in no manifest.
+        for chunk in events[40..60].chunks(10) {
+            flush(&mut store, chunk);
+        }
+        let report = store.finish_compaction(compaction).expect("install");
+        assert_eq!(report.compacted_segments, 4);
+        let ids: Vec<u64> = store.segments().iter().map(|m| m.id).collect();
+        assert_eq!(ids.len(), 3, "the merged segment and the two flushed beside it: {ids:?}");
+        assert_eq!(Some(ids[0]), report.compacted_into, "in the place of its oldest input");
+        let mut all = Vec::new();
+        store.for_each_event(|e| all.push(e.clone())).expect("scan");
+        assert_eq!(all, events);
+        drop(store);
+        let report = crate::storage::verify(dir.path()).expect("verify");
+        assert!(report.is_clean(), "{report:?}");
+
+        // A bound of one byte: each merge takes two inputs, never more.
+        let tight = StoreOptions { compaction_max_bytes: 1, ..opts };
+        let (mut store, _) = UsageStore::open_on(Arc::new(RealFs), dir.path(), tight, observer).expect("reopen");
+        let mut compaction = store.start_compaction(1).expect("plan").expect("three small segments");
+        compaction.run();
+        let report = store.finish_compaction(compaction).expect("install");
+        assert_eq!(report.compacted_segments, 2, "{report:?}");
+        assert_eq!(store.segments().len(), 2);
+        let mut all = Vec::new();
+        store.for_each_event(|e| all.push(e.clone())).expect("scan");
+        assert_eq!(all, events);
     }
 }

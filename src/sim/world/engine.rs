@@ -53,6 +53,10 @@ impl SimState {
             compaction_target_rows: 8 + rng.below(32),
             compaction_min_segments: 2 + rng.below(3) as usize,
             mutations,
+            // Flushes inline: a flush thread would make schedules depend
+            // on the host's scheduler. The three steps of a background
+            // flush are the same code either way (`UsageStore::flush`).
+            write_in_background: false,
             ..crate::state::store_options(&settings)
         };
         let horizon_ms = settings.horizon_ms();
