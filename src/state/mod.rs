@@ -127,8 +127,7 @@ impl JobThread {
     fn join(&self) {
         let handle = locked(&self.0).take();
         if let Some(handle) = handle {
-            // A panicked job never installed: `usage_with_room` finds the
-            // flush still out and poisons the store.
+            // A job that panicked has poisoned the store (`run`).
             let _ = handle.join();
         }
     }
@@ -144,15 +143,26 @@ impl JobThread {
     /// starts one at a time), so joining it is short. A job no thread can
     /// be started for is abandoned, which poisons the store: it could
     /// never be installed.
+    /// A job that panics is abandoned, which poisons the store at once:
+    /// otherwise a flush would stay frozen (and the next never start) and
+    /// a compaction would stay out, with nothing said until appends wait.
     fn run<J: Send + 'static>(
         &self,
+        store: &Arc<Mutex<UsageStore>>,
         usage: &mut UsageStore,
-        name: &str,
+        name: &'static str,
         job: J,
-        work: impl FnOnce(J) + Send + 'static,
+        work: impl FnOnce(J, &Mutex<UsageStore>) + Send + 'static,
     ) -> Result<(), StateError> {
         self.join();
-        match std::thread::Builder::new().name(name.to_owned()).spawn(move || work(job)) {
+        let store = Arc::clone(store);
+        let body = move || {
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(job, &store)));
+            if ran.is_err() {
+                locked(&store).abandon_job(&format!("the {name} thread panicked before installing its segment"));
+            }
+        };
+        match std::thread::Builder::new().name(name.to_owned()).spawn(body) {
             Ok(handle) => {
                 *locked(&self.0) = Some(handle);
                 Ok(())
@@ -202,10 +212,10 @@ impl Durable {
         let Some(job) = usage.start_flush()? else {
             return Ok(());
         };
-        let store = Arc::clone(&self.usage);
-        self.flusher.run(usage, "dedupd-flush", job, move |mut job| {
+        self.flusher.run(&self.usage, usage, "dedupd-flush", job, |mut job, store| {
             job.write();
-            let _ = locked(&store).finish_flush(job);
+            // A failure poisons the store; the next append reports it.
+            let _ = locked(store).finish_flush(job);
         })
     }
 
@@ -216,10 +226,15 @@ impl Durable {
         let Some(job) = usage.start_compaction(now_ms)? else {
             return Ok(());
         };
-        let store = Arc::clone(&self.usage);
-        self.compactor.run(usage, "dedupd-compact", job, move |mut job| {
+        self.compactor.run(&self.usage, usage, "dedupd-compact", job, |mut job, store| {
             job.run();
-            let _ = locked(&store).finish_compaction(job);
+            // A failure poisons the store; the next append reports it. A
+            // corrupt input is left in place, and said.
+            if let Ok(report) = locked(store).finish_compaction(job) {
+                for path in report.corrupt_segments {
+                    tracing::warn!(path = %path.display(), "compaction left a corrupt segment in place; run dedupd verify");
+                }
+            }
         })
     }
 }
@@ -705,7 +720,7 @@ impl LocalState {
             return Ok(None);
         };
         let mut usage = d.usage_with_room();
-        if usage.flush_due(events.len()) {
+        if usage.flush_due(&events) {
             if let Some(ledger) = &self.ledger {
                 locked(ledger).write_pending()?;
             }
@@ -799,7 +814,7 @@ impl LocalState {
             let mut usage = locked(&d.usage);
             if let Some(ledger) = &self.ledger {
                 let ledger = locked(ledger);
-                if usage.flush_due(0) || ledger.write_due() {
+                if usage.flush_due(&[]) || ledger.write_due() {
                     ledger.write_pending()?;
                 }
             }
@@ -1115,6 +1130,25 @@ mod tests {
             assert!(check.drift.is_empty(), "round {round}: the ledger drifted: {:?}", check.drift);
             assert_eq!(check.events, n, "round {round}");
         }
+    }
+
+    /// A flush or compaction thread that panics poisons the usage store
+    /// at once, so the next append says why instead of the store waiting
+    /// forever on a job nobody will install.
+    #[test]
+    fn a_store_job_that_panics_poisons_the_usage_store() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (store, _) =
+            UsageStore::open(dir.path(), StoreOptions::default(), Arc::new(NoopObserver)).expect("usage store");
+        let store = Arc::new(Mutex::new(store));
+        let thread = JobThread::default();
+        {
+            let mut usage = locked(&store);
+            thread.run(&store, &mut usage, "dedupd-test", (), |(), _| panic!("a job's bug")).expect("started");
+        }
+        thread.join();
+        let err = locked(&store).append(&[sample_event_at(1, 0, 1, NOW)]).expect_err("poisoned");
+        assert!(err.to_string().contains("the dedupd-test thread panicked"), "{err}");
     }
 
     #[test]

@@ -72,13 +72,14 @@
 //!   the checkpoints of the moment the memtable froze, and drops the WAL
 //!   files only it needed. Until then the frozen events are read as the
 //!   memtable's and are still in the WAL, so a crash at any step replays
-//!   them. One flush at a time; appends wait for it only when the next
-//!   memtable reaches twice its bound (`memtable_max_events`,
-//!   `memtable_max_bytes`).
+//!   them. One flush at a time; appends wait for it only when the frozen
+//!   and the live memtable together reach three times the bound
+//!   (`memtable_max_events`, `memtable_max_bytes`).
 //! - A compaction ([`UsageStore::start_compaction`]) picks the segments
 //!   past retention and the small ones to merge; [`CompactionJob::run`]
-//!   reads and merges them (holding at most `compaction_max_bytes` of rows,
-//!   past two inputs) and writes the merged segment;
+//!   reads and merges them (it stops reading inputs once it holds
+//!   `compaction_max_bytes` of rows, after two at least, so it may pass the
+//!   bound by one input) and writes the merged segment;
 //!   [`UsageStore::finish_compaction`] puts it in the place of its oldest
 //!   input in the manifest of that moment. One at a time, so its inputs
 //!   stay in the manifest until then; a flush may install meanwhile.
@@ -199,8 +200,8 @@ pub struct StoreOptions {
     /// ... or at this many bytes of events in memory, whichever comes
     /// first. Default 128 MiB. With `write_in_background`, one memtable may
     /// be frozen and being written while the next fills: appends wait
-    /// for that write when the next reaches twice either bound, so the
-    /// two together stay under three times it.
+    /// for that write when the two together reach three times either
+    /// bound, so they stay under it plus one batch.
     pub memtable_max_bytes: usize,
     /// Flushes are started by the caller ([`UsageStore::start_flush`])
     /// and written without the store's lock ([`FlushJob::write`]), not

@@ -604,13 +604,14 @@ impl UsageStore {
         self.memtable.len() >= self.opts.memtable_max_events || self.memtable.bytes() >= self.opts.memtable_max_bytes
     }
 
-    /// Whether the next `append` of `incoming` events, or the next
-    /// `maintain`, moves the memtable into a segment (without
+    /// Whether the next `append` of `incoming`, or the next `maintain`
+    /// (`incoming` empty), moves the memtable into a segment (without
     /// `write_in_background`; with it, see [`flush_wanted`](Self::flush_wanted)).
-    pub fn flush_due(&self, incoming: usize) -> bool {
+    pub fn flush_due(&self, incoming: &[StoredEvent]) -> bool {
         !self.opts.write_in_background
-            && (self.memtable.len() + incoming >= self.opts.memtable_max_events
-                || self.memtable.bytes() >= self.opts.memtable_max_bytes)
+            && (self.memtable.len() + incoming.len() >= self.opts.memtable_max_events
+                || self.memtable.bytes() + incoming.iter().map(super::memtable::event_bytes).sum::<usize>()
+                    >= self.opts.memtable_max_bytes)
     }
 
     /// With `write_in_background`: the memtable is full and no flush is
@@ -619,14 +620,19 @@ impl UsageStore {
         self.opts.write_in_background && self.frozen.is_none() && self.poisoned.is_none() && self.memtable_full()
     }
 
-    /// With `write_in_background`: the memtable has reached twice its bound
-    /// while a flush is still being written; appends should wait for that
-    /// flush to finish, so memory stays bounded however slow the disk is.
+    /// With `write_in_background`: a flush is still being written and the
+    /// frozen and live memtables together have reached three times the
+    /// bound; appends should wait for that flush to finish, so memory stays
+    /// bounded however slow the disk is.
     pub fn must_wait_for_flush(&self) -> bool {
-        self.frozen.is_some()
-            && self.poisoned.is_none()
-            && (self.memtable.len() >= self.opts.memtable_max_events.saturating_mul(2)
-                || self.memtable.bytes() >= self.opts.memtable_max_bytes.saturating_mul(2))
+        // The frozen memtable and the live one together: a memtable frozen
+        // after such a wait may itself be past its bound, and the next one
+        // must not grow to the same size again beside it.
+        self.frozen.as_ref().is_some_and(|frozen| {
+            self.poisoned.is_none()
+                && (frozen.len() + self.memtable.len() >= self.opts.memtable_max_events.saturating_mul(3)
+                    || frozen.bytes() + self.memtable.bytes() >= self.opts.memtable_max_bytes.saturating_mul(3))
+        })
     }
 
     /// A job started here will never be finished (no thread could be
@@ -1155,9 +1161,13 @@ impl UsageStore {
     /// `write_in_background` the caller runs the job
     /// ([`CompactionJob::run`], without the store's lock) and installs it
     /// ([`finish_compaction`](Self::finish_compaction)); flushes go on
-    /// meanwhile.
+    /// meanwhile. Without `write_in_background`, `maintain` compacts
+    /// inline and this is always `None`.
     pub fn start_compaction(&mut self, now_ms: i64) -> Result<Option<CompactionJob>, StorageError> {
         self.check_poison()?;
+        if !self.opts.write_in_background {
+            return Ok(None);
+        }
         Ok(self.start_compaction_inner(now_ms))
     }
 
@@ -1305,7 +1315,9 @@ impl UsageStore {
         Ok(doomed.len())
     }
 
-    /// Flushes the memtable and fsyncs everything; the next open replays nothing.
+    /// Flushes the memtable and fsyncs everything; the next open replays
+    /// nothing, unless a flush job was left out (then only fsyncs: that
+    /// job's events are replayed from the WAL).
     pub fn close(mut self) -> Result<(), StorageError> {
         self.flush()
     }
