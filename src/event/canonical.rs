@@ -42,6 +42,64 @@ fn push_escaped(out: &mut String, s: &str) {
     }
 }
 
+/// Epoch milliseconds of 0000-01-01T00:00:00Z and of 10000-01-01T00:00:00Z:
+/// the years [`push_timestamp_ms`] writes digit by digit.
+const FOUR_DIGIT_YEARS_MS: std::ops::Range<i64> = -62_167_219_200_000..253_402_300_800_000;
+
+/// The civil date (year, month, day) of a day counted from 1970-01-01, in
+/// the proleptic Gregorian calendar: days are shifted to an era of 400
+/// years starting on a 1 March, where every month length but February's
+/// follows one formula.
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let day_of_era = z.rem_euclid(146_097);
+    let year_of_era = (day_of_era - day_of_era / 1_460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let month_from_march = (5 * day_of_year + 2) / 153;
+    let day = (day_of_year - (153 * month_from_march + 2) / 5 + 1) as u32;
+    let month = if month_from_march < 10 { month_from_march + 3 } else { month_from_march - 9 } as u32;
+    let year = year_of_era + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+fn push_digits(out: &mut String, value: u32, width: usize) {
+    let mut buf = [b'0'; 4];
+    let mut v = value;
+    for slot in buf[..width].iter_mut().rev() {
+        *slot = b'0' + (v % 10) as u8;
+        v /= 10;
+    }
+    // Only ASCII digits were written.
+    out.extend(buf[..width].iter().map(|&b| b as char));
+}
+
+/// Appends what [`format_timestamp_ms`] returns, without building a
+/// string: the output line's and the payload's hot path.
+pub fn push_timestamp_ms(out: &mut String, ms: i64) {
+    if !FOUR_DIGIT_YEARS_MS.contains(&ms) {
+        out.push_str(&format_timestamp_ms(ms));
+        return;
+    }
+    let secs = ms.div_euclid(1000);
+    let (year, month, day) = civil_from_days(secs.div_euclid(86_400));
+    let second_of_day = secs.rem_euclid(86_400) as u32;
+    push_digits(out, year as u32, 4);
+    out.push('-');
+    push_digits(out, month, 2);
+    out.push('-');
+    push_digits(out, day, 2);
+    out.push('T');
+    push_digits(out, second_of_day / 3_600, 2);
+    out.push(':');
+    push_digits(out, second_of_day / 60 % 60, 2);
+    out.push(':');
+    push_digits(out, second_of_day % 60, 2);
+    out.push('.');
+    push_digits(out, ms.rem_euclid(1000) as u32, 3);
+    out.push('Z');
+}
+
 /// Formats epoch milliseconds as RFC 3339 UTC with exactly three fractional digits.
 pub fn format_timestamp_ms(ms: i64) -> String {
     let secs = ms.div_euclid(1000);
@@ -86,13 +144,22 @@ pub fn write_canonical_json(e: &UsageEvent, out: &mut String) {
     push_field(out, "tenant_id", &e.tenant_id);
     push_field(out, "customer_id", &e.customer_id);
     push_field(out, "meter", &e.meter);
-    push_field(out, "quantity", &e.quantity.normalize().to_string());
-    let ts = format_timestamp_ms(e.timestamp_ms);
-    if ts.starts_with(|c: char| c.is_ascii_digit() || c == '-') && !ts.contains('T') {
-        out.push_str(",\"timestamp\":");
-        out.push_str(&ts);
+    // A decimal's digits, sign and point need no escaping.
+    out.push_str(",\"quantity\":\"");
+    let _ = write!(out, "{}", e.quantity.normalize());
+    out.push('"');
+    if FOUR_DIGIT_YEARS_MS.contains(&e.timestamp_ms) {
+        out.push_str(",\"timestamp\":\"");
+        push_timestamp_ms(out, e.timestamp_ms);
+        out.push('"');
     } else {
-        push_field(out, "timestamp", &ts);
+        let ts = format_timestamp_ms(e.timestamp_ms);
+        if ts.starts_with(|c: char| c.is_ascii_digit() || c == '-') && !ts.contains('T') {
+            out.push_str(",\"timestamp\":");
+            out.push_str(&ts);
+        } else {
+            push_field(out, "timestamp", &ts);
+        }
     }
     push_field(out, "kind", e.kind.as_str());
     if let Some(c) = &e.correction_ref {
@@ -136,7 +203,7 @@ pub fn write_canonical_json(e: &UsageEvent, out: &mut String) {
 mod tests {
     use proptest::prelude::*;
 
-    use super::{push_escaped, push_json_str};
+    use super::{format_timestamp_ms, push_escaped, push_json_str, push_timestamp_ms, FOUR_DIGIT_YEARS_MS};
 
     fn pushed(s: &str) -> String {
         let mut out = String::new();
@@ -144,7 +211,43 @@ mod tests {
         out
     }
 
+    /// What the `time` crate writes for `ms`: the reference the digit-by-
+    /// digit path must match.
+    fn by_the_calendar_crate(ms: i64) -> String {
+        let t = time::OffsetDateTime::from_unix_timestamp(ms.div_euclid(1000)).expect("in range");
+        format!(
+            "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z",
+            t.year(),
+            u8::from(t.month()),
+            t.day(),
+            t.hour(),
+            t.minute(),
+            t.second(),
+            ms.rem_euclid(1000)
+        )
+    }
+
+    fn pushed_timestamp(ms: i64) -> String {
+        let mut out = String::new();
+        push_timestamp_ms(&mut out, ms);
+        out
+    }
+
     proptest! {
+        /// Timestamps written digit by digit are the calendar's, for every
+        /// instant of years 0000 to 9999 (leap years, centuries, the
+        /// epoch's either side); outside them, the number as before.
+        #[test]
+        fn timestamps_are_written_as_the_calendar_writes_them(
+            ms in prop_oneof![FOUR_DIGIT_YEARS_MS, 1_600_000_000_000i64..1_900_000_000_000, any::<i64>()]
+        ) {
+            let pushed = pushed_timestamp(ms);
+            prop_assert_eq!(&pushed, &format_timestamp_ms(ms));
+            if FOUR_DIGIT_YEARS_MS.contains(&ms) {
+                prop_assert_eq!(pushed, by_the_calendar_crate(ms));
+            }
+        }
+
         /// The copy-whole path writes exactly what escaping each character
         /// writes: the canonical form, and so every published payload,
         /// does not depend on which path a string took.
@@ -156,6 +259,21 @@ mod tests {
             push_escaped(&mut each, &s);
             each.push('"');
             prop_assert_eq!(pushed(&s), each);
+        }
+    }
+
+    #[test]
+    fn edges_of_the_calendar_are_written_as_pinned() {
+        for (ms, text) in [
+            (0, "1970-01-01T00:00:00.000Z"),
+            (-1, "1969-12-31T23:59:59.999Z"),
+            (951_782_400_000, "2000-02-29T00:00:00.000Z"),
+            (4_107_542_399_999, "2100-02-28T23:59:59.999Z"),
+            (FOUR_DIGIT_YEARS_MS.start, "0000-01-01T00:00:00.000Z"),
+            (FOUR_DIGIT_YEARS_MS.end - 1, "9999-12-31T23:59:59.999Z"),
+        ] {
+            assert_eq!(pushed_timestamp(ms), text);
+            assert_eq!(by_the_calendar_crate(ms), text);
         }
     }
 

@@ -100,6 +100,12 @@ pub const MAX_DEPTH: usize = 32;
 /// limits the depth of what it decodes, but skips an unknown field's value
 /// without that limit; a scan first keeps the stack bounded for any input.
 fn check_depth(bytes: &[u8]) -> Result<(), MalformedJson> {
+    // Nesting cannot go deeper than the number of opening brackets (those
+    // inside strings included): counting them is branch-free and settles
+    // nearly every record without the walk below.
+    if bytes.iter().filter(|&&b| b == b'{' || b == b'[').count() <= MAX_DEPTH {
+        return Ok(());
+    }
     let mut depth = 0usize;
     let mut in_string = false;
     let mut escaped = false;
@@ -156,12 +162,23 @@ fn set_once<T, E: de::Error>(slot: &mut WireField<T>, name: &str, value: WireFie
     Ok(())
 }
 
+/// The content of a JSON string literal `text` (quotes included, already
+/// checked by the parser: no raw control character, escapes well formed).
+/// Without a backslash the content is the bytes between the quotes; only
+/// a string with escapes is decoded again.
+fn string_content(text: &str) -> Result<String, serde_json::Error> {
+    match text.get(1..text.len().saturating_sub(1)) {
+        Some(inner) if text.len() >= 2 && !inner.as_bytes().contains(&b'\\') => Ok(inner.to_owned()),
+        _ => serde_json::from_str::<String>(text),
+    }
+}
+
 /// Reads a value that should be a string.
 fn string_field<'de, A: MapAccess<'de>>(map: &mut A) -> Result<WireField<String>, A::Error> {
     let raw: &RawValue = map.next_value()?;
     let text = raw.get();
     match text.as_bytes().first() {
-        Some(b'"') => serde_json::from_str::<String>(text).map(WireField::Value).map_err(de::Error::custom),
+        Some(b'"') => string_content(text).map(WireField::Value).map_err(de::Error::custom),
         Some(b'n') => Ok(WireField::Null),
         _ => Ok(WireField::WrongType(json_type_name(raw))),
     }
@@ -172,9 +189,7 @@ fn scalar_field<'de, A: MapAccess<'de>>(map: &mut A) -> Result<WireField<Scalar>
     let raw: &RawValue = map.next_value()?;
     let text = raw.get();
     match text.as_bytes().first() {
-        Some(b'"') => {
-            serde_json::from_str::<String>(text).map(|s| WireField::Value(Scalar::Str(s))).map_err(de::Error::custom)
-        }
+        Some(b'"') => string_content(text).map(|s| WireField::Value(Scalar::Str(s))).map_err(de::Error::custom),
         Some(b'n') => Ok(WireField::Null),
         Some(c) if *c == b'-' || c.is_ascii_digit() => Ok(WireField::Value(Scalar::Number(text.to_owned()))),
         _ => Ok(WireField::WrongType(json_type_name(raw))),
@@ -388,6 +403,42 @@ impl<'de> Visitor<'de> for DimensionsVisitor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn event_with_id(id_literal: &str) -> Result<WireEvent, MalformedJson> {
+        let json = format!(
+            r#"{{"event_id":{id_literal},"tenant_id":"t","customer_id":"c","meter":"m","quantity":"1","timestamp":1}}"#
+        );
+        decode(json.as_bytes(), false)
+    }
+
+    /// Strings without a backslash are copied from between their quotes;
+    /// strings with escapes are decoded; what the parser refuses stays
+    /// refused either way.
+    #[test]
+    fn strings_read_the_same_with_or_without_escapes() {
+        let id = |lit: &str| event_with_id(lit).map(|e| e.event_id);
+        assert_eq!(id(r#""plain-id é""#), Ok(WireField::Value("plain-id é".to_owned())));
+        assert_eq!(id(r#""a\"b\\c\n\u00e9""#), Ok(WireField::Value("a\"b\\c\né".to_owned())));
+        assert_eq!(id(r#""""#), Ok(WireField::Value(String::new())));
+        assert!(id("\"raw\u{1}control\"").is_err(), "a raw control character is not JSON");
+        assert!(id(r#""bad \q escape""#).is_err());
+        assert!(id(r#""unpaired \ud800""#).is_err());
+    }
+
+    /// Brackets inside strings do not count as nesting; real nesting past
+    /// the limit is refused, however the count of brackets comes out.
+    #[test]
+    fn depth_is_nesting_not_the_number_of_brackets() {
+        let many = format!(r#""{}""#, "{[".repeat(40));
+        assert!(event_with_id(&many).is_ok());
+        let deep = format!(r#"{{"x":{}1{}}}"#, "[".repeat(MAX_DEPTH), "]".repeat(MAX_DEPTH));
+        assert_eq!(
+            decode(deep.as_bytes(), false),
+            Err(MalformedJson(format!("nested deeper than {MAX_DEPTH} levels")))
+        );
+        let wide = format!(r#"{{"x":[{}]}}"#, vec!["[]"; 40].join(","));
+        assert!(decode(wide.as_bytes(), false).is_ok(), "forty siblings are two levels deep");
+    }
 
     #[test]
     fn reads_every_field() {

@@ -143,6 +143,28 @@ impl OutputSink {
     }
 }
 
+/// Takes `event`, leaving an empty one (no allocation) in its place.
+fn moved_out(event: &mut UsageEvent) -> UsageEvent {
+    std::mem::replace(
+        event,
+        UsageEvent {
+            event_id: String::new(),
+            event_id_derived: false,
+            tenant_id: String::new(),
+            customer_id: String::new(),
+            meter: String::new(),
+            quantity: rust_decimal::Decimal::ZERO,
+            timestamp_ms: 0,
+            kind: crate::event::EventKind::Usage,
+            correction_ref: None,
+            resource_id: None,
+            unit: None,
+            source: None,
+            dimensions: Vec::new(),
+        },
+    )
+}
+
 /// Runs `dedupd dedupe`. Returns the bucket counts of this run.
 pub fn run_dedupe(opts: &DedupeOptions, settings: &EngineSettings, clock: &dyn Clock) -> Result<Summary, OfflineError> {
     run_dedupe_with_progress(opts, settings, clock, &mut |_| {})
@@ -258,7 +280,7 @@ pub fn run_dedupe_with_progress(
         // Publish: accepted lines first, then the reports.
         let mut published: Vec<StoredEvent> = Vec::new();
         let mut accepted_in_batch: Vec<Option<usize>> = vec![None; outcomes.len()];
-        for (i, o) in outcomes.iter().enumerate() {
+        for (i, o) in outcomes.iter_mut().enumerate() {
             if let Outcome::Accepted { event, id_hash, payload_hash } = o {
                 line_text.clear();
                 write_canonical_json(event, &mut line_text);
@@ -276,11 +298,13 @@ pub fn run_dedupe_with_progress(
                 };
                 output.next_offset += 1;
                 accepted_in_batch[i] = Some(published.len());
-                published.push(StoredEvent { key, event: event.clone() });
-                summary.accepted += 1;
                 if event.event_id_derived {
                     derived_ids += 1;
                 }
+                // Moved, not copied: from here on the outcome only counts
+                // as accepted, and conflicts read the event from `published`.
+                published.push(StoredEvent { key, event: moved_out(event) });
+                summary.accepted += 1;
             }
         }
         output.end_batch().map_err(|source| OfflineError::Io {
