@@ -107,8 +107,10 @@ pub(crate) fn db_options(o: &KeyStoreOptions) -> Options {
     db.create_missing_column_families(true);
     db.set_max_background_jobs(o.background_jobs);
     db.set_max_subcompactions(1);
-    // One writer at a time (the store's write lock): the concurrent insert
-    // path would only add its splice recomputation per key.
+    // Partitions write side by side, but RocksDB's write group inserts
+    // their sorted batches one after another, reusing the skiplist splice;
+    // the concurrent insert path measured no faster with two partitions
+    // on two cores (scripts/bench engine, 2026-11-25).
     db.set_allow_concurrent_memtable_write(false);
     // Keys and meta are written in one batch; flushing them together keeps
     // the SSTs consistent with each other even without the WAL.
