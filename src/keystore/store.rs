@@ -420,6 +420,10 @@ impl KeyStore {
             batch.delete_cf(meta_cf, cell_key(bucket, p));
         }
         self.db.write_opt(batch, &self.write_opts).map_err(KeystoreError::rocks("drop partition"))?;
+        // No apply holds the partition's lock now (they hold the store's
+        // shared): let it go with the partition, so the map of locks holds
+        // only partitions this process still has.
+        self.partition_writes.lock().unwrap_or_else(PoisonError::into_inner).remove(&partition);
         // The range tombstone already hides the keys; this frees the space
         // of files holding nothing else without waiting for compaction.
         self.db
@@ -766,7 +770,15 @@ mod tests {
         k7.output.partition = 7;
         ks.apply_batch(7, &[k7], 5)?;
         ks.apply_batch(8, &[key(2, HOUR, 6)], 6)?;
+        let locks = |ks: &KeyStore| {
+            let mut held: Vec<i32> =
+                ks.partition_writes.lock().unwrap_or_else(PoisonError::into_inner).keys().copied().collect();
+            held.sort_unstable();
+            held
+        };
+        assert_eq!(locks(&ks), [7, 8]);
         ks.drop_partition(7)?;
+        assert_eq!(locks(&ks), [8], "the dropped partition's apply lock goes with it");
         assert!(ks.get(7, &k7.id_hash)?.is_none());
         assert_eq!(ks.checkpoint(7)?, None);
         assert_eq!(ks.partition_key_count(7)?, 0);
