@@ -102,23 +102,30 @@ pub fn push_timestamp_ms(out: &mut String, ms: i64) {
 
 /// Formats epoch milliseconds as RFC 3339 UTC with exactly three fractional digits.
 pub fn format_timestamp_ms(ms: i64) -> String {
-    let secs = ms.div_euclid(1000);
-    let millis = ms.rem_euclid(1000);
-    match time::OffsetDateTime::from_unix_timestamp(secs) {
-        Ok(t) => format!(
-            "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z",
-            t.year(),
-            u8::from(t.month()),
-            t.day(),
-            t.hour(),
-            t.minute(),
-            t.second(),
-            millis
-        ),
-        // Outside the representable calendar: fall back to the number, which
-        // still reads back as epoch milliseconds.
-        Err(_) => ms.to_string(),
+    if FOUR_DIGIT_YEARS_MS.contains(&ms) {
+        let mut out = String::with_capacity(24);
+        push_timestamp_ms(&mut out, ms);
+        return out;
     }
+    // Outside the representable calendar: fall back to the number, which
+    // still reads back as epoch milliseconds.
+    by_the_calendar(ms).unwrap_or_else(|| ms.to_string())
+}
+
+/// `ms` as the `time` crate's calendar writes it (years -9999 to 9999),
+/// `None` outside it. What the digit-by-digit path is checked against.
+fn by_the_calendar(ms: i64) -> Option<String> {
+    let t = time::OffsetDateTime::from_unix_timestamp(ms.div_euclid(1000)).ok()?;
+    Some(format!(
+        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z",
+        t.year(),
+        u8::from(t.month()),
+        t.day(),
+        t.hour(),
+        t.minute(),
+        t.second(),
+        ms.rem_euclid(1000)
+    ))
 }
 
 fn push_field(out: &mut String, name: &str, value: &str) {
@@ -211,20 +218,8 @@ mod tests {
         out
     }
 
-    /// What the `time` crate writes for `ms`: the reference the digit-by-
-    /// digit path must match.
     fn by_the_calendar_crate(ms: i64) -> String {
-        let t = time::OffsetDateTime::from_unix_timestamp(ms.div_euclid(1000)).expect("in range");
-        format!(
-            "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z",
-            t.year(),
-            u8::from(t.month()),
-            t.day(),
-            t.hour(),
-            t.minute(),
-            t.second(),
-            ms.rem_euclid(1000)
-        )
+        super::by_the_calendar(ms).expect("in range")
     }
 
     fn pushed_timestamp(ms: i64) -> String {

@@ -1544,35 +1544,48 @@ mod tests {
         assert_eq!(store.get_first_seen_many(0, &wanted).expect("lookup"), found);
         let e = &events[17];
         assert_eq!(store.get_first_seen(0, &e.key.id_hash, e.key.first_seen_ms).expect("lookup").as_ref(), Some(e));
+        assert_eq!(every_event(&store), events);
+        drop(store);
+        assert_verifies(dir.path());
+    }
+
+    /// Every stored event, oldest first.
+    fn every_event(store: &UsageStore) -> Vec<StoredEvent> {
         let mut all = Vec::new();
         store.for_each_event(|e| all.push(e.clone())).expect("scan");
-        assert_eq!(all, events);
-        drop(store);
-        let report = crate::storage::verify(dir.path()).expect("verify");
+        all
+    }
+
+    /// `dedupd verify` finds nothing wrong in the store at `dir`.
+    fn assert_verifies(dir: &Path) {
+        let report = crate::storage::verify(dir).expect("verify");
         assert!(report.is_clean(), "{report:?}");
     }
 
-    /// A flush written without the store's lock: appends go on into a
-    /// fresh memtable, every frozen event stays readable until the
-    /// segment is installed, and a process death at any point of the job (frozen, written, or
-    /// failed) loses nothing and doubles nothing on reopen.
-    #[test]
-    fn a_flush_written_beside_appends_keeps_every_event_readable_and_recoverable() {
-        use crate::storage::testutil::sample_event;
-        let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
-        let opts = StoreOptions {
+    /// Small memtables, flushes and compactions left to jobs, nothing
+    /// past retention.
+    fn jobs_options() -> StoreOptions {
+        StoreOptions {
             memtable_max_events: 10,
             write_in_background: true,
             compaction_min_segments: 2,
             compaction_target_rows: 1_000,
             retention_ms: i64::MAX / 4,
             ..StoreOptions::default()
-        };
-        let all = |store: &UsageStore| {
-            let mut seen = Vec::new();
-            store.for_each_event(|e| seen.push(e.clone())).expect("scan");
-            seen
-        };
+        }
+    }
+
+    /// A flush written without the store's lock: appends go on into a
+    /// fresh memtable, every frozen event stays readable until the
+    /// segment is installed, and a process death at any point of the job
+    /// (frozen, written, or failed) loses nothing and doubles nothing on
+    /// reopen.
+    #[test]
+    fn a_flush_written_beside_appends_keeps_every_event_readable_and_recoverable() {
+        use crate::storage::testutil::sample_event;
+        let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
+        let opts = jobs_options();
+        let all = every_event;
         // How the job ends: installed, the process dies before the install
         // (segment written or not), or the write fails.
         for ending in ["installed", "died_frozen", "died_written", "write_failed"] {
@@ -1671,14 +1684,7 @@ mod tests {
     fn a_compaction_merged_beside_flushes_installs_and_keeps_to_its_memory_bound() {
         use crate::storage::testutil::sample_event;
         let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
-        let opts = StoreOptions {
-            memtable_max_events: 10,
-            write_in_background: true,
-            compaction_min_segments: 2,
-            compaction_target_rows: 1_000,
-            retention_ms: i64::MAX / 4,
-            ..StoreOptions::default()
-        };
+        let opts = jobs_options();
         let dir = tempfile::tempdir().expect("tmp");
         let (mut store, _) =
             UsageStore::open_on(Arc::new(RealFs), dir.path(), opts.clone(), observer.clone()).expect("open");
@@ -1706,12 +1712,9 @@ mod tests {
         let ids: Vec<u64> = store.segments().iter().map(|m| m.id).collect();
         assert_eq!(ids.len(), 3, "the merged segment and the two flushed beside it: {ids:?}");
         assert_eq!(Some(ids[0]), report.compacted_into, "in the place of its oldest input");
-        let mut all = Vec::new();
-        store.for_each_event(|e| all.push(e.clone())).expect("scan");
-        assert_eq!(all, events);
+        assert_eq!(every_event(&store), events);
         drop(store);
-        let report = crate::storage::verify(dir.path()).expect("verify");
-        assert!(report.is_clean(), "{report:?}");
+        assert_verifies(dir.path());
 
         // A bound of one byte: each merge takes two inputs, never more.
         let tight = StoreOptions { compaction_max_bytes: 1, ..opts };
@@ -1721,9 +1724,7 @@ mod tests {
         let report = store.finish_compaction(compaction).expect("install");
         assert_eq!(report.compacted_segments, 2, "{report:?}");
         assert_eq!(store.segments().len(), 2);
-        let mut all = Vec::new();
-        store.for_each_event(|e| all.push(e.clone())).expect("scan");
-        assert_eq!(all, events);
+        assert_eq!(every_event(&store), events);
     }
 
     /// The group commit on the real filesystem: four partitions append
