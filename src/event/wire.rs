@@ -163,7 +163,8 @@ fn set_once<T, E: de::Error>(slot: &mut WireField<T>, name: &str, value: WireFie
 }
 
 /// The content of a JSON string literal `text` (quotes included, already
-/// checked by the parser: no raw control character, escapes well formed).
+/// checked by the parser: no raw control character, escapes well formed;
+/// `decode` parses from a `&str`, so the text is also valid UTF-8).
 /// Without a backslash the content is the bytes between the quotes; only
 /// a string with escapes is decoded again.
 fn string_content(text: &str) -> Result<String, serde_json::Error> {
