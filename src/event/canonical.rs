@@ -287,18 +287,11 @@ mod tests {
     fn sample_usage_event() -> crate::event::UsageEvent {
         crate::event::UsageEvent {
             event_id: "e".into(),
-            event_id_derived: false,
             tenant_id: "t".into(),
             customer_id: "c".into(),
             meter: "m".into(),
             quantity: rust_decimal::Decimal::ONE,
-            timestamp_ms: 0,
-            kind: crate::event::EventKind::Usage,
-            correction_ref: None,
-            resource_id: None,
-            unit: None,
-            source: None,
-            dimensions: Vec::new(),
+            ..crate::event::UsageEvent::blank()
         }
     }
 

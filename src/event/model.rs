@@ -90,6 +90,26 @@ pub struct UsageEvent {
 }
 
 impl UsageEvent {
+    /// An event with every field empty (no allocation): what an event
+    /// moved out of a place leaves behind, and a base for building one.
+    pub fn blank() -> UsageEvent {
+        UsageEvent {
+            event_id: String::new(),
+            event_id_derived: false,
+            tenant_id: String::new(),
+            customer_id: String::new(),
+            meter: String::new(),
+            quantity: Decimal::ZERO,
+            timestamp_ms: 0,
+            kind: EventKind::Usage,
+            correction_ref: None,
+            resource_id: None,
+            unit: None,
+            source: None,
+            dimensions: Vec::new(),
+        }
+    }
+
     /// The event id this event is *placed* by: its own, except for a
     /// correction or retraction, which is placed by the event it corrects,
     /// so it lands on the partition whose state knows that event (its own

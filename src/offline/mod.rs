@@ -143,28 +143,6 @@ impl OutputSink {
     }
 }
 
-/// Takes `event`, leaving an empty one (no allocation) in its place.
-fn moved_out(event: &mut UsageEvent) -> UsageEvent {
-    std::mem::replace(
-        event,
-        UsageEvent {
-            event_id: String::new(),
-            event_id_derived: false,
-            tenant_id: String::new(),
-            customer_id: String::new(),
-            meter: String::new(),
-            quantity: rust_decimal::Decimal::ZERO,
-            timestamp_ms: 0,
-            kind: crate::event::EventKind::Usage,
-            correction_ref: None,
-            resource_id: None,
-            unit: None,
-            source: None,
-            dimensions: Vec::new(),
-        },
-    )
-}
-
 /// Runs `dedupd dedupe`. Returns the bucket counts of this run.
 pub fn run_dedupe(opts: &DedupeOptions, settings: &EngineSettings, clock: &dyn Clock) -> Result<Summary, OfflineError> {
     run_dedupe_with_progress(opts, settings, clock, &mut |_| {})
@@ -303,7 +281,7 @@ pub fn run_dedupe_with_progress(
                 }
                 // Moved, not copied: from here on the outcome only counts
                 // as accepted, and conflicts read the event from `published`.
-                published.push(StoredEvent { key, event: moved_out(event) });
+                published.push(StoredEvent { key, event: std::mem::replace(event, UsageEvent::blank()) });
                 summary.accepted += 1;
             }
         }
