@@ -140,9 +140,11 @@ impl JobThread {
     /// Runs `work` on `job` on a new thread named `name`. Called with the
     /// usage store's lock held, just after the store started the job: the
     /// thread before it on this slot has installed its job (the store
-    /// starts one at a time), so joining it is short. A job no thread can
-    /// be started for is abandoned, which poisons the store: it could
-    /// never be installed.
+    /// starts one at a time). It is joined only if it has ended: one that
+    /// panicked after its install may still be waiting for the lock held
+    /// here, to poison the store, and is left to finish on its own. A job
+    /// no thread can be started for is abandoned, which poisons the store:
+    /// it could never be installed.
     /// A job that panics is abandoned, which poisons the store at once:
     /// otherwise a flush would stay frozen (and the next never start) and
     /// a compaction would stay out, with nothing said until appends wait.
@@ -154,7 +156,10 @@ impl JobThread {
         job: J,
         work: impl FnOnce(J, &Mutex<UsageStore>) + Send + 'static,
     ) -> Result<(), StateError> {
-        self.join();
+        let previous = locked(&self.0).take();
+        if let Some(previous) = previous.filter(std::thread::JoinHandle::is_finished) {
+            let _ = previous.join();
+        }
         let store = Arc::clone(store);
         let body = move || {
             let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(job, &store)));
