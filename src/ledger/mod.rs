@@ -33,6 +33,7 @@ mod rollup;
 mod store;
 
 use std::collections::BTreeMap;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 pub use book::{
     period_totals, CounterOfTenant, CounterTotal, PeriodAction, PeriodBook, PeriodChange, PeriodLine, PeriodRecord,
@@ -58,11 +59,18 @@ pub struct MemoryPartition {
 }
 
 /// The ledger tier of local state: in memory, or durable in a state
-/// directory. Both fold the same way; see the module doc.
+/// directory. Both fold the same way; see the module doc. Shared by every
+/// partition's apply: the durable store locks per partition (see
+/// [`LedgerStore`]); the memory one, kept only without a state directory,
+/// has one lock.
 #[derive(Debug)]
 pub enum Ledger {
-    Memory(BTreeMap<i32, MemoryPartition>),
+    Memory(Mutex<BTreeMap<i32, MemoryPartition>>),
     Durable(Box<LedgerStore>),
+}
+
+fn held(parts: &Mutex<BTreeMap<i32, MemoryPartition>>) -> MutexGuard<'_, BTreeMap<i32, MemoryPartition>> {
+    parts.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl std::fmt::Debug for MemoryPartition {
@@ -73,12 +81,12 @@ impl std::fmt::Debug for MemoryPartition {
 
 impl Ledger {
     pub fn in_memory() -> Ledger {
-        Ledger::Memory(BTreeMap::new())
+        Ledger::Memory(Mutex::default())
     }
 
     pub fn checkpoint(&self, partition: i32) -> Result<Option<i64>, LedgerError> {
         match self {
-            Ledger::Memory(parts) => Ok(parts.get(&partition).and_then(|p| p.checkpoint)),
+            Ledger::Memory(parts) => Ok(held(parts).get(&partition).and_then(|p| p.checkpoint)),
             Ledger::Durable(store) => store.checkpoint(partition),
         }
     }
@@ -97,7 +105,7 @@ impl Ledger {
             Ledger::Durable(store) => store.preview(partition, lateness, events),
             Ledger::Memory(parts) => {
                 let mut maps = LedgerMaps::default();
-                if let Some(held) = parts.get(&partition) {
+                if let Some(held) = held(parts).get(&partition) {
                     for (e, _) in events {
                         let counter = std::sync::Arc::new(CounterKey::of(e));
                         let hour = HourKey { counter: counter.clone(), hour_ms: hour_of(e.timestamp_ms) };
@@ -117,7 +125,7 @@ impl Ledger {
 
     /// Folds `events` in; those at or below the checkpoint are skipped.
     pub fn apply(
-        &mut self,
+        &self,
         partition: i32,
         lateness: &Lateness,
         events: &[(&UsageEvent, i64)],
@@ -125,6 +133,7 @@ impl Ledger {
         match self {
             Ledger::Durable(store) => store.apply(partition, lateness, events),
             Ledger::Memory(parts) => {
+                let mut parts = held(parts);
                 let held = parts.entry(partition).or_default();
                 let checkpoint = held.checkpoint;
                 let fresh = events.iter().copied().filter(|(_, o)| checkpoint.is_none_or(|c| *o > c));
@@ -148,7 +157,7 @@ impl Ledger {
         match self {
             Ledger::Durable(store) => store.rollups(tenant_id, customer_id, f),
             Ledger::Memory(parts) => {
-                for (p, held) in parts {
+                for (p, held) in held(parts).iter() {
                     for (k, r) in &held.maps.hours {
                         if k.counter.tenant_id == tenant_id && customer_id.is_none_or(|c| c == k.counter.customer_id) {
                             f(k.clone(), *p, r.clone());
@@ -191,7 +200,7 @@ impl Ledger {
     pub fn adjustments(&self, tenant_id: &str) -> Result<Vec<Adjustment>, LedgerError> {
         match self {
             Ledger::Durable(store) => store.adjustments(tenant_id),
-            Ledger::Memory(parts) => Ok(parts
+            Ledger::Memory(parts) => Ok(held(parts)
                 .values()
                 .flat_map(|p| p.adjustments.iter())
                 .filter(|a| a.counter.tenant_id == tenant_id)

@@ -22,7 +22,9 @@
 //! ```
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::time::Instant;
 
 use hashbrown::{HashMap, HashSet};
 
@@ -51,7 +53,7 @@ pub enum LedgerError {
     Missing { dir: String },
     #[error("{0}")]
     Query(String),
-    /// A write the tests made fail (see `Cache::fail_next_write`).
+    /// A write the tests made fail (see `LedgerStore::fail_next_write`).
     #[cfg(test)]
     #[error("ledger store: injected write failure")]
     InjectedWriteFailure,
@@ -74,10 +76,10 @@ const CACHE_MAX_ENTRIES: usize = 1_000_000;
 /// 5 s 30%), and the worker's own queries write first.
 pub const WRITE_BEHIND: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// A batch folded by [`LedgerStore::preview`] into the cache, in place,
-/// and not applied yet: its apply keeps the fold; anything else undoes it.
+/// A batch folded by [`LedgerStore::preview`] into its partition's cache,
+/// in place, and not applied yet: its apply keeps the fold; anything else
+/// undoes it.
 struct Previewed {
-    partition: i32,
     /// The partition's checkpoint when it was folded.
     checkpoint: Option<i64>,
     /// Which events, in which order (see [`fingerprint`]).
@@ -153,46 +155,64 @@ fn fingerprint(events: &[(&UsageEvent, i64)]) -> [u8; 32] {
 ///
 /// [`apply`](Self::apply) folds into an in-memory cache of hours and
 /// watermarks; [`write_pending`](Self::write_pending) writes every change
-/// since the last write in one key-ordered write batch with the
-/// checkpoints. Local state calls it before each usage-store flush, and at
-/// the first apply or maintenance tick once [`WRITE_BEHIND`] has passed
-/// (and every query does), so a counter-hour
-/// that many batches touch is written once, not once per batch: the write
-/// was half the ledger's cost when every batch wrote. A restart folds the
-/// unwritten batches again from the usage store's memtable (see the
-/// module doc), so it still repairs only the batches in flight. Reads go
-/// to the cache first: the hours a batch touches are mostly the hours the
-/// batch before touched.
+/// since the last write, each partition's in one key-ordered write batch
+/// with its checkpoint. Local state calls it before each usage-store flush,
+/// and at the first apply or maintenance tick once [`WRITE_BEHIND`] has
+/// passed (and every query does), so a counter-hour that many batches touch
+/// is written once, not once per batch: the write was half the ledger's
+/// cost when every batch wrote. A restart folds the unwritten batches again
+/// from the usage store's memtable (see the module doc), so it still
+/// repairs only the batches in flight. Reads go to the cache first: the
+/// hours a batch touches are mostly the hours the batch before touched.
+///
+/// Each partition's cache has a lock of its own, so partitions fold side by
+/// side: a partition's ledger is its own (every key but a rollup's starts
+/// with, and a rollup's ends with, the partition), and nothing one
+/// partition folds reads another's. One lock for the whole ledger made it
+/// the one place two partitions' applies waited for each other.
 pub struct LedgerStore {
     db: DB,
     dir: String,
-    cache: Mutex<Cache>,
+    /// By partition. The map is locked for writing only when a partition is
+    /// first seen; each cache is then locked alone.
+    partitions: RwLock<HashMap<i32, Arc<Mutex<Cache>>>>,
+    /// When folded changes were last written (`None`: never, this process).
+    written_at: Mutex<Option<Instant>>,
+    /// Hours and watermarks cached over every partition, as each counted
+    /// its own at its last write (see [`Cache::counted`]).
+    cached_entries: AtomicUsize,
+    /// [`CACHE_MAX_ENTRIES`], smaller in tests.
+    cache_max_entries: usize,
+    /// Tests: the next write fails as a full disk would make RocksDB's.
+    #[cfg(test)]
+    fail_next_write: std::sync::atomic::AtomicBool,
 }
 
-/// What the store holds (clean) and what waits to be written (dirty). A
-/// known absence is cached as `None`.
+/// One partition's ledger as this process holds it: what the store holds
+/// (clean) and what waits to be written (dirty). A known absence is cached
+/// as `None`.
 #[derive(Default)]
 struct Cache {
-    /// By partition, then key (looked up by reference, no key built).
-    /// Rollups boxed: the table stays small enough to sit in cache while
-    /// each event's hour is probed (a rollup is about a hundred bytes).
-    hours: HashMap<i32, HashMap<HourKey, Option<Box<Rollup>>>>,
-    watermarks: HashMap<i32, HashMap<Arc<CounterKey>, Option<i64>>>,
-    dirty_hours: HashMap<i32, HashSet<HourKey>>,
-    dirty_watermarks: HashMap<i32, HashSet<Arc<CounterKey>>>,
+    /// Looked up by reference, no key built. Rollups boxed: the table stays
+    /// small enough to sit in cache while each event's hour is probed (a
+    /// rollup is about a hundred bytes).
+    hours: HashMap<HourKey, Option<Box<Rollup>>>,
+    watermarks: HashMap<Arc<CounterKey>, Option<i64>>,
+    dirty_hours: HashSet<HourKey>,
+    dirty_watermarks: HashSet<Arc<CounterKey>>,
     /// The last preview, folded in place and kept by the apply of the same
     /// events (the worker previews a batch to publish its rollups, then
     /// applies it); undone before anything else reads or writes the cache.
     previewed: Option<Previewed>,
-    adjustments: Vec<(i32, Adjustment)>,
-    /// Last output offset folded, per partition, written or not.
-    checkpoints: HashMap<i32, i64>,
-    dirty_checkpoints: HashSet<i32>,
-    /// When folded changes were last written (`None`: never, this process).
-    written_at: Option<std::time::Instant>,
-    /// Tests: the next write fails as a full disk would make RocksDB's.
-    #[cfg(test)]
-    fail_next_write: bool,
+    adjustments: Vec<Adjustment>,
+    /// Last output offset folded, written or not; `None` until the first
+    /// fold of this process (the store is asked then).
+    checkpoint: Option<i64>,
+    /// Whether anything was folded since the last write.
+    dirty: bool,
+    /// This partition's share of [`LedgerStore::cached_entries`]: its
+    /// hours and watermarks at its last write.
+    counted: usize,
 }
 
 impl std::fmt::Debug for LedgerStore {
@@ -223,6 +243,13 @@ impl Preview {
     }
 }
 
+/// A lock whose holder panicked: what it guards is left as the panic left
+/// it, which every path here tolerates (a fold or write either finished or
+/// left its changes pending).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 impl LedgerStore {
     pub fn open(dir: &Path) -> Result<LedgerStore, LedgerError> {
         let mut opts = Options::default();
@@ -232,7 +259,7 @@ impl LedgerStore {
         opts.set_keep_log_file_num(2);
         let name = dir.display().to_string();
         let db = DB::open(&opts, dir).map_err(|source| LedgerError::Rocks { dir: name.clone(), source })?;
-        Ok(LedgerStore { db, dir: name, cache: Mutex::default() })
+        Ok(LedgerStore::over(db, name))
     }
 
     /// Opens a ledger for queries only, without its lock: a worker may be
@@ -244,23 +271,54 @@ impl LedgerStore {
         }
         let db = DB::open_for_read_only(&Options::default(), dir, false)
             .map_err(|source| LedgerError::Rocks { dir: name.clone(), source })?;
-        Ok(LedgerStore { db, dir: name, cache: Mutex::default() })
+        Ok(LedgerStore::over(db, name))
+    }
+
+    fn over(db: DB, dir: String) -> LedgerStore {
+        LedgerStore {
+            db,
+            dir,
+            partitions: RwLock::default(),
+            written_at: Mutex::default(),
+            cached_entries: AtomicUsize::new(0),
+            cache_max_entries: CACHE_MAX_ENTRIES,
+            #[cfg(test)]
+            fail_next_write: std::sync::atomic::AtomicBool::new(false),
+        }
     }
 
     fn rocks(&self) -> impl Fn(rocksdb::Error) -> LedgerError + '_ {
         |source| LedgerError::Rocks { dir: self.dir.clone(), source }
     }
 
-    fn cache(&self) -> std::sync::MutexGuard<'_, Cache> {
-        self.cache.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    /// `partition`'s cache, made empty the first time it is asked for.
+    fn cache(&self, partition: i32) -> Arc<Mutex<Cache>> {
+        let known = self.partitions.read().unwrap_or_else(PoisonError::into_inner).get(&partition).cloned();
+        known.unwrap_or_else(|| {
+            self.partitions.write().unwrap_or_else(PoisonError::into_inner).entry(partition).or_default().clone()
+        })
+    }
+
+    /// Every partition's cache, in partition order.
+    fn caches(&self) -> Vec<(i32, Arc<Mutex<Cache>>)> {
+        let held = self.partitions.read().unwrap_or_else(PoisonError::into_inner);
+        let mut all: Vec<_> = held.iter().map(|(p, c)| (*p, c.clone())).collect();
+        all.sort_unstable_by_key(|(p, _)| *p);
+        all
     }
 
     /// The last output offset of `partition` folded in (written or not:
     /// within this process, what is folded is what counts; after a restart,
     /// what was written).
     pub fn checkpoint(&self, partition: i32) -> Result<Option<i64>, LedgerError> {
-        if let Some(c) = self.cache().checkpoints.get(&partition) {
-            return Ok(Some(*c));
+        let cache = self.cache(partition);
+        let cache = lock(&cache);
+        self.checkpoint_of(partition, &cache)
+    }
+
+    fn checkpoint_of(&self, partition: i32, cache: &Cache) -> Result<Option<i64>, LedgerError> {
+        if cache.checkpoint.is_some() {
+            return Ok(cache.checkpoint);
         }
         let v = self.db.get(checkpoint_key(partition)).map_err(self.rocks())?;
         v.map(|b| read_i64(&b, "checkpoint")).transpose()
@@ -278,13 +336,14 @@ impl LedgerStore {
         lateness: &Lateness,
         events: &[(&UsageEvent, i64)],
     ) -> Result<Preview, LedgerError> {
-        let checkpoint = self.checkpoint(partition)?;
-        let mut cache = self.cache();
+        let cache = self.cache(partition);
+        let mut cache = lock(&cache);
+        let checkpoint = self.checkpoint_of(partition, &cache)?;
         Self::undo_preview(&mut cache);
         let (folded, undo) = self.fold_in_cache(&mut cache, partition, lateness, events)?;
-        let held = cache.hours.get(&partition);
-        let preview = Preview::of(folded.clone(), |k| held.and_then(|h| h.get(k)).and_then(Option::as_deref));
-        cache.previewed = Some(Previewed { partition, checkpoint, fingerprint: fingerprint(events), folded, undo });
+        let held = &cache.hours;
+        let preview = Preview::of(folded.clone(), |k| held.get(k).and_then(Option::as_deref));
+        cache.previewed = Some(Previewed { checkpoint, fingerprint: fingerprint(events), folded, undo });
         Ok(preview)
     }
 
@@ -296,20 +355,19 @@ impl LedgerStore {
         lateness: &Lateness,
         events: &[(&UsageEvent, i64)],
     ) -> Result<Folded, LedgerError> {
-        let checkpoint = self.checkpoint(partition)?;
+        let cache = self.cache(partition);
+        let mut cache = lock(&cache);
+        let checkpoint = self.checkpoint_of(partition, &cache)?;
         let fresh: Vec<(&UsageEvent, i64)> =
             events.iter().copied().filter(|(_, o)| checkpoint.is_none_or(|c| *o > c)).collect();
         let Some(last) = fresh.last().map(|(_, o)| *o) else {
             return Ok(Folded::default());
         };
-        let mut cache = self.cache();
         let folded = match cache.previewed.take() {
             // The batch just previewed, against the same state: its fold,
             // already in the cache, is this fold, but for the output
             // offsets it did not know.
-            Some(p)
-                if p.partition == partition && p.checkpoint == checkpoint && p.fingerprint == fingerprint(&fresh) =>
-            {
+            Some(p) if p.checkpoint == checkpoint && p.fingerprint == fingerprint(&fresh) => {
                 let mut folded = p.folded;
                 if !folded.adjustments.is_empty() {
                     // By identity: two tenants may use the same event id.
@@ -325,18 +383,16 @@ impl LedgerStore {
             other => {
                 // Another batch's preview, or none: undone, then this fold.
                 if let Some(p) = other {
-                    Self::restore(&mut cache, p.partition, p.undo);
+                    Self::restore(&mut cache, p.undo);
                 }
                 self.fold_in_cache(&mut cache, partition, lateness, &fresh)?.0
             }
         };
-        let dirty_hours = cache.dirty_hours.entry(partition).or_default();
-        dirty_hours.extend(folded.hours.iter().cloned());
-        let dirty_watermarks = cache.dirty_watermarks.entry(partition).or_default();
-        dirty_watermarks.extend(folded.counters.iter().cloned());
-        cache.adjustments.extend(folded.adjustments.iter().map(|a| (partition, a.clone())));
-        cache.checkpoints.insert(partition, last);
-        cache.dirty_checkpoints.insert(partition);
+        cache.dirty_hours.extend(folded.hours.iter().cloned());
+        cache.dirty_watermarks.extend(folded.counters.iter().cloned());
+        cache.adjustments.extend(folded.adjustments.iter().cloned());
+        cache.checkpoint = Some(last);
+        cache.dirty = true;
         Ok(folded)
     }
 
@@ -354,15 +410,15 @@ impl LedgerStore {
         let mut undo =
             Undo { hours: HashMap::with_capacity(events.len()), watermarks: HashMap::with_capacity(events.len()) };
         let mut tally = CacheTally {
-            hours: cache.hours.entry(partition).or_default(),
-            watermarks: cache.watermarks.entry(partition).or_default(),
+            hours: &mut cache.hours,
+            watermarks: &mut cache.watermarks,
             resolved: &resolved,
             undo: &mut undo,
         };
         match fold_into(&mut tally, lateness, events.iter().copied()) {
             Ok(folded) => Ok((folded, undo)),
             Err(e) => {
-                Self::restore(cache, partition, undo);
+                Self::restore(cache, undo);
                 Err(e.into())
             }
         }
@@ -371,65 +427,58 @@ impl LedgerStore {
     /// Undoes the fold of a preview that was not applied, if there is one.
     fn undo_preview(cache: &mut Cache) {
         if let Some(p) = cache.previewed.take() {
-            Self::restore(cache, p.partition, p.undo);
+            Self::restore(cache, p.undo);
         }
     }
 
-    fn restore(cache: &mut Cache, partition: i32, undo: Undo) {
-        let hours = cache.hours.entry(partition).or_default();
+    fn restore(cache: &mut Cache, undo: Undo) {
         for (k, v) in undo.hours {
-            hours.insert(k, v.map(Box::new));
+            cache.hours.insert(k, v.map(Box::new));
         }
-        let watermarks = cache.watermarks.entry(partition).or_default();
         for (c, w) in undo.watermarks {
-            watermarks.insert(c, w);
+            cache.watermarks.insert(c, w);
         }
     }
 
-    /// Writes what is folded but not yet written, in one write batch with
-    /// the checkpoints.
+    /// Writes what is folded but not yet written, each partition's in one
+    /// write batch with its checkpoint. A partition's fold waits only for
+    /// its own partition's write.
     pub fn write_pending(&self) -> Result<(), LedgerError> {
-        let mut cache = self.cache();
-        self.write(&mut cache)
+        *lock(&self.written_at) = Some(Instant::now());
+        for (partition, cache) in self.caches() {
+            self.write(partition, &mut lock(&cache))?;
+        }
+        Ok(())
     }
 
     /// Whether folded changes have waited [`WRITE_BEHIND`] or longer.
     pub fn write_due(&self) -> bool {
-        let cache = self.cache();
-        !cache.dirty_checkpoints.is_empty() && cache.written_at.is_none_or(|t| t.elapsed() >= WRITE_BEHIND)
+        let waited = lock(&self.written_at).is_none_or(|t| t.elapsed() >= WRITE_BEHIND);
+        waited && self.caches().iter().any(|(_, c)| lock(c).dirty)
     }
 
-    fn write(&self, cache: &mut Cache) -> Result<(), LedgerError> {
-        if cache.dirty_checkpoints.is_empty() {
+    fn write(&self, partition: i32, cache: &mut Cache) -> Result<(), LedgerError> {
+        if !cache.dirty {
             return Ok(());
         }
         // Only applied batches are written.
         Self::undo_preview(cache);
-        cache.written_at = Some(std::time::Instant::now());
         let mut puts = Puts::default();
-        for (p, keys) in &cache.dirty_hours {
-            let held = cache.hours.get(p);
-            for key in keys {
-                if let Some(Some(r)) = held.and_then(|h| h.get(key)) {
-                    puts.add(|out| push_hour_key(out, key, *p), |out| push_rollup(out, r));
-                }
+        for key in &cache.dirty_hours {
+            if let Some(Some(r)) = cache.hours.get(key) {
+                puts.add(|out| push_hour_key(out, key, partition), |out| push_rollup(out, r));
             }
         }
-        for (p, counters) in &cache.dirty_watermarks {
-            let held = cache.watermarks.get(p);
-            for counter in counters {
-                if let Some(Some(w)) = held.and_then(|h| h.get(counter)) {
-                    puts.add(|out| push_watermark_key(out, *p, counter), |out| out.extend_from_slice(&flip(*w)));
-                }
+        for counter in &cache.dirty_watermarks {
+            if let Some(Some(w)) = cache.watermarks.get(counter) {
+                puts.add(|out| push_watermark_key(out, partition, counter), |out| out.extend_from_slice(&flip(*w)));
             }
         }
-        for (p, a) in &cache.adjustments {
-            puts.add(|out| push_adjustment_key(out, a, *p), |out| push_adjustment(out, a));
+        for a in &cache.adjustments {
+            puts.add(|out| push_adjustment_key(out, a, partition), |out| push_adjustment(out, a));
         }
-        for p in &cache.dirty_checkpoints {
-            if let Some(c) = cache.checkpoints.get(p) {
-                puts.add(|out| push_checkpoint_key(out, *p), |out| out.extend_from_slice(&flip(*c)));
-            }
+        if let Some(c) = cache.checkpoint {
+            puts.add(|out| push_checkpoint_key(out, partition), |out| out.extend_from_slice(&flip(c)));
         }
         let batch = puts.into_batch();
         // What is pending stays pending until RocksDB has taken it: a
@@ -438,29 +487,36 @@ impl LedgerStore {
         // The next write puts them again (each put is the latest value, so
         // writing twice is harmless).
         #[cfg(test)]
-        if std::mem::take(&mut cache.fail_next_write) {
+        if self.fail_next_write.swap(false, Ordering::Relaxed) {
             return Err(LedgerError::InjectedWriteFailure);
         }
         self.db.write(batch).map_err(self.rocks())?;
         cache.dirty_hours.clear();
         cache.dirty_watermarks.clear();
         cache.adjustments.clear();
-        cache.dirty_checkpoints.clear();
-        // Everything is clean now: bound the cache by dropping it whole
-        // when it has grown past its size (the next batches reload the
-        // hours they touch).
-        let entries: usize = cache.hours.values().map(HashMap::len).sum::<usize>()
-            + cache.watermarks.values().map(HashMap::len).sum::<usize>();
-        if entries > CACHE_MAX_ENTRIES {
+        cache.dirty = false;
+        // Everything of this partition is clean now: bound the cache by
+        // dropping the partition's entries whole when every partition's
+        // together have grown past the bound (its next batches reload the
+        // hours they touch). Each partition is written at every write, so
+        // past the bound each drops its own in turn.
+        let entries = cache.hours.len() + cache.watermarks.len();
+        let before = self.cached_entries.fetch_add(entries, Ordering::Relaxed);
+        self.cached_entries.fetch_sub(cache.counted, Ordering::Relaxed);
+        let total = (before + entries).saturating_sub(cache.counted);
+        cache.counted = entries;
+        if total > self.cache_max_entries {
             cache.hours.clear();
             cache.watermarks.clear();
+            self.cached_entries.fetch_sub(entries, Ordering::Relaxed);
+            cache.counted = 0;
         }
         Ok(())
     }
 
-    /// Brings into the cache every hour and counter `events` can touch
-    /// (read from the store when the cache does not know them; a known
-    /// absence is cached as `None`) and returns each event's shared
+    /// Brings into `partition`'s cache every hour and counter `events` can
+    /// touch (read from the store when the cache does not know them; a
+    /// known absence is cached as `None`) and returns each event's shared
     /// counter, in event order. Each counter is found by reference (see
     /// [`CounterRef`]); one is built only for a counter the cache has never
     /// seen.
@@ -473,8 +529,7 @@ impl LedgerStore {
         let mut resolved = Vec::with_capacity(events.len());
         let mut missing_hours: Vec<HourKey> = Vec::new();
         let mut missing_counters: Vec<Arc<CounterKey>> = Vec::new();
-        let hours_held = cache.hours.entry(partition).or_default();
-        let watermarks_held = cache.watermarks.entry(partition).or_default();
+        let (hours_held, watermarks_held) = (&mut cache.hours, &mut cache.watermarks);
         for (e, _) in events {
             let counter = match watermarks_held.get_key_value(&CounterRef::of(e)) {
                 Some((counter, _)) => counter.clone(),
@@ -973,7 +1028,7 @@ mod tests {
             store.apply(3, &lateness, &with_offsets[..2]).expect("apply");
             store.write_pending().expect("write");
             store.apply(3, &lateness, &with_offsets[2..4]).expect("apply");
-            store.cache().fail_next_write = true;
+            store.fail_next_write.store(true, Ordering::Relaxed);
             assert!(matches!(store.write_pending(), Err(LedgerError::InjectedWriteFailure)));
             store.apply(3, &lateness, &with_offsets[4..]).expect("apply");
             store.write_pending().expect("the disk has room again");
@@ -985,6 +1040,83 @@ mod tests {
         store.all_rollups(|k, p, r| assert!(held.insert((k, p), r).is_none())).expect("scan");
         let want: std::collections::BTreeMap<_, _> = model.hours.into_iter().map(|(k, r)| ((k, 3), r)).collect();
         assert_eq!(held, want, "the hours of the batch whose write failed were written by the next one");
+    }
+
+    /// Partitions fold side by side: a partition's preview and apply never
+    /// wait for another partition's cache. Partition 1's is held (as a
+    /// long fold would hold it) while partition 2 previews, applies and
+    /// writes on another thread.
+    #[test]
+    fn a_partition_folds_while_another_partition_holds_its_cache() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = LedgerStore::open(dir.path()).expect("open");
+        let events = six_events();
+        let with_offsets: Vec<(&UsageEvent, i64)> = events.iter().zip(0..).collect();
+        let lateness = Lateness::default();
+        store.apply(1, &lateness, &with_offsets[..3]).expect("apply");
+        let one = store.cache(1);
+        let held = lock(&one);
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::scope(|scope| {
+            let (store, with_offsets, lateness) = (&store, &with_offsets, &lateness);
+            scope.spawn(move || {
+                drop(store.preview(2, lateness, with_offsets).expect("preview"));
+                store.apply(2, lateness, with_offsets).expect("apply");
+                done.send(store.checkpoint(2).expect("checkpoint")).expect("send");
+            });
+            let checkpoint = finished.recv_timeout(std::time::Duration::from_secs(60));
+            drop(held);
+            assert_eq!(checkpoint, Ok(Some(5)), "partition 2 folded while partition 1's cache was held");
+        });
+        store.write_pending().expect("write");
+        assert_eq!(store.checkpoint(1).expect("checkpoint"), Some(2));
+    }
+
+    /// Past the bound on cached entries, each partition drops its clean
+    /// entries at its write, and its next folds read them back from the
+    /// store: totals are those of a cache that never forgot.
+    #[test]
+    fn partitions_past_the_cache_bound_forget_and_reload_their_hours() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut store = LedgerStore::open(dir.path()).expect("open");
+        store.cache_max_entries = 4;
+        let t = 1_700_000_000_000;
+        // Two partitions, the same two customers each, hours apart.
+        let events: Vec<(i32, UsageEvent)> = (0..24u64)
+            .map(|i| {
+                let p = i32::try_from(i % 2).expect("partition");
+                let mut e = sample_event_at(i, p, 0, t + (i / 4) as i64 * HOUR_MS).event;
+                e.customer_id = format!("cus_{}", i % 4 / 2);
+                (p, e)
+            })
+            .collect();
+        let lateness = Lateness::default();
+        let mut models: [LedgerMaps; 2] = Default::default();
+        for (round, chunk) in events.chunks(4).enumerate() {
+            for p in 0..2 {
+                let mine: Vec<(&UsageEvent, i64)> = chunk
+                    .iter()
+                    .filter(|(q, _)| *q == p)
+                    .enumerate()
+                    .map(|(i, (_, e))| (e, (round * 2 + i) as i64))
+                    .collect();
+                store.apply(p, &lateness, &mine).expect("apply");
+                models[p as usize].fold(&lateness, mine.iter().copied()).expect("fold");
+            }
+            store.write_pending().expect("write");
+            assert!(
+                store.cached_entries.load(Ordering::Relaxed) <= 4 + 4,
+                "the bound held, within one partition's write"
+            );
+        }
+        for (p, cache) in store.caches() {
+            assert!(lock(&cache).hours.len() < 6, "partition {p} forgot hours it had written");
+        }
+        let mut held = std::collections::BTreeMap::new();
+        store.all_rollups(|k, p, r| assert!(held.insert((k, p), r).is_none())).expect("scan");
+        let want: std::collections::BTreeMap<_, _> =
+            models.into_iter().zip(0..).flat_map(|(m, p)| m.hours.into_iter().map(move |(k, r)| ((k, p), r))).collect();
+        assert_eq!(held, want);
     }
 
     #[test]

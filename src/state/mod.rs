@@ -12,8 +12,8 @@
 //! Order of apply: the ledger folds the batch, then the usage store
 //! appends it (its WAL fsync is the durability point), then the key store
 //! and the hot cache. Applies take `&self`, so partitions apply side by
-//! side, each tier behind its own lock: the ledger's and the usage store's
-//! take one batch at a time, the key store locks per partition (RocksDB
+//! side, each tier behind its own locks: the usage store takes one batch
+//! at a time, the ledger and the key store lock per partition (RocksDB
 //! takes concurrent writers), and each partition's hot cache is its own.
 //! With `--fsync always` the usage store leaves a batch's fsync to a group
 //! commit, waited for without its lock, so one fsync covers every batch
@@ -262,10 +262,11 @@ pub struct LocalState {
     memory_checkpoints: Mutex<BTreeMap<i32, i64>>,
     /// The usage ledger tier; `None` when the ledger is off (and on the
     /// simulator's disk, which models the usage store and key store only).
-    /// Where a call takes both, the usage store's lock comes before the
-    /// ledger's (`append_usage`; the read-only tools, which hold the state
-    /// alone, are the exception and cannot meet another thread).
-    ledger: Option<Mutex<Ledger>>,
+    /// Where a call takes both, the usage store's lock comes before a
+    /// ledger partition's (`append_usage`; the read-only tools, which hold
+    /// the state alone, are the exception and cannot meet another thread).
+    /// The durable ledger locks each partition alone (see [`LedgerStore`]).
+    ledger: Option<Ledger>,
     last_age_out_ms: i64,
     /// Evictions of hot caches already dropped (revoked partitions), so the
     /// process-wide count never goes back.
@@ -327,7 +328,7 @@ impl LocalState {
     /// State kept in memory only: lost at exit, rebuilt by repair.
     pub fn in_memory(settings: EngineSettings, detect_replays: bool) -> LocalState {
         LocalState {
-            ledger: settings.ledger.then(|| Mutex::new(Ledger::in_memory())),
+            ledger: settings.ledger.then(Ledger::in_memory),
             settings,
             detect_replays,
             partitions: BTreeMap::new(),
@@ -389,7 +390,7 @@ impl LocalState {
         let (usage, recovery) = UsageStore::open(&dir.join("usage"), store_options(&settings), observer)?;
         let keys = KeyStore::open(&dir.join("keystore"), keystore_options(&settings))?;
         let ledger = if settings.ledger {
-            Some(Mutex::new(Ledger::Durable(Box::new(LedgerStore::open(&dir.join("ledger"))?))))
+            Some(Ledger::Durable(Box::new(LedgerStore::open(&dir.join("ledger"))?)))
         } else {
             None
         };
@@ -413,10 +414,10 @@ impl LocalState {
     /// when the process stopped. Any other gap is left to repair from the
     /// output topic. Returns how many events were folded.
     fn catch_up_ledger(&mut self) -> Result<usize, StateError> {
-        let (Some(ledger), Some(d)) = (&mut self.ledger, &mut self.durable) else {
+        let (Some(ledger), Some(d)) = (&self.ledger, &self.durable) else {
             return Ok(0);
         };
-        let (ledger, usage) = (owned(ledger), &mut *locked(&d.usage));
+        let usage = &mut *locked(&d.usage);
         let mut folded = 0;
         for p in usage.partitions() {
             let written = ledger.checkpoint(p)?;
@@ -568,7 +569,7 @@ impl LocalState {
                 let keys = d.keys.checkpoint(partition).ok().flatten()?;
                 let mut min = usage.min(keys);
                 if let Some(ledger) = &self.ledger {
-                    min = min.min(locked(ledger).checkpoint(partition).ok().flatten()?);
+                    min = min.min(ledger.checkpoint(partition).ok().flatten()?);
                 }
                 Some(min)
             }
@@ -583,13 +584,13 @@ impl LocalState {
             // The in-memory ledger outlives a revoke (it skips what it has
             // folded by its own checkpoint), so its progress still counts.
             None => {
-                let ledger = self.ledger.as_ref().and_then(|l| locked(l).checkpoint(partition).ok().flatten());
+                let ledger = self.ledger.as_ref().and_then(|l| l.checkpoint(partition).ok().flatten());
                 locked(&self.memory_checkpoints).get(&partition).copied().max(ledger)
             }
             Some(d) => {
                 let usage = locked(&d.usage).checkpoint(partition);
                 let keys = d.keys.checkpoint(partition).ok().flatten();
-                let ledger = self.ledger.as_ref().and_then(|l| locked(l).checkpoint(partition).ok().flatten());
+                let ledger = self.ledger.as_ref().and_then(|l| l.checkpoint(partition).ok().flatten());
                 usage.max(keys).max(ledger)
             }
         }
@@ -698,7 +699,6 @@ impl LocalState {
         let behind =
             self.durable.as_ref().is_some_and(|d| locked(&d.usage).checkpoint(partition).is_some_and(|u| u >= first));
         let accepted: Vec<(&UsageEvent, i64)> = fresh.iter().map(|e| (&e.event, e.key.output.offset)).collect();
-        let mut ledger = locked(ledger);
         ledger.apply(partition, &self.settings.lateness, &accepted)?;
         if behind || ledger.write_due() {
             ledger.write_pending()?;
@@ -727,7 +727,7 @@ impl LocalState {
         let mut usage = d.usage_with_room();
         if usage.flush_due(&events) {
             if let Some(ledger) = &self.ledger {
-                locked(ledger).write_pending()?;
+                ledger.write_pending()?;
             }
         }
         let pending = usage.append_deferred(events)?.1;
@@ -744,7 +744,7 @@ impl LocalState {
             return Ok(());
         }
         if let Some(ledger) = &self.ledger {
-            locked(ledger).write_pending()?;
+            ledger.write_pending()?;
         }
         d.start_flush(usage)
     }
@@ -791,7 +791,7 @@ impl LocalState {
     ) -> Result<Option<Preview>, StateError> {
         match &self.ledger {
             None => Ok(None),
-            Some(l) => Ok(Some(locked(l).preview(partition, &self.settings.lateness, accepted)?)),
+            Some(l) => Ok(Some(l.preview(partition, &self.settings.lateness, accepted)?)),
         }
     }
 
@@ -800,13 +800,13 @@ impl LocalState {
     pub fn usage(&self, query: &crate::ledger::UsageQuery) -> Result<Option<crate::ledger::UsageAnswer>, StateError> {
         match &self.ledger {
             None => Ok(None),
-            Some(ledger) => Ok(Some(locked(ledger).answer(query)?)),
+            Some(ledger) => Ok(Some(ledger.answer(query)?)),
         }
     }
 
     /// The ledger tier, when kept.
-    pub fn ledger(&self) -> Option<MutexGuard<'_, Ledger>> {
-        self.ledger.as_ref().map(locked)
+    pub fn ledger(&self) -> Option<&Ledger> {
+        self.ledger.as_ref()
     }
 
     /// Periodic upkeep between batches: expire hot keys, flush and compact
@@ -818,7 +818,6 @@ impl LocalState {
         if let Some(d) = &self.durable {
             let mut usage = locked(&d.usage);
             if let Some(ledger) = &self.ledger {
-                let ledger = locked(ledger);
                 if usage.flush_due(&[]) || ledger.write_due() {
                     ledger.write_pending()?;
                 }
@@ -858,7 +857,7 @@ impl LocalState {
     /// Flushes and closes every tier.
     pub fn close(self) -> Result<(), StateError> {
         if let Some(l) = self.ledger {
-            l.into_inner().unwrap_or_else(PoisonError::into_inner).flush()?;
+            l.flush()?;
         }
         if let Some(d) = self.durable {
             d.keys.flush()?;

@@ -198,8 +198,7 @@ pub fn usage_from_events(
 ) -> Result<UsageAnswer, StateError> {
     let lateness = settings.lateness.clone();
     let state = LocalState::open_for_reading(state_dir, settings)?;
-    let held = state.ledger();
-    let Some(crate::ledger::Ledger::Durable(ledger)) = held.as_deref() else {
+    let Some(crate::ledger::Ledger::Durable(ledger)) = state.ledger() else {
         return Err(StateError::Ledger(crate::ledger::LedgerError::Missing {
             dir: state_dir.join("ledger").display().to_string(),
         }));
@@ -242,8 +241,7 @@ pub fn verify_ledger(state_dir: &Path, settings: EngineSettings) -> Result<Ledge
 
     let lateness = settings.lateness.clone();
     let state = LocalState::open_for_reading(state_dir, settings)?;
-    let held = state.ledger();
-    let Some(crate::ledger::Ledger::Durable(ledger)) = held.as_deref() else {
+    let Some(crate::ledger::Ledger::Durable(ledger)) = state.ledger() else {
         return Err(StateError::Ledger(crate::ledger::LedgerError::Missing {
             dir: state_dir.join("ledger").display().to_string(),
         }));
