@@ -177,9 +177,7 @@ impl Ledger {
                 "grouping by dimension is answered from the accepted events, not from rollups".into(),
             ));
         }
-        let mut rollups = Vec::new();
-        self.rollups(&query.tenant_id, query.customer_id.as_deref(), |k, _, r| rollups.push((k, r)))?;
-        let adjustments = self.adjustments(&query.tenant_id)?;
+        let (rollups, adjustments) = self.tenant_ledger(&query.tenant_id, query.customer_id.as_deref())?;
         Ok(UsageAnswer::of(query, rollups.iter().map(|(k, r)| (k, r)), adjustments))
     }
 
@@ -190,10 +188,46 @@ impl Ledger {
         tenant_id: &str,
         period: Period,
     ) -> Result<std::collections::BTreeMap<CounterOfTenant, CounterTotal>, LedgerError> {
-        let mut rollups = Vec::new();
-        self.rollups(tenant_id, None, |k, _, r| rollups.push((k, r)))?;
-        let adjustments = self.adjustments(tenant_id)?;
+        let (rollups, adjustments) = self.tenant_ledger(tenant_id, None)?;
         Ok(period_totals(tenant_id, period, rollups.iter().map(|(k, r)| (k, r)), adjustments.iter()))
+    }
+
+    /// One tenant's rollups (of `customer`, when given) and adjustments as
+    /// of one moment (see [`LedgerStore::tenant_ledger`]).
+    #[allow(clippy::type_complexity)]
+    pub fn tenant_ledger(
+        &self,
+        tenant_id: &str,
+        customer_id: Option<&str>,
+    ) -> Result<(Vec<(HourKey, Rollup)>, Vec<Adjustment>), LedgerError> {
+        match self {
+            Ledger::Durable(store) => store.tenant_ledger(tenant_id, customer_id),
+            // One lock over both reads.
+            Ledger::Memory(parts) => {
+                let parts = held(parts);
+                let mut rollups = Vec::new();
+                let mut adjustments = Vec::new();
+                for p in parts.values() {
+                    for (k, r) in &p.maps.hours {
+                        if k.counter.tenant_id == tenant_id && customer_id.is_none_or(|c| c == k.counter.customer_id) {
+                            rollups.push((k.clone(), r.clone()));
+                        }
+                    }
+                    adjustments.extend(p.adjustments.iter().filter(|a| a.counter.tenant_id == tenant_id).cloned());
+                }
+                Ok((rollups, adjustments))
+            }
+        }
+    }
+
+    /// Releases a revoked partition's share of the ledger's memory, after
+    /// writing what it has pending (see [`LedgerStore::release`]). The
+    /// in-memory ledger keeps it: it is all this process knows of it.
+    pub fn release(&self, partition: i32) -> Result<(), LedgerError> {
+        match self {
+            Ledger::Durable(store) => store.release(partition),
+            Ledger::Memory(_) => Ok(()),
+        }
     }
 
     /// Every adjustment of `tenant`.

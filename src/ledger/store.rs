@@ -446,15 +446,37 @@ impl LedgerStore {
     pub fn write_pending(&self) -> Result<(), LedgerError> {
         *lock(&self.written_at) = Some(Instant::now());
         for (partition, cache) in self.caches() {
-            self.write(partition, &mut lock(&cache))?;
+            let mut cache = lock(&cache);
+            self.write(partition, &mut cache)?;
+            self.bound(&mut cache);
         }
+        Ok(())
+    }
+
+    /// Writes what `partition` has pending and forgets its cache (the
+    /// partition was revoked: another worker folds it now, and this
+    /// process's copy would only hold memory and its share of the bound).
+    /// A later fold of it starts from what is written.
+    pub fn release(&self, partition: i32) -> Result<(), LedgerError> {
+        let Some(cache) = self.partitions.read().unwrap_or_else(PoisonError::into_inner).get(&partition).cloned()
+        else {
+            return Ok(());
+        };
+        let mut held = lock(&cache);
+        self.write(partition, &mut held)?;
+        self.cached_entries.fetch_sub(held.counted, Ordering::Relaxed);
+        *held = Cache::default();
+        drop(held);
+        self.partitions.write().unwrap_or_else(PoisonError::into_inner).remove(&partition);
         Ok(())
     }
 
     /// Whether folded changes have waited [`WRITE_BEHIND`] or longer.
     pub fn write_due(&self) -> bool {
+        // The clock first: only once a write is due are the partitions'
+        // caches asked whether they hold anything to write.
         let waited = lock(&self.written_at).is_none_or(|t| t.elapsed() >= WRITE_BEHIND);
-        waited && self.caches().iter().any(|(_, c)| lock(c).dirty)
+        waited && self.partitions.read().unwrap_or_else(PoisonError::into_inner).values().any(|c| lock(c).dirty)
     }
 
     fn write(&self, partition: i32, cache: &mut Cache) -> Result<(), LedgerError> {
@@ -495,11 +517,21 @@ impl LedgerStore {
         cache.dirty_watermarks.clear();
         cache.adjustments.clear();
         cache.dirty = false;
-        // Everything of this partition is clean now: bound the cache by
-        // dropping the partition's entries whole when every partition's
-        // together have grown past the bound (its next batches reload the
-        // hours they touch). Each partition is written at every write, so
-        // past the bound each drops its own in turn.
+        Ok(())
+    }
+
+    /// Bounds the memory the caches take, called for each partition at
+    /// each [`write_pending`](Self::write_pending), once the partition is
+    /// clean: its entries are dropped whole when every partition's together
+    /// have grown past the bound (its next batches reload the hours they
+    /// touch), so past the bound each partition drops its own in turn.
+    /// Entries loaded since a partition's last write count from its next.
+    /// A partition with a preview outstanding keeps its entries: the apply
+    /// of the same events keeps the preview's fold, which lives in them.
+    fn bound(&self, cache: &mut Cache) {
+        if cache.dirty || cache.previewed.is_some() {
+            return;
+        }
         let entries = cache.hours.len() + cache.watermarks.len();
         let before = self.cached_entries.fetch_add(entries, Ordering::Relaxed);
         self.cached_entries.fetch_sub(cache.counted, Ordering::Relaxed);
@@ -511,7 +543,6 @@ impl LedgerStore {
             self.cached_entries.fetch_sub(entries, Ordering::Relaxed);
             cache.counted = 0;
         }
-        Ok(())
     }
 
     /// Brings into `partition`'s cache every hour and counter `events` can
@@ -624,9 +655,43 @@ impl LedgerStore {
         self.rollups_under(b"H", f)
     }
 
-    fn rollups_under(&self, prefix: &[u8], mut f: impl FnMut(HourKey, i32, Rollup)) -> Result<(), LedgerError> {
+    /// One tenant's rollups (of `customer`, when given) and adjustments as
+    /// of one moment: read from one snapshot, after writing what is
+    /// pending. Two reads at two moments could pair one batch's late
+    /// adjustments with hours from before its on-time events.
+    #[allow(clippy::type_complexity)]
+    pub fn tenant_ledger(
+        &self,
+        tenant_id: &str,
+        customer_id: Option<&str>,
+    ) -> Result<(Vec<(HourKey, Rollup)>, Vec<Adjustment>), LedgerError> {
         self.write_pending()?;
-        for item in self.db.iterator(IteratorMode::From(prefix, Direction::Forward)) {
+        let snapshot = self.db.snapshot();
+        let mut prefix = vec![b'H'];
+        push_str(&mut prefix, tenant_id);
+        if let Some(c) = customer_id {
+            push_str(&mut prefix, c);
+        }
+        let mut rollups = Vec::new();
+        self.scan_rollups(&snapshot, &prefix, |k, _, r| rollups.push((k, r)))?;
+        let mut prefix = vec![b'A'];
+        push_str(&mut prefix, tenant_id);
+        let adjustments = self.scan_adjustments(&snapshot, &prefix)?.into_iter().map(|(_, a)| a).collect();
+        Ok((rollups, adjustments))
+    }
+
+    fn rollups_under(&self, prefix: &[u8], f: impl FnMut(HourKey, i32, Rollup)) -> Result<(), LedgerError> {
+        self.write_pending()?;
+        self.scan_rollups(&self.db.snapshot(), prefix, f)
+    }
+
+    fn scan_rollups(
+        &self,
+        snapshot: &rocksdb::Snapshot<'_>,
+        prefix: &[u8],
+        mut f: impl FnMut(HourKey, i32, Rollup),
+    ) -> Result<(), LedgerError> {
+        for item in snapshot.iterator(IteratorMode::From(prefix, Direction::Forward)) {
             let (k, v) = item.map_err(self.rocks())?;
             if !k.starts_with(prefix) {
                 break;
@@ -651,8 +716,16 @@ impl LedgerStore {
 
     fn adjustments_under(&self, prefix: &[u8]) -> Result<Vec<(i32, Adjustment)>, LedgerError> {
         self.write_pending()?;
+        self.scan_adjustments(&self.db.snapshot(), prefix)
+    }
+
+    fn scan_adjustments(
+        &self,
+        snapshot: &rocksdb::Snapshot<'_>,
+        prefix: &[u8],
+    ) -> Result<Vec<(i32, Adjustment)>, LedgerError> {
         let mut out = Vec::new();
-        for item in self.db.iterator(IteratorMode::From(prefix, Direction::Forward)) {
+        for item in snapshot.iterator(IteratorMode::From(prefix, Direction::Forward)) {
             let (k, v) = item.map_err(self.rocks())?;
             if !k.starts_with(prefix) {
                 break;
@@ -1044,8 +1117,8 @@ mod tests {
 
     /// Partitions fold side by side: a partition's preview and apply never
     /// wait for another partition's cache. Partition 1's is held (as a
-    /// long fold would hold it) while partition 2 previews, applies and
-    /// writes on another thread.
+    /// long fold would hold it) while partition 2 previews and applies on
+    /// another thread. Both are then written.
     #[test]
     fn a_partition_folds_while_another_partition_holds_its_cache() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -1069,7 +1142,36 @@ mod tests {
             assert_eq!(checkpoint, Ok(Some(5)), "partition 2 folded while partition 1's cache was held");
         });
         store.write_pending().expect("write");
+        drop(store);
+        let store = LedgerStore::open(dir.path()).expect("reopen");
         assert_eq!(store.checkpoint(1).expect("checkpoint"), Some(2));
+        assert_eq!(store.checkpoint(2).expect("checkpoint"), Some(5));
+    }
+
+    /// A revoked partition's cache is written and forgotten: nothing of
+    /// it stays in memory or in the bound's count, and what it folded is
+    /// what a later fold (here, after a crash) starts from.
+    #[test]
+    fn a_released_partition_is_written_and_forgotten() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let events = six_events();
+        let with_offsets: Vec<(&UsageEvent, i64)> = events.iter().zip(0..).collect();
+        let lateness = Lateness::default();
+        {
+            let store = LedgerStore::open(dir.path()).expect("open");
+            store.apply(3, &lateness, &with_offsets[..2]).expect("apply");
+            store.write_pending().expect("write");
+            store.apply(3, &lateness, &with_offsets[2..]).expect("apply");
+            store.apply(4, &lateness, &with_offsets).expect("apply");
+            store.release(3).expect("release");
+            let held: Vec<i32> = store.caches().into_iter().map(|(p, _)| p).collect();
+            assert_eq!(held, [4]);
+            assert_eq!(store.cached_entries.load(Ordering::Relaxed), 0, "only partition 4's entries, not yet counted");
+            // Dropped without a flush: a crash.
+        }
+        let store = LedgerStore::open(dir.path()).expect("reopen");
+        assert_eq!(store.checkpoint(3).expect("checkpoint"), Some(5), "released, so written");
+        assert_eq!(store.checkpoint(4).expect("checkpoint"), None, "never written");
     }
 
     /// Past the bound on cached entries, each partition drops its clean
@@ -1079,14 +1181,21 @@ mod tests {
     fn partitions_past_the_cache_bound_forget_and_reload_their_hours() {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut store = LedgerStore::open(dir.path()).expect("open");
-        store.cache_max_entries = 4;
+        store.cache_max_entries = 3;
         let t = 1_700_000_000_000;
-        // Two partitions, the same two customers each, hours apart.
+        // Two partitions, the same two counters each (one tenant and meter,
+        // two customers), over three hours that rounds 3 to 5 visit again:
+        // each round's fold finds the hours and watermarks it touches
+        // dropped by the last write and reads them back, and an hour read
+        // back wrong would be written over with that round's events alone.
         let events: Vec<(i32, UsageEvent)> = (0..24u64)
             .map(|i| {
                 let p = i32::try_from(i % 2).expect("partition");
-                let mut e = sample_event_at(i, p, 0, t + (i / 4) as i64 * HOUR_MS).event;
+                let mut e = sample_event_at(i, p, 0, t).event;
+                e.tenant_id = "acme".into();
+                e.meter = "api_calls".into();
                 e.customer_id = format!("cus_{}", i % 4 / 2);
+                e.timestamp_ms = t + ((i / 4) % 3) as i64 * HOUR_MS;
                 (p, e)
             })
             .collect();
@@ -1104,13 +1213,10 @@ mod tests {
                 models[p as usize].fold(&lateness, mine.iter().copied()).expect("fold");
             }
             store.write_pending().expect("write");
-            assert!(
-                store.cached_entries.load(Ordering::Relaxed) <= 4 + 4,
-                "the bound held, within one partition's write"
-            );
-        }
-        for (p, cache) in store.caches() {
-            assert!(lock(&cache).hours.len() < 6, "partition {p} forgot hours it had written");
+            assert_eq!(store.cached_entries.load(Ordering::Relaxed), 0, "round {round}: past the bound, dropped");
+            for (p, cache) in store.caches() {
+                assert!(lock(&cache).hours.is_empty(), "round {round}: partition {p} kept hours it had written");
+            }
         }
         let mut held = std::collections::BTreeMap::new();
         store.all_rollups(|k, p, r| assert!(held.insert((k, p), r).is_none())).expect("scan");

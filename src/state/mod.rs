@@ -548,6 +548,9 @@ impl LocalState {
                 if !self.settings.keep_revoked_partitions {
                     d.keys.drop_partition(partition)?;
                 }
+                if let Some(ledger) = &self.ledger {
+                    ledger.release(partition)?;
+                }
             }
         }
         Ok(())
@@ -711,8 +714,8 @@ impl LocalState {
     /// fold succeeded). When this batch makes the memtable move into a
     /// segment, the ledger writes first: every event in the memtable was
     /// folded before it was appended, so that write covers them all. The
-    /// one place an apply holds both locks: the usage store's, then the
-    /// ledger's. With `--fsync always`, returns the batch's pending fsync,
+    /// one place an apply holds both tiers' locks: the usage store's, then
+    /// each ledger partition's in turn. With `--fsync always`, returns the batch's pending fsync,
     /// for the caller to wait on without the lock.
     fn append_usage(
         &self,
