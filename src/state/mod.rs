@@ -115,36 +115,82 @@ struct Durable {
     _lock: Option<StateDirLock>,
 }
 
-/// A thread that writes for the usage store without its lock: a frozen
-/// memtable's segment, or a compaction's merged segment. Joined when the
-/// state is closed or dropped: a state dropped without `close` (a crash in
-/// a test) lets the write it started finish before the directory's lock
-/// is let go, so no thread of a dead state writes beside the next one.
-#[derive(Default)]
-struct JobThread(Mutex<Option<std::thread::JoinHandle<()>>>);
+/// Where a usage store job (a frozen memtable's segment, or a compaction's
+/// merged segment) is written, without the store's lock.
+enum JobPlacement {
+    /// On a thread of its own: what a state directory uses.
+    Thread(Option<std::thread::JoinHandle<()>>),
+    /// Held until the owner runs it (`LocalState::run_store_jobs`), or an
+    /// append that needs the memtable's room does: the simulator's, whose
+    /// schedule then decides when each job is written and installed (a
+    /// thread would leave it to the host's scheduler, and a schedule could
+    /// not be replayed from its seed). A crash drops the job unrun.
+    Deferred(Option<Box<dyn FnOnce() + Send>>),
+}
+
+/// One slot for a usage store job, written without the store's lock.
+/// Joined when the state is closed or dropped: a state dropped without
+/// `close` (a crash in a test) lets the write it started on a thread finish
+/// before the directory's lock is let go, so no thread of a dead state
+/// writes beside the next one.
+struct JobThread(Mutex<JobPlacement>);
+
+impl Default for JobThread {
+    fn default() -> Self {
+        JobThread(Mutex::new(JobPlacement::Thread(None)))
+    }
+}
 
 impl JobThread {
+    fn deferred() -> Self {
+        JobThread(Mutex::new(JobPlacement::Deferred(None)))
+    }
+
+    /// Waits for the thread's job to end; a deferred job runs now, on this
+    /// thread (close finishes the job it started).
     fn join(&self) {
-        let handle = locked(&self.0).take();
+        let handle = match &mut *locked(&self.0) {
+            JobPlacement::Thread(handle) => handle.take(),
+            JobPlacement::Deferred(_) => None,
+        };
         if let Some(handle) = handle {
             // A job that panicked has poisoned the store (`run`).
             let _ = handle.join();
         }
+        self.run_deferred();
     }
 
-    /// Whether no thread is running (none started, or it ended).
+    /// Runs a deferred job now, on this thread; whether there was one.
+    fn run_deferred(&self) -> bool {
+        let job = match &mut *locked(&self.0) {
+            JobPlacement::Deferred(job) => job.take(),
+            JobPlacement::Thread(_) => None,
+        };
+        job.map(|job| job()).is_some()
+    }
+
+    /// Whether a deferred job waits to run.
+    fn waiting(&self) -> bool {
+        matches!(&*locked(&self.0), JobPlacement::Deferred(Some(_)))
+    }
+
+    /// Whether no job is under way: none started, its thread ended, or (the
+    /// deferred) none waiting to run.
     fn idle(&self) -> bool {
-        locked(&self.0).as_ref().is_none_or(std::thread::JoinHandle::is_finished)
+        match &*locked(&self.0) {
+            JobPlacement::Thread(handle) => handle.as_ref().is_none_or(std::thread::JoinHandle::is_finished),
+            JobPlacement::Deferred(job) => job.is_none(),
+        }
     }
 
-    /// Runs `work` on `job` on a new thread named `name`. Called with the
-    /// usage store's lock held, just after the store started the job: the
-    /// thread before it on this slot has installed its job (the store
-    /// starts one at a time). It is joined only if it has ended: one that
-    /// panicked after its install may still be waiting for the lock held
-    /// here, to poison the store, and is left to finish on its own. A job
-    /// no thread can be started for is abandoned, which poisons the store:
-    /// it could never be installed.
+    /// Runs `work` on `job` on a new thread named `name`, or holds it to be
+    /// run later (deferred). Called with the usage store's lock held, just
+    /// after the store started the job: the job before it on this slot has
+    /// been installed (the store starts one at a time). A thread is joined
+    /// only if it has ended: one that panicked after its install may still
+    /// be waiting for the lock held here, to poison the store, and is left
+    /// to finish on its own. A job no thread can be started for is
+    /// abandoned, which poisons the store: it could never be installed.
     /// A job that panics is abandoned, which poisons the store at once:
     /// otherwise a flush would stay frozen (and the next never start) and
     /// a compaction would stay out, with nothing said until appends wait.
@@ -156,10 +202,6 @@ impl JobThread {
         job: J,
         work: impl FnOnce(J, &Mutex<UsageStore>) + Send + 'static,
     ) -> Result<(), StateError> {
-        let previous = locked(&self.0).take();
-        if let Some(previous) = previous.filter(std::thread::JoinHandle::is_finished) {
-            let _ = previous.join();
-        }
         let store = Arc::clone(store);
         let body = move || {
             let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(job, &store)));
@@ -167,9 +209,23 @@ impl JobThread {
                 locked(&store).abandon_job(&format!("the {name} thread panicked before installing its segment"));
             }
         };
+        let mut placement = locked(&self.0);
+        let previous = match &mut *placement {
+            JobPlacement::Deferred(slot) => {
+                // The store starts a job only once the one before it is
+                // installed, so the slot is empty.
+                debug_assert!(slot.is_none(), "a {name} job started before the last one ran");
+                *slot = Some(Box::new(body));
+                return Ok(());
+            }
+            JobPlacement::Thread(previous) => previous,
+        };
+        if let Some(ended) = previous.take_if(|h| h.is_finished()) {
+            let _ = ended.join();
+        }
         match std::thread::Builder::new().name(name.to_owned()).spawn(body) {
             Ok(handle) => {
-                *locked(&self.0) = Some(handle);
+                *previous = Some(handle);
                 Ok(())
             }
             Err(e) => {
@@ -183,7 +239,12 @@ impl JobThread {
 
 impl Drop for JobThread {
     fn drop(&mut self) {
-        self.join();
+        // A deferred job is dropped unrun: the process it belonged to died.
+        if let JobPlacement::Thread(handle) = &mut *locked(&self.0) {
+            if let Some(h) = handle.take() {
+                let _ = h.join();
+            }
+        }
     }
 }
 
@@ -205,7 +266,11 @@ impl Durable {
                 return usage;
             }
             drop(usage);
-            std::thread::sleep(std::time::Duration::from_millis(1));
+            // A deferred flush is written now, by the append that needs
+            // its room; a thread's is waited for.
+            if !self.flusher.run_deferred() {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
         }
     }
 
@@ -437,7 +502,10 @@ impl LocalState {
 
     /// Durable state on another filesystem and key store than the real
     /// ones: the simulator's faulty disk and key-store model. Recovery is
-    /// the same code as [`open`](Self::open)'s.
+    /// the same code as [`open`](Self::open)'s. The usage store's flush and
+    /// compaction jobs (with `write_in_background`) wait for
+    /// [`run_store_jobs`](Self::run_store_jobs) instead of running on
+    /// threads, so the simulator's schedule places them.
     pub fn open_on(
         fs: Arc<dyn FileSystem>,
         dir: &Path,
@@ -452,13 +520,28 @@ impl LocalState {
         state.durable = Some(Durable {
             dir: dir.to_owned(),
             usage: Arc::new(Mutex::new(usage)),
-            flusher: JobThread::default(),
-            compactor: JobThread::default(),
+            flusher: JobThread::deferred(),
+            compactor: JobThread::deferred(),
             keys,
             recovery,
             _lock: None,
         });
         Ok(state)
+    }
+
+    /// Writes and installs the usage store's flush and compaction held for
+    /// later ([`open_on`](Self::open_on)'s), on this thread, the flush
+    /// first. Returns how many ran; none on a state directory, whose jobs
+    /// run on threads of their own.
+    pub fn run_store_jobs(&self) -> usize {
+        self.durable
+            .as_ref()
+            .map_or(0, |d| usize::from(d.flusher.run_deferred()) + usize::from(d.compactor.run_deferred()))
+    }
+
+    /// How many usage store jobs wait for [`run_store_jobs`](Self::run_store_jobs).
+    pub fn store_jobs_waiting(&self) -> usize {
+        self.durable.as_ref().map_or(0, |d| usize::from(d.flusher.waiting()) + usize::from(d.compactor.waiting()))
     }
 
     /// Calls `f` on every event the usage store holds for `partition`

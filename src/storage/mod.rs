@@ -87,8 +87,10 @@
 //!   collection keeps the files (finished or temp) of a job still out.
 //! - A failed job poisons the store, as a failed inline write does.
 //!
-//! Without it (the store alone, the simulator) `append` flushes inline and
-//! `maintain` compacts inline, through the same three steps.
+//! Without it (the store alone) `append` flushes inline and `maintain`
+//! compacts inline, through the same three steps. The simulator sets it,
+//! and its schedule decides when each job is written
+//! (`LocalState::run_store_jobs`), so a crash can find one out.
 
 mod codec;
 mod error;
@@ -206,8 +208,8 @@ pub struct StoreOptions {
     /// Flushes are started by the caller ([`UsageStore::start_flush`])
     /// and written without the store's lock ([`FlushJob::write`]), not
     /// inline in the append that fills the memtable. Default false (the
-    /// store alone, the simulator); `LocalState` sets it and runs the
-    /// writes on a thread of their own.
+    /// store alone); `LocalState` sets it and runs the writes on a thread
+    /// of their own (on the simulator's disk, when its schedule says).
     pub write_in_background: bool,
     /// Data whose `first_seen_ms` is older than this is dropped by compaction. Default 35 days.
     pub retention_ms: i64,

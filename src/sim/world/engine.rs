@@ -53,10 +53,12 @@ impl SimState {
             compaction_target_rows: 8 + rng.below(32),
             compaction_min_segments: 2 + rng.below(3) as usize,
             mutations,
-            // Flushes inline: a flush thread would make schedules depend
-            // on the host's scheduler. The three steps of a background
-            // flush are the same code either way (`UsageStore::flush`).
-            write_in_background: false,
+            // Flushes and compactions as a state directory runs them (freeze
+            // or plan under the lock, write without it, install under it),
+            // but with no thread: the schedule says when each job is
+            // written (`LocalState::run_store_jobs`), so a crash can come
+            // while one waits and a seed replays the same way.
+            write_in_background: true,
             ..crate::state::store_options(&settings)
         };
         let horizon_ms = settings.horizon_ms();

@@ -309,6 +309,11 @@ pub struct Report {
     pub duplicate_overlaps: usize,
     /// Processes stopped for good by FENCED_INSTANCE_ID.
     pub fenced_exits: usize,
+    /// Usage store flushes and compactions the schedule wrote after the
+    /// apply that started them.
+    pub store_jobs_written: usize,
+    /// Processes that died with one of them started and not written.
+    pub crashes_with_a_store_job_out: usize,
 }
 
 /// A schedule that failed: the seed, what broke, and the trace.
@@ -360,6 +365,9 @@ pub struct World {
     next_request_owner: BTreeMap<u64, (usize, u32)>,
     /// Disk-side randomness (what a crash takes), apart from the rest.
     pub(crate) disk_rng: SimRng,
+    /// When the usage store's flushes and compactions are written, apart
+    /// from the rest.
+    pub(crate) jobs_rng: SimRng,
     next_broker_check_ms: i64,
 }
 
@@ -401,6 +409,7 @@ impl World {
             report: Report::default(),
             next_request_owner: BTreeMap::new(),
             disk_rng,
+            jobs_rng: SimRng::new(config.seed ^ 0x0B5E_55ED_0000_0000),
             next_broker_check_ms: 0,
         };
         let membership = world.faults.membership;

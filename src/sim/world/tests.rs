@@ -25,6 +25,7 @@ fn run_all(delivery: DeliveryMode) {
     let mut totals = (0usize, 0usize, 0usize, 0usize, 0usize);
     let mut members = (0usize, 0usize, 0usize, 0usize);
     let mut disk = crate::sim::disk::DiskCounts::default();
+    let mut jobs = (0usize, 0usize);
     let mut schedules = 0;
     for seed in seeds() {
         let config = ScheduleConfig { seed, delivery, mutations: Mutations::NONE, membership: Membership::Drawn };
@@ -41,6 +42,8 @@ fn run_all(delivery: DeliveryMode) {
                 members.2 += r.duplicate_overlaps;
                 members.3 += r.fenced_exits;
                 disk += r.disk;
+                jobs.0 += r.store_jobs_written;
+                jobs.1 += r.crashes_with_a_store_job_out;
             }
             Err(failure) => panic!("{failure}"),
         }
@@ -49,7 +52,8 @@ fn run_all(delivery: DeliveryMode) {
         "{delivery}: {schedules} schedules passed: {} input records, {} output records, {} crashes, {} lost \
          assignments, {} failed publishes; {} with static members, {} with a second process on a worker's \
          instance id ({} overlapping it), {} fenced exits; disks: {} power losses taking {} unsynced bytes and {} \
-         directory changes, {} write errors, {} fsync errors, {} full-disk errors",
+         directory changes, {} write errors, {} fsync errors, {} full-disk errors; {} usage store jobs written \
+         after their apply, {} crashes with one out",
         totals.0,
         totals.1,
         totals.2,
@@ -64,8 +68,15 @@ fn run_all(delivery: DeliveryMode) {
         disk.entries_lost,
         disk.write_errors,
         disk.fsync_errors,
-        disk.full_disk_errors
+        disk.full_disk_errors,
+        jobs.0,
+        jobs.1
     );
+    // The schedules place the store's background jobs, crashes included
+    // (unless the run is too short to have any).
+    if schedules >= 1_000 {
+        assert!(jobs.0 > 0 && jobs.1 > 0, "no usage store job was written late or lost to a crash: {jobs:?}");
+    }
 }
 
 #[test]

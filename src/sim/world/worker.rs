@@ -432,6 +432,12 @@ pub(crate) fn crash(w: &mut World, worker: usize, why: &str) {
 }
 
 fn end_process(w: &mut World, worker: usize) {
+    let out = w.workers[worker]
+        .engine
+        .as_ref()
+        .and_then(|e| e.local_state())
+        .map_or(0, crate::state::LocalState::store_jobs_waiting);
+    w.report.crashes_with_a_store_job_out += usize::from(out > 0);
     let wk = &mut w.workers[worker];
     // Dropped, not closed: nothing is flushed or synced on the way out.
     drop(wk.engine.take());
@@ -629,6 +635,12 @@ fn on_sync(w: &mut World, worker: usize, sent_as: &str, response: Option<Respons
         revoke_slot(w, worker, p, false);
     }
     for p in assigned {
+        // A partition's load can stop the process (local state failed, say
+        // a store job that found the disk full): the rest of the
+        // assignment goes with it.
+        if !w.workers[worker].alive {
+            return;
+        }
         if !w.workers[worker].slots.contains_key(&p) {
             assign_slot(w, worker, p);
         }
@@ -924,6 +936,15 @@ fn perform(w: &mut World, worker: usize, partition: i32) {
             // WAL rotation and compaction happen here and at append.
             if let Err(e) = crate::kafka::Engine::maintain(w.workers[worker].engine(), now) {
                 return fail(w, worker, e.to_string());
+            }
+            // The store's flush and compaction, if one was started, are
+            // written now two times in three; otherwise they wait (for a
+            // later apply, an append that needs the room, close, or a
+            // crash that loses them).
+            if w.jobs_rng.below(3) != 0 {
+                if let Some(state) = w.workers[worker].engine().local_state() {
+                    w.report.store_jobs_written += state.run_store_jobs();
+                }
             }
             advance(w, worker, partition, Event::Applied);
         }
