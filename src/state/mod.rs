@@ -108,6 +108,9 @@ struct Durable {
     /// and the one merging segments (`start_compaction`).
     flusher: JobThread,
     compactor: JobThread,
+    /// Signalled when the flush thread has installed its segment (or
+    /// failed to): appends waiting for the memtable's room wake on it.
+    flush_ended: Arc<std::sync::Condvar>,
     keys: Box<dyn KeyTier>,
     recovery: RecoveryReport,
     /// Held for the life of the state: one process per directory. `None`
@@ -125,7 +128,12 @@ enum JobPlacement {
     /// schedule then decides when each job is written and installed (a
     /// thread would leave it to the host's scheduler, and a schedule could
     /// not be replayed from its seed). A crash drops the job unrun.
-    Deferred(Option<Box<dyn FnOnce() + Send>>),
+    Deferred {
+        job: Option<Box<dyn FnOnce() + Send>>,
+        /// Taken out and being run: until it is installed the job is still
+        /// under way, though the slot is empty.
+        running: bool,
+    },
 }
 
 /// One slot for a usage store job, written without the store's lock.
@@ -143,7 +151,7 @@ impl Default for JobThread {
 
 impl JobThread {
     fn deferred() -> Self {
-        JobThread(Mutex::new(JobPlacement::Deferred(None)))
+        JobThread(Mutex::new(JobPlacement::Deferred { job: None, running: false }))
     }
 
     /// Waits for the thread's job to end; a deferred job runs now, on this
@@ -151,7 +159,7 @@ impl JobThread {
     fn join(&self) {
         let handle = match &mut *locked(&self.0) {
             JobPlacement::Thread(handle) => handle.take(),
-            JobPlacement::Deferred(_) => None,
+            JobPlacement::Deferred { .. } => None,
         };
         if let Some(handle) = handle {
             // A job that panicked has poisoned the store (`run`).
@@ -163,23 +171,32 @@ impl JobThread {
     /// Runs a deferred job now, on this thread; whether there was one.
     fn run_deferred(&self) -> bool {
         let job = match &mut *locked(&self.0) {
-            JobPlacement::Deferred(job) => job.take(),
+            JobPlacement::Deferred { job, running } => job.take().inspect(|_| *running = true),
             JobPlacement::Thread(_) => None,
         };
-        job.map(|job| job()).is_some()
+        let Some(job) = job else {
+            return false;
+        };
+        // Run without the slot's lock: the job takes the store's, and the
+        // store's holder takes the slot's (`run`).
+        job();
+        if let JobPlacement::Deferred { running, .. } = &mut *locked(&self.0) {
+            *running = false;
+        }
+        true
     }
 
     /// Whether a deferred job waits to run.
     fn waiting(&self) -> bool {
-        matches!(&*locked(&self.0), JobPlacement::Deferred(Some(_)))
+        matches!(&*locked(&self.0), JobPlacement::Deferred { job: Some(_), .. })
     }
 
     /// Whether no job is under way: none started, its thread ended, or (the
-    /// deferred) none waiting to run.
+    /// deferred) none waiting and none being run.
     fn idle(&self) -> bool {
         match &*locked(&self.0) {
             JobPlacement::Thread(handle) => handle.as_ref().is_none_or(std::thread::JoinHandle::is_finished),
-            JobPlacement::Deferred(job) => job.is_none(),
+            JobPlacement::Deferred { job, running } => job.is_none() && !running,
         }
     }
 
@@ -211,11 +228,11 @@ impl JobThread {
         };
         let mut placement = locked(&self.0);
         let previous = match &mut *placement {
-            JobPlacement::Deferred(slot) => {
+            JobPlacement::Deferred { job, .. } => {
                 // The store starts a job only once the one before it is
                 // installed, so the slot is empty.
-                debug_assert!(slot.is_none(), "a {name} job started before the last one ran");
-                *slot = Some(Box::new(body));
+                debug_assert!(job.is_none(), "a {name} job started before the last one ran");
+                *job = Some(Box::new(body));
                 return Ok(());
             }
             JobPlacement::Thread(previous) => previous,
@@ -240,7 +257,7 @@ impl JobThread {
 impl Drop for JobThread {
     fn drop(&mut self) {
         // A deferred job is dropped unrun: the process it belonged to died.
-        if let JobPlacement::Thread(handle) = &mut *locked(&self.0) {
+        if let JobPlacement::Thread(handle) = self.0.get_mut().unwrap_or_else(PoisonError::into_inner) {
             if let Some(h) = handle.take() {
                 let _ = h.join();
             }
@@ -250,12 +267,13 @@ impl Drop for JobThread {
 
 impl Durable {
     /// The usage store's lock, once the memtable has room: while a flush
-    /// is being written and the next memtable has grown to twice its
-    /// bound, an append waits (without the lock) for that flush, so a
-    /// disk slower than the input bounds memory instead of exhausting it.
+    /// is being written and the frozen and the live memtable together
+    /// reach three times the bound, an append waits (without the lock) for
+    /// that flush, so a disk slower than the input bounds memory instead
+    /// of exhausting it.
     fn usage_with_room(&self) -> MutexGuard<'_, UsageStore> {
+        let mut usage = locked(&self.usage);
         loop {
-            let mut usage = locked(&self.usage);
             if !usage.must_wait_for_flush() {
                 return usage;
             }
@@ -265,12 +283,22 @@ impl Durable {
                 usage.abandon_job("the flush thread ended before its segment was installed");
                 return usage;
             }
-            drop(usage);
-            // A deferred flush is written now, by the append that needs
-            // its room; a thread's is waited for.
-            if !self.flusher.run_deferred() {
-                std::thread::sleep(std::time::Duration::from_millis(1));
+            if self.flusher.waiting() {
+                // A deferred flush is written now, by the append that
+                // needs its room.
+                drop(usage);
+                self.flusher.run_deferred();
+                usage = locked(&self.usage);
+                continue;
             }
+            // Woken when the flush's thread is done with the store. The
+            // timeout is for a thread that panicked, which is noticed
+            // above once it has ended.
+            usage = self
+                .flush_ended
+                .wait_timeout(usage, std::time::Duration::from_millis(50))
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
         }
     }
 
@@ -282,10 +310,12 @@ impl Durable {
         let Some(job) = usage.start_flush()? else {
             return Ok(());
         };
-        self.flusher.run(&self.usage, usage, "dedupd-flush", job, |mut job, store| {
+        let ended = Arc::clone(&self.flush_ended);
+        self.flusher.run(&self.usage, usage, "dedupd-flush", job, move |mut job, store| {
             job.write();
             // A failure poisons the store; the next append reports it.
             let _ = locked(store).finish_flush(job);
+            ended.notify_all();
         })
     }
 
@@ -466,6 +496,7 @@ impl LocalState {
             usage: Arc::new(Mutex::new(usage)),
             flusher: JobThread::default(),
             compactor: JobThread::default(),
+            flush_ended: Arc::default(),
             keys: Box::new(keys),
             recovery,
             _lock: Some(lock),
@@ -522,6 +553,7 @@ impl LocalState {
             usage: Arc::new(Mutex::new(usage)),
             flusher: JobThread::deferred(),
             compactor: JobThread::deferred(),
+            flush_ended: Arc::default(),
             keys,
             recovery,
             _lock: None,
@@ -1219,6 +1251,199 @@ mod tests {
             let check = verify_ledger(dir.path(), settings.clone()).expect("verify");
             assert!(check.drift.is_empty(), "round {round}: the ledger drifted: {:?}", check.drift);
             assert_eq!(check.events, n, "round {round}");
+        }
+    }
+
+    /// The real filesystem, but a segment's write waits until the test
+    /// opens the gate: a disk slower than the input.
+    #[derive(Debug, Default)]
+    struct GatedFs {
+        open: Mutex<bool>,
+        opened: std::sync::Condvar,
+        /// Segment writes that reached the gate.
+        arrived: std::sync::atomic::AtomicUsize,
+    }
+
+    impl GatedFs {
+        fn open_gate(&self) {
+            *locked(&self.open) = true;
+            self.opened.notify_all();
+        }
+
+        fn pass(&self, path: &Path) {
+            if path.file_name().is_some_and(|n| n.to_string_lossy().contains(".seg")) {
+                self.arrived.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let mut open = locked(&self.open);
+                while !*open {
+                    open = self.opened.wait(open).unwrap_or_else(PoisonError::into_inner);
+                }
+            }
+        }
+    }
+
+    impl FileSystem for GatedFs {
+        fn create_dir_all(&self, dir: &Path) -> std::io::Result<()> {
+            crate::storage::RealFs.create_dir_all(dir)
+        }
+        fn is_dir(&self, path: &Path) -> bool {
+            crate::storage::RealFs.is_dir(path)
+        }
+        fn is_file(&self, path: &Path) -> bool {
+            crate::storage::RealFs.is_file(path)
+        }
+        fn list_dir(&self, dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+            crate::storage::RealFs.list_dir(dir)
+        }
+        fn file_len(&self, path: &Path) -> std::io::Result<u64> {
+            crate::storage::RealFs.file_len(path)
+        }
+        fn read(&self, path: &Path) -> std::io::Result<Vec<u8>> {
+            crate::storage::RealFs.read(path)
+        }
+        fn write_file(&self, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+            self.pass(path);
+            crate::storage::RealFs.write_file(path, bytes)
+        }
+        fn write_file_synced(&self, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+            self.pass(path);
+            crate::storage::RealFs.write_file_synced(path, bytes)
+        }
+        fn create_append(&self, path: &Path) -> std::io::Result<Box<dyn crate::storage::AppendFile>> {
+            crate::storage::RealFs.create_append(path)
+        }
+        fn truncate(&self, path: &Path, len: u64) -> std::io::Result<()> {
+            crate::storage::RealFs.truncate(path, len)
+        }
+        fn sync_file(&self, path: &Path) -> std::io::Result<()> {
+            crate::storage::RealFs.sync_file(path)
+        }
+        fn sync_dir(&self, dir: &Path) -> std::io::Result<()> {
+            crate::storage::RealFs.sync_dir(dir)
+        }
+        fn rename(&self, from: &Path, to: &Path) -> std::io::Result<()> {
+            crate::storage::RealFs.rename(from, to)
+        }
+        fn remove_file(&self, path: &Path) -> std::io::Result<()> {
+            crate::storage::RealFs.remove_file(path)
+        }
+    }
+
+    /// A disk slower than the input: while the flush thread's segment write
+    /// waits, appends go on into the next memtable until the frozen and
+    /// the live one hold three memtables' worth, then wait for the flush
+    /// without the store's lock (reads go on), and go on once it is
+    /// installed. Nothing is lost or doubled.
+    #[test]
+    fn appends_wait_for_a_slow_flush_once_three_memtables_are_held() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let fs = Arc::new(GatedFs::default());
+        let settings = EngineSettings::default();
+        let store = StoreOptions { memtable_max_events: 10, write_in_background: true, ..store_options(&settings) };
+        let keys = crate::sim::disk::SimKeyStore::new(settings.horizon_ms(), 7);
+        let mut state =
+            LocalState::open_on(fs.clone(), dir.path(), Box::new(keys), settings, store, true).expect("open");
+        // Flushes on a thread, as on a state directory.
+        if let Some(d) = state.durable.as_mut() {
+            d.flusher = JobThread::default();
+        }
+        state.assign(0, NOW).expect("assign");
+        let batch = |b: u64| -> Vec<StoredEvent> {
+            (0..10).map(|i| sample_event_at(b * 10 + i, 0, (b * 10 + i) as i64, NOW)).collect()
+        };
+        // The first batch fills the memtable: frozen, its segment's write
+        // held at the gate.
+        state.apply_published(0, &batch(0), NOW).expect("apply");
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::scope(|scope| {
+            let state = &state;
+            scope.spawn(move || {
+                for b in 1..=3 {
+                    state.apply_published(0, &batch(b), NOW).expect("apply");
+                    done.send(b).expect("send");
+                }
+            });
+            // Two more batches fit beside the frozen one; the third waits.
+            assert_eq!(finished.recv_timeout(std::time::Duration::from_secs(60)), Ok(1));
+            assert_eq!(finished.recv_timeout(std::time::Duration::from_secs(60)), Ok(2));
+            assert!(finished.recv_timeout(std::time::Duration::from_millis(300)).is_err(), "the third batch waits");
+            assert_eq!(fs.arrived.load(std::sync::atomic::Ordering::SeqCst), 1, "one segment write, held");
+            // Reads go on meanwhile: the waiting append does not hold the lock.
+            let mut stored = 0;
+            state.for_each_stored(0, |_| stored += 1).expect("read while an append waits");
+            assert_eq!(stored, 30);
+            fs.open_gate();
+            assert_eq!(finished.recv_timeout(std::time::Duration::from_secs(60)), Ok(3), "the flush made room");
+        });
+        let mut ids = Vec::new();
+        state.for_each_stored(0, |e| ids.push(e.key.output.offset)).expect("read");
+        ids.sort_unstable();
+        assert_eq!(ids, (0..40).collect::<Vec<i64>>());
+        state.close().expect("close");
+    }
+
+    /// On the simulator's disk a flush waits to be run: close runs it (the
+    /// segment is installed), an append that needs the memtable's room runs
+    /// it, and a crash drops it unrun (the WAL still holds its events).
+    /// Every way, reopening finds each event once.
+    #[test]
+    fn a_held_flush_runs_at_close_or_for_room_and_a_crash_drops_it() {
+        let settings = EngineSettings::default();
+        let store = StoreOptions { memtable_max_events: 10, write_in_background: true, ..store_options(&settings) };
+        let batch = |b: u64| -> Vec<StoredEvent> {
+            (0..10).map(|i| sample_event_at(b * 10 + i, 0, (b * 10 + i) as i64, NOW)).collect()
+        };
+        for ending in ["close", "room", "crash"] {
+            let disk = crate::sim::disk::SimDisk::new(Path::new("/sim/w0"), 1);
+            let keys = crate::sim::disk::SimKeyStore::new(settings.horizon_ms(), 1);
+            let open = || {
+                LocalState::open_on(
+                    Arc::new(disk.clone()),
+                    Path::new("/sim/w0"),
+                    Box::new(keys.clone()),
+                    settings.clone(),
+                    store.clone(),
+                    true,
+                )
+                .expect("open")
+            };
+            let mut state = open();
+            state.assign(0, NOW).expect("assign");
+            state.apply_published(0, &batch(0), NOW).expect("apply");
+            assert_eq!(state.store_jobs_waiting(), 1, "{ending}: the full memtable's flush waits");
+            let segments = |state: &LocalState| state.durable.as_ref().map_or(0, |d| locked(&d.usage).segments().len());
+            let written = match ending {
+                "close" => {
+                    state.close().expect("close");
+                    10
+                }
+                "room" => {
+                    // Two more memtables beside the frozen one; the next
+                    // append runs the flush itself.
+                    state.apply_published(0, &batch(1), NOW).expect("apply");
+                    state.apply_published(0, &batch(2), NOW).expect("apply");
+                    assert_eq!(segments(&state), 0);
+                    state.apply_published(0, &batch(3), NOW).expect("apply");
+                    assert!(segments(&state) >= 1, "the append that needed room wrote the held flush");
+                    drop(state);
+                    40
+                }
+                _ => {
+                    drop(state);
+                    10
+                }
+            };
+            let state = open();
+            let mut offsets = Vec::new();
+            state.for_each_stored(0, |e| offsets.push(e.key.output.offset)).expect("read");
+            offsets.sort_unstable();
+            let want: Vec<i64> = (0..written).collect();
+            assert_eq!(offsets, want, "{ending}");
+            if ending == "close" {
+                assert_eq!(segments(&state), 1, "close installed the held flush");
+            }
+            if ending == "crash" {
+                assert_eq!(segments(&state), 0, "the crash dropped the held flush unrun");
+            }
         }
     }
 

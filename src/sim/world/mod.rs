@@ -312,8 +312,9 @@ pub struct Report {
     /// Usage store flushes and compactions the schedule wrote after the
     /// apply that started them.
     pub store_jobs_written: usize,
-    /// Processes that died with one of them started and not written.
-    pub crashes_with_a_store_job_out: usize,
+    /// Processes that ended (a crash, a stop on an error, a fenced exit)
+    /// with one of them started and not written: it is lost with them.
+    pub ends_with_a_store_job_out: usize,
 }
 
 /// A schedule that failed: the seed, what broke, and the trace.

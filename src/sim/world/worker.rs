@@ -437,7 +437,7 @@ fn end_process(w: &mut World, worker: usize) {
         .as_ref()
         .and_then(|e| e.local_state())
         .map_or(0, crate::state::LocalState::store_jobs_waiting);
-    w.report.crashes_with_a_store_job_out += usize::from(out > 0);
+    w.report.ends_with_a_store_job_out += usize::from(out > 0);
     let wk = &mut w.workers[worker];
     // Dropped, not closed: nothing is flushed or synced on the way out.
     drop(wk.engine.take());
@@ -939,8 +939,8 @@ fn perform(w: &mut World, worker: usize, partition: i32) {
             }
             // The store's flush and compaction, if one was started, are
             // written now two times in three; otherwise they wait (for a
-            // later apply, an append that needs the room, close, or a
-            // crash that loses them).
+            // later apply, an append that needs the room, or a crash that
+            // loses them).
             if w.jobs_rng.below(3) != 0 {
                 if let Some(state) = w.workers[worker].engine().local_state() {
                     w.report.store_jobs_written += state.run_store_jobs();
