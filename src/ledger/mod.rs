@@ -46,7 +46,7 @@ pub use rollup::{
     hour_of, Adjustment, AdjustmentReason, CounterKey, FoldError, Folded, HourKey, Lateness, LedgerMaps, Rollup,
     DEFAULT_LATENESS_MS, HOUR_MS,
 };
-pub use store::{LedgerError, LedgerStore, Preview, WRITE_BEHIND};
+pub use store::{LedgerError, LedgerStore, Preview, TenantLedger, WRITE_BEHIND};
 
 use crate::event::UsageEvent;
 
@@ -194,12 +194,7 @@ impl Ledger {
 
     /// One tenant's rollups (of `customer`, when given) and adjustments as
     /// of one moment (see [`LedgerStore::tenant_ledger`]).
-    #[allow(clippy::type_complexity)]
-    pub fn tenant_ledger(
-        &self,
-        tenant_id: &str,
-        customer_id: Option<&str>,
-    ) -> Result<(Vec<(HourKey, Rollup)>, Vec<Adjustment>), LedgerError> {
+    pub fn tenant_ledger(&self, tenant_id: &str, customer_id: Option<&str>) -> Result<TenantLedger, LedgerError> {
         match self {
             Ledger::Durable(store) => store.tenant_ledger(tenant_id, customer_id),
             // One lock over both reads.

@@ -221,6 +221,10 @@ impl std::fmt::Debug for LedgerStore {
     }
 }
 
+/// One tenant's rollups, each with its hour, and its adjustments, as of one
+/// moment ([`LedgerStore::tenant_ledger`]).
+pub type TenantLedger = (Vec<(HourKey, Rollup)>, Vec<Adjustment>);
+
 /// What folding a batch would change: the rollups and adjustments it
 /// publishes in its own transaction.
 #[derive(Debug, Default)]
@@ -659,12 +663,7 @@ impl LedgerStore {
     /// of one moment: read from one snapshot, after writing what is
     /// pending. Two reads at two moments could pair one batch's late
     /// adjustments with hours from before its on-time events.
-    #[allow(clippy::type_complexity)]
-    pub fn tenant_ledger(
-        &self,
-        tenant_id: &str,
-        customer_id: Option<&str>,
-    ) -> Result<(Vec<(HourKey, Rollup)>, Vec<Adjustment>), LedgerError> {
+    pub fn tenant_ledger(&self, tenant_id: &str, customer_id: Option<&str>) -> Result<TenantLedger, LedgerError> {
         self.write_pending()?;
         let snapshot = self.db.snapshot();
         let mut prefix = vec![b'H'];
