@@ -52,8 +52,8 @@ use crate::event::{IdHash, UsageEvent, Validator};
 use crate::keystore::{KeyStore, KeyStoreOptions, KeyTier, KeystoreError};
 use crate::ledger::{Ledger, LedgerError, LedgerStore, Preview};
 use crate::storage::{
-    FileSystem, NoopObserver, PendingSync, RecoveryReport, StateDirLock, StorageError, StorageObserver, StoreOptions,
-    UsageStore,
+    CompactionJob, FileSystem, FlushJob, NoopObserver, PendingSync, RecoveryReport, StateDirLock, StorageError,
+    StorageObserver, StoreOptions, UsageStore,
 };
 
 pub use crate::storage::StoredEvent;
@@ -123,18 +123,30 @@ struct Durable {
 enum JobPlacement {
     /// On a thread of its own: what a state directory uses.
     Thread(Option<std::thread::JoinHandle<()>>),
-    /// Held until the owner runs it (`LocalState::run_store_jobs`), or an
-    /// append that needs the memtable's room does: the simulator's, whose
-    /// schedule then decides when each job is written and installed (a
-    /// thread would leave it to the host's scheduler, and a schedule could
-    /// not be replayed from its seed). A crash drops the job unrun.
+    /// Held until the owner runs it (`LocalState::run_store_jobs`,
+    /// `write_store_jobs`), or an append that needs the memtable's room
+    /// does: the simulator's, whose schedule then decides when each job is
+    /// written and when installed (a thread would leave it to the host's
+    /// scheduler, and a schedule could not be replayed from its seed). A
+    /// crash drops the job unrun, or written and not installed.
     Deferred {
-        job: Option<Box<dyn FnOnce() + Send>>,
+        job: Option<Held>,
         /// Taken out and being run: until it is installed the job is still
         /// under way, though the slot is empty.
         running: bool,
     },
 }
+
+/// A held job's next step.
+enum Held {
+    /// Writes the job's segment (without the store's lock), then gives its
+    /// install; `None` when the write panicked (the job is abandoned).
+    Unwritten(Box<dyn FnOnce() -> Option<Install> + Send>),
+    Written(Install),
+}
+
+/// Installs a written job under the store's lock.
+type Install = Box<dyn FnOnce() + Send>;
 
 /// One slot for a usage store job, written without the store's lock.
 /// Joined when the state is closed or dropped: a state dropped without
@@ -154,8 +166,8 @@ impl JobThread {
         JobThread(Mutex::new(JobPlacement::Deferred { job: None, running: false }))
     }
 
-    /// Waits for the thread's job to end; a deferred job runs now, on this
-    /// thread (close finishes the job it started).
+    /// Waits for the thread's job to end; a deferred job runs to its end
+    /// now, on this thread (close finishes the job it started).
     fn join(&self) {
         let handle = match &mut *locked(&self.0) {
             JobPlacement::Thread(handle) => handle.take(),
@@ -165,30 +177,62 @@ impl JobThread {
             // A job that panicked has poisoned the store (`run`).
             let _ = handle.join();
         }
-        self.run_deferred();
+        while self.step_deferred(true) {}
     }
 
-    /// Runs a deferred job now, on this thread; whether there was one.
-    fn run_deferred(&self) -> bool {
-        let job = match &mut *locked(&self.0) {
-            JobPlacement::Deferred { job, running } => job.take().inspect(|_| *running = true),
+    /// Runs a deferred job's next step now, on this thread: its write, or
+    /// its install. With `install`, a job not yet written is written and,
+    /// on the next call, installed; without, only an unwritten job's write
+    /// runs. Whether a step ran.
+    fn step_deferred(&self, install: bool) -> bool {
+        let held = match &mut *locked(&self.0) {
+            JobPlacement::Deferred { job, running } => {
+                let next = match job.take() {
+                    Some(Held::Written(i)) if !install => {
+                        *job = Some(Held::Written(i));
+                        None
+                    }
+                    next => next,
+                };
+                *running = next.is_some();
+                next
+            }
             JobPlacement::Thread(_) => None,
         };
-        let Some(job) = job else {
+        let Some(held) = held else {
             return false;
         };
         // Run without the slot's lock: the job takes the store's, and the
         // store's holder takes the slot's (`run`).
-        job();
-        if let JobPlacement::Deferred { running, .. } = &mut *locked(&self.0) {
+        let written = match held {
+            Held::Unwritten(write) => write().map(Held::Written),
+            Held::Written(install) => {
+                install();
+                None
+            }
+        };
+        if let JobPlacement::Deferred { job, running } = &mut *locked(&self.0) {
+            *job = written;
             *running = false;
         }
         true
     }
 
-    /// Whether a deferred job waits to run.
+    /// Runs a deferred job to its end now; whether there was one.
+    fn run_deferred(&self) -> bool {
+        let ran = self.step_deferred(true);
+        while self.step_deferred(true) {}
+        ran
+    }
+
+    /// Whether a deferred job waits to run (written or not).
     fn waiting(&self) -> bool {
         matches!(&*locked(&self.0), JobPlacement::Deferred { job: Some(_), .. })
+    }
+
+    /// Whether a deferred job is written and waits for its install.
+    fn written(&self) -> bool {
+        matches!(&*locked(&self.0), JobPlacement::Deferred { job: Some(Held::Written(_)), .. })
     }
 
     /// Whether no job is under way: none started, its thread ended, or (the
@@ -200,31 +244,45 @@ impl JobThread {
         }
     }
 
-    /// Runs `work` on `job` on a new thread named `name`, or holds it to be
-    /// run later (deferred). Called with the usage store's lock held, just
-    /// after the store started the job: the job before it on this slot has
-    /// been installed (the store starts one at a time). A thread is joined
-    /// only if it has ended: one that panicked after its install may still
-    /// be waiting for the lock held here, to poison the store, and is left
-    /// to finish on its own. A job no thread can be started for is
-    /// abandoned, which poisons the store: it could never be installed.
-    /// A job that panics is abandoned, which poisons the store at once:
-    /// otherwise a flush would stay frozen (and the next never start) and
-    /// a compaction would stay out, with nothing said until appends wait.
+    /// Writes a job (`write`, without the store's lock) and installs it
+    /// (`install`, which takes the lock), on a new thread named `name`, or
+    /// holds it to be run later (deferred). Called with the usage store's
+    /// lock held, just after the store started the job: the job before it
+    /// on this slot has been installed (the store starts one at a time). A
+    /// thread is joined only if it has ended: one that panicked after its
+    /// install may still be waiting for the lock held here, to poison the
+    /// store, and is left to finish on its own. A job no thread can be
+    /// started for is abandoned, which poisons the store: it could never be
+    /// installed. A job that panics is abandoned, which poisons the store
+    /// at once: otherwise a flush would stay frozen (and the next never
+    /// start) and a compaction would stay out, with nothing said until
+    /// appends wait.
     fn run<J: Send + 'static>(
         &self,
         store: &Arc<Mutex<UsageStore>>,
         usage: &mut UsageStore,
         name: &'static str,
         job: J,
-        work: impl FnOnce(J, &Mutex<UsageStore>) + Send + 'static,
+        write: impl FnOnce(&mut J) + Send + 'static,
+        install: impl FnOnce(J, &Mutex<UsageStore>) + Send + 'static,
     ) -> Result<(), StateError> {
         let store = Arc::clone(store);
-        let body = move || {
-            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(job, &store)));
-            if ran.is_err() {
-                locked(&store).abandon_job(&format!("the {name} thread panicked before installing its segment"));
+        let abandon = move |store: &Mutex<UsageStore>| {
+            locked(store).abandon_job(&format!("the {name} thread panicked before installing its segment"));
+        };
+        let write_step = move || -> Option<Install> {
+            let mut job = job;
+            let wrote = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| write(&mut job)));
+            if wrote.is_err() {
+                abandon(&store);
+                return None;
             }
+            Some(Box::new(move || {
+                let installed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| install(job, &store)));
+                if installed.is_err() {
+                    abandon(&store);
+                }
+            }))
         };
         let mut placement = locked(&self.0);
         let previous = match &mut *placement {
@@ -232,7 +290,7 @@ impl JobThread {
                 // The store starts a job only once the one before it is
                 // installed, so the slot is empty.
                 debug_assert!(job.is_none(), "a {name} job started before the last one ran");
-                *job = Some(Box::new(body));
+                *job = Some(Held::Unwritten(Box::new(write_step)));
                 return Ok(());
             }
             JobPlacement::Thread(previous) => previous,
@@ -240,6 +298,11 @@ impl JobThread {
         if let Some(ended) = previous.take_if(|h| h.is_finished()) {
             let _ = ended.join();
         }
+        let body = move || {
+            if let Some(install) = write_step() {
+                install();
+            }
+        };
         match std::thread::Builder::new().name(name.to_owned()).spawn(body) {
             Ok(handle) => {
                 *previous = Some(handle);
@@ -311,8 +374,7 @@ impl Durable {
             return Ok(());
         };
         let ended = Arc::clone(&self.flush_ended);
-        self.flusher.run(&self.usage, usage, "dedupd-flush", job, move |mut job, store| {
-            job.write();
+        self.flusher.run(&self.usage, usage, "dedupd-flush", job, FlushJob::write, move |job, store| {
             // A failure poisons the store; the next append reports it.
             let _ = locked(store).finish_flush(job);
             ended.notify_all();
@@ -326,8 +388,7 @@ impl Durable {
         let Some(job) = usage.start_compaction(now_ms)? else {
             return Ok(());
         };
-        self.compactor.run(&self.usage, usage, "dedupd-compact", job, |mut job, store| {
-            job.run();
+        self.compactor.run(&self.usage, usage, "dedupd-compact", job, CompactionJob::run, |job, store| {
             // A failure poisons the store; the next append reports it. A
             // corrupt input is left in place, and said.
             if let Ok(report) = locked(store).finish_compaction(job) {
@@ -569,6 +630,22 @@ impl LocalState {
         self.durable
             .as_ref()
             .map_or(0, |d| usize::from(d.flusher.run_deferred()) + usize::from(d.compactor.run_deferred()))
+    }
+
+    /// Writes the segments of the held jobs not yet written, leaving their
+    /// installs held: a crash now finds a segment written and not in the
+    /// manifest. Returns how many were written.
+    pub fn write_store_jobs(&self) -> usize {
+        self.durable.as_ref().map_or(0, |d| {
+            let write = |job: &JobThread| usize::from(job.step_deferred(false));
+            write(&d.flusher) + write(&d.compactor)
+        })
+    }
+
+    /// How many held jobs have their segment written and wait for their
+    /// install.
+    pub fn store_jobs_written(&self) -> usize {
+        self.durable.as_ref().map_or(0, |d| usize::from(d.flusher.written()) + usize::from(d.compactor.written()))
     }
 
     /// How many usage store jobs wait for [`run_store_jobs`](Self::run_store_jobs).
@@ -1383,8 +1460,8 @@ mod tests {
 
     /// On the simulator's disk a flush waits to be run: close runs it (the
     /// segment is installed), an append that needs the memtable's room runs
-    /// it, and a crash drops it unrun (the WAL still holds its events).
-    /// Every way, reopening finds each event once.
+    /// it, and a crash drops it unrun or written and not installed (the WAL
+    /// still holds its events). Every way, reopening finds each event once.
     #[test]
     fn a_held_flush_runs_at_close_or_for_room_and_a_crash_drops_it() {
         let settings = EngineSettings::default();
@@ -1392,7 +1469,7 @@ mod tests {
         let batch = |b: u64| -> Vec<StoredEvent> {
             (0..10).map(|i| sample_event_at(b * 10 + i, 0, (b * 10 + i) as i64, NOW)).collect()
         };
-        for ending in ["close", "room", "crash"] {
+        for ending in ["close", "room", "crash", "crash after the write"] {
             let disk = crate::sim::disk::SimDisk::new(Path::new("/sim/w0"), 1);
             let keys = crate::sim::disk::SimKeyStore::new(settings.horizon_ms(), 1);
             let open = || {
@@ -1427,7 +1504,14 @@ mod tests {
                     drop(state);
                     40
                 }
+                "crash" => {
+                    drop(state);
+                    10
+                }
                 _ => {
+                    assert_eq!(state.write_store_jobs(), 1);
+                    assert_eq!(state.store_jobs_written(), 1, "written, its install held");
+                    assert_eq!(segments(&state), 0, "not in the manifest until installed");
                     drop(state);
                     10
                 }
@@ -1441,29 +1525,45 @@ mod tests {
             if ending == "close" {
                 assert_eq!(segments(&state), 1, "close installed the held flush");
             }
-            if ending == "crash" {
-                assert_eq!(segments(&state), 0, "the crash dropped the held flush unrun");
+            if ending.starts_with("crash") {
+                assert_eq!(segments(&state), 0, "{ending}: the crash dropped the held flush uninstalled");
             }
         }
     }
 
-    /// A flush or compaction thread that panics poisons the usage store
-    /// at once, so the next append says why instead of the store waiting
-    /// forever on a job nobody will install.
+    /// A flush or compaction job that panics, in its write or its install,
+    /// on a thread or held, poisons the usage store at once, so the next
+    /// append says why instead of the store waiting forever on a job
+    /// nobody will install.
     #[test]
     fn a_store_job_that_panics_poisons_the_usage_store() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (store, _) =
-            UsageStore::open(dir.path(), StoreOptions::default(), Arc::new(NoopObserver)).expect("usage store");
-        let store = Arc::new(Mutex::new(store));
-        let thread = JobThread::default();
-        {
-            let mut usage = locked(&store);
-            thread.run(&store, &mut usage, "dedupd-test", (), |(), _| panic!("a job's bug")).expect("started");
+        for (placement, in_write) in [("thread", true), ("thread", false), ("held", true), ("held", false)] {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let (store, _) =
+                UsageStore::open(dir.path(), StoreOptions::default(), Arc::new(NoopObserver)).expect("usage store");
+            let store = Arc::new(Mutex::new(store));
+            let thread = if placement == "thread" { JobThread::default() } else { JobThread::deferred() };
+            {
+                let mut usage = locked(&store);
+                thread
+                    .run(
+                        &store,
+                        &mut usage,
+                        "dedupd-test",
+                        in_write,
+                        |in_write| assert!(!*in_write, "a bug in the job's write"),
+                        |_, _| panic!("a bug in the job's install"),
+                    )
+                    .expect("started");
+            }
+            thread.join();
+            assert!(thread.idle(), "{placement}, write {in_write}");
+            let err = locked(&store).append(&[sample_event_at(1, 0, 1, NOW)]).expect_err("poisoned");
+            assert!(
+                err.to_string().contains("the dedupd-test thread panicked"),
+                "{placement}, write {in_write}: {err}"
+            );
         }
-        thread.join();
-        let err = locked(&store).append(&[sample_event_at(1, 0, 1, NOW)]).expect_err("poisoned");
-        assert!(err.to_string().contains("the dedupd-test thread panicked"), "{err}");
     }
 
     #[test]

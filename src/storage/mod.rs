@@ -89,8 +89,9 @@
 //!
 //! Without it (the store alone) `append` flushes inline and `maintain`
 //! compacts inline, through the same three steps. The simulator sets it,
-//! and its schedule decides when each job is written
-//! (`LocalState::run_store_jobs`), so a crash can find one out.
+//! and its schedule decides when each job is written and when installed
+//! (`LocalState::run_store_jobs`, `write_store_jobs`), so a crash can find
+//! one out, or written and not installed.
 
 mod codec;
 mod error;

@@ -315,6 +315,9 @@ pub struct Report {
     /// Processes that ended (a crash, a stop on an error, a fenced exit)
     /// with one of them started and not written: it is lost with them.
     pub ends_with_a_store_job_out: usize,
+    /// Of those, the ones whose job had written its segment and not
+    /// installed it: recovery finds a segment no manifest names.
+    pub ends_with_a_segment_not_installed: usize,
 }
 
 /// A schedule that failed: the seed, what broke, and the trace.

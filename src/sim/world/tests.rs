@@ -25,7 +25,7 @@ fn run_all(delivery: DeliveryMode) {
     let mut totals = (0usize, 0usize, 0usize, 0usize, 0usize);
     let mut members = (0usize, 0usize, 0usize, 0usize);
     let mut disk = crate::sim::disk::DiskCounts::default();
-    let mut jobs = (0usize, 0usize);
+    let mut jobs = (0usize, 0usize, 0usize);
     let mut schedules = 0;
     for seed in seeds() {
         let config = ScheduleConfig { seed, delivery, mutations: Mutations::NONE, membership: Membership::Drawn };
@@ -44,6 +44,7 @@ fn run_all(delivery: DeliveryMode) {
                 disk += r.disk;
                 jobs.0 += r.store_jobs_written;
                 jobs.1 += r.ends_with_a_store_job_out;
+                jobs.2 += r.ends_with_a_segment_not_installed;
             }
             Err(failure) => panic!("{failure}"),
         }
@@ -53,7 +54,7 @@ fn run_all(delivery: DeliveryMode) {
          assignments, {} failed publishes; {} with static members, {} with a second process on a worker's \
          instance id ({} overlapping it), {} fenced exits; disks: {} power losses taking {} unsynced bytes and {} \
          directory changes, {} write errors, {} fsync errors, {} full-disk errors; {} usage store jobs written \
-         after their apply, {} process ends with one out",
+         after their apply, {} process ends with one out ({} with its segment written, not installed)",
         totals.0,
         totals.1,
         totals.2,
@@ -70,13 +71,14 @@ fn run_all(delivery: DeliveryMode) {
         disk.fsync_errors,
         disk.full_disk_errors,
         jobs.0,
-        jobs.1
+        jobs.1,
+        jobs.2
     );
     // The schedules place the store's background jobs, crashes included
     // (unless the run is too short to have any).
     if schedules >= 1_000 {
         assert!(
-            jobs.0 > 0 && jobs.1 > 0,
+            jobs.0 > 0 && jobs.1 > 0 && jobs.2 > 0,
             "no usage store job was written after its apply or lost with its process: {jobs:?}"
         );
     }

@@ -432,12 +432,10 @@ pub(crate) fn crash(w: &mut World, worker: usize, why: &str) {
 }
 
 fn end_process(w: &mut World, worker: usize) {
-    let out = w.workers[worker]
-        .engine
-        .as_ref()
-        .and_then(|e| e.local_state())
-        .map_or(0, crate::state::LocalState::store_jobs_waiting);
-    w.report.ends_with_a_store_job_out += usize::from(out > 0);
+    if let Some(state) = w.workers[worker].engine.as_ref().and_then(|e| e.local_state()) {
+        w.report.ends_with_a_store_job_out += usize::from(state.store_jobs_waiting() > 0);
+        w.report.ends_with_a_segment_not_installed += usize::from(state.store_jobs_written() > 0);
+    }
     let wk = &mut w.workers[worker];
     // Dropped, not closed: nothing is flushed or synced on the way out.
     drop(wk.engine.take());
@@ -938,14 +936,17 @@ fn perform(w: &mut World, worker: usize, partition: i32) {
                 return fail(w, worker, e.to_string());
             }
             // The store's flush and compaction, if one was started, are
-            // written now two times in three; otherwise they wait (for a
-            // later apply, an append that needs the room, or a crash that
-            // loses them).
-            if w.jobs_rng.below(3) != 0 {
-                if let Some(state) = w.workers[worker].engine().local_state() {
-                    w.report.store_jobs_written += state.run_store_jobs();
-                }
-            }
+            // written and installed now two times in three, only written
+            // one time in six (the install waits), left alone otherwise:
+            // what waits is run by a later apply or an append that needs
+            // the room, or lost with the process.
+            let roll = w.jobs_rng.below(6);
+            let ran = w.workers[worker].engine().local_state().map_or(0, |state| match roll {
+                0..=3 => state.run_store_jobs(),
+                4 => state.write_store_jobs(),
+                _ => 0,
+            });
+            w.report.store_jobs_written += ran;
             advance(w, worker, partition, Event::Applied);
         }
         Step::CommitInput { next_input } => {
