@@ -194,7 +194,11 @@ impl JobThread {
                     }
                     next => next,
                 };
-                *running = next.is_some();
+                // Only the caller that takes the job says it is being run,
+                // and only it says when it is done (below).
+                if next.is_some() {
+                    *running = true;
+                }
                 next
             }
             JobPlacement::Thread(_) => None,
@@ -212,7 +216,13 @@ impl JobThread {
             }
         };
         if let JobPlacement::Deferred { job, running } = &mut *locked(&self.0) {
-            *job = written;
+            // A written job goes back for its install. An installed one
+            // leaves the slot as it is: once the install let go of the
+            // store's lock, another append may have started the next job.
+            if let Some(written) = written {
+                debug_assert!(job.is_none(), "a job started while the last one was being written");
+                *job = Some(written);
+            }
             *running = false;
         }
         true
@@ -1488,6 +1498,10 @@ mod tests {
             state.apply_published(0, &batch(0), NOW).expect("apply");
             assert_eq!(state.store_jobs_waiting(), 1, "{ending}: the full memtable's flush waits");
             let segments = |state: &LocalState| state.durable.as_ref().map_or(0, |d| locked(&d.usage).segments().len());
+            let segment_files = || {
+                let listed = disk.list_dir(Path::new("/sim/w0/usage/segments")).unwrap_or_default();
+                listed.iter().filter(|p| p.extension().is_some_and(|e| e == "seg")).count()
+            };
             let written = match ending {
                 "close" => {
                     state.close().expect("close");
@@ -1512,6 +1526,7 @@ mod tests {
                     assert_eq!(state.write_store_jobs(), 1);
                     assert_eq!(state.store_jobs_written(), 1, "written, its install held");
                     assert_eq!(segments(&state), 0, "not in the manifest until installed");
+                    assert_eq!(segment_files(), 1, "the held job's segment is on the disk");
                     drop(state);
                     10
                 }
@@ -1527,6 +1542,7 @@ mod tests {
             }
             if ending.starts_with("crash") {
                 assert_eq!(segments(&state), 0, "{ending}: the crash dropped the held flush uninstalled");
+                assert_eq!(segment_files(), 0, "{ending}: recovery leaves no segment the manifest does not name");
             }
         }
     }
@@ -1552,7 +1568,9 @@ mod tests {
                         "dedupd-test",
                         in_write,
                         |in_write| assert!(!*in_write, "a bug in the job's write"),
-                        |_, _| panic!("a bug in the job's install"),
+                        // Panics only when the write did not: a write's
+                        // panic must poison the store by itself.
+                        |in_write, _| assert!(in_write, "a bug in the job's install"),
                     )
                     .expect("started");
             }

@@ -309,11 +309,12 @@ pub struct Report {
     pub duplicate_overlaps: usize,
     /// Processes stopped for good by FENCED_INSTANCE_ID.
     pub fenced_exits: usize,
-    /// Usage store flushes and compactions the schedule wrote after the
-    /// apply that started them.
-    pub store_jobs_written: usize,
+    /// Times the schedule moved a usage store flush or compaction on after
+    /// an apply (wrote it, installed it, or both): a job written by one
+    /// apply and installed by a later one counts twice.
+    pub store_job_steps: usize,
     /// Processes that ended (a crash, a stop on an error, a fenced exit)
-    /// with one of them started and not written: it is lost with them.
+    /// with one of them started and not installed: it is lost with them.
     pub ends_with_a_store_job_out: usize,
     /// Of those, the ones whose job had written its segment and not
     /// installed it: recovery finds a segment no manifest names.

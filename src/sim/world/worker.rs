@@ -946,7 +946,7 @@ fn perform(w: &mut World, worker: usize, partition: i32) {
                 4 => state.write_store_jobs(),
                 _ => 0,
             });
-            w.report.store_jobs_written += ran;
+            w.report.store_job_steps += ran;
             advance(w, worker, partition, Event::Applied);
         }
         Step::CommitInput { next_input } => {
