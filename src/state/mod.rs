@@ -339,6 +339,28 @@ impl Drop for JobThread {
 }
 
 impl Durable {
+    /// The tiers of `dir`, their store jobs placed by `jobs` (on threads,
+    /// or held for the simulator's schedule).
+    fn new(
+        dir: &Path,
+        usage: UsageStore,
+        keys: Box<dyn KeyTier>,
+        recovery: RecoveryReport,
+        lock: Option<StateDirLock>,
+        jobs: fn() -> JobThread,
+    ) -> Durable {
+        Durable {
+            dir: dir.to_owned(),
+            usage: Arc::new(Mutex::new(usage)),
+            flusher: jobs(),
+            compactor: jobs(),
+            flush_ended: Arc::default(),
+            keys,
+            recovery,
+            _lock: lock,
+        }
+    }
+
     /// The usage store's lock, once the memtable has room: while a flush
     /// is being written and the frozen and the live memtable together
     /// reach three times the bound, an append waits (without the lock) for
@@ -562,16 +584,7 @@ impl LocalState {
         };
         let mut state = LocalState::in_memory(settings, detect_replays);
         state.ledger = ledger;
-        state.durable = Some(Durable {
-            dir: dir.to_owned(),
-            usage: Arc::new(Mutex::new(usage)),
-            flusher: JobThread::default(),
-            compactor: JobThread::default(),
-            flush_ended: Arc::default(),
-            keys: Box::new(keys),
-            recovery,
-            _lock: Some(lock),
-        });
+        state.durable = Some(Durable::new(dir, usage, Box::new(keys), recovery, Some(lock), JobThread::default));
         Ok(state)
     }
 
@@ -619,16 +632,7 @@ impl LocalState {
         let (usage, recovery) = UsageStore::open_on(fs, &dir.join("usage"), store, Arc::new(NoopObserver))?;
         let mut state = LocalState::in_memory(settings, detect_replays);
         state.ledger = None;
-        state.durable = Some(Durable {
-            dir: dir.to_owned(),
-            usage: Arc::new(Mutex::new(usage)),
-            flusher: JobThread::deferred(),
-            compactor: JobThread::deferred(),
-            flush_ended: Arc::default(),
-            keys,
-            recovery,
-            _lock: None,
-        });
+        state.durable = Some(Durable::new(dir, usage, keys, recovery, None, JobThread::deferred));
         Ok(state)
     }
 
