@@ -4,6 +4,9 @@
 //!   the ledger on and off (the issue's target: on ≥ 0.9× off), under both
 //!   fsync policies; "on" includes the read-only preview a worker computes
 //!   to publish each batch's rollups.
+//! - `ingest_paired`: the same work, on and off in one run, batch by batch
+//!   in turn (see [`ingest_paired`]); prints both rates and their ratio.
+//!   `DEDUPD_BENCH_PAIRED_BATCHES` batches each (default 2,000).
 //! - `month_total`: one customer's month answered from a ledger holding
 //!   rollups for `DEDUPD_BENCH_LEDGER_EVENTS` events (default 100,000,000:
 //!   1,736 customers × 5 meters × 720 hours × 4 partitions, about four
@@ -189,5 +192,63 @@ fn ledger_alone(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, ingest, ledger_alone, month_total);
+/// One batch the way a worker handles it, timed: the ledger's preview (when
+/// the ledger is on), then the apply.
+fn previewed_apply(state: &LocalState, events: &[StoredEvent]) -> Duration {
+    let started = Instant::now();
+    let accepted: Vec<(&UsageEvent, i64)> = events.iter().map(|e| (&e.event, e.key.output.offset)).collect();
+    drop(state.ledger_preview(0, &accepted).expect("preview"));
+    state.apply_published(0, events, NOW).expect("apply");
+    started.elapsed()
+}
+
+/// `ingest` with the ledger on and off in one run: two state directories,
+/// each batch applied to both, the order alternating. Two separate runs
+/// of `ingest` differ by ±10% on this machine (the disk's fsync times, the
+/// usage store's flushes and the key store's compactions land on one run
+/// and not the other), far more than the ledger's share; side by side,
+/// whatever slows the disk or the CPU for a while slows both. Prints each
+/// side's events per second and the ratio; not a criterion measurement.
+fn ingest_paired(_: &mut Criterion) {
+    let filters: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    if !filters.is_empty() && !filters.iter().any(|f| "ingest_paired".contains(f.as_str())) {
+        return;
+    }
+    let batches: u64 = std::env::var("DEDUPD_BENCH_PAIRED_BATCHES").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
+    for (fsync_name, fsync) in [
+        ("fsync_always", FsyncPolicy::Always),
+        ("fsync_interval_250ms", FsyncPolicy::Interval(Duration::from_millis(250))),
+    ] {
+        let open = |dir: &tempfile::TempDir, ledger: bool| {
+            let settings = EngineSettings { ledger, fsync: fsync.clone(), ..EngineSettings::default() };
+            let mut state = LocalState::open(Some(dir.path()), settings, true).expect("open");
+            state.assign(0, NOW).expect("assign");
+            state
+        };
+        let (dir_on, dir_off) = (tempfile::tempdir().expect("tempdir"), tempfile::tempdir().expect("tempdir"));
+        let (on, off) = (open(&dir_on, true), open(&dir_off, false));
+        let (mut on_time, mut off_time) = (Duration::ZERO, Duration::ZERO);
+        for k in 0..batches {
+            let events = batch(k * BATCH as u64, (k * BATCH as u64) as i64);
+            if k % 2 == 0 {
+                on_time += previewed_apply(&on, &events);
+                off_time += previewed_apply(&off, &events);
+            } else {
+                off_time += previewed_apply(&off, &events);
+                on_time += previewed_apply(&on, &events);
+            }
+        }
+        on.close().expect("close");
+        off.close().expect("close");
+        let events = (batches * BATCH as u64) as f64;
+        let (on_rate, off_rate) = (events / on_time.as_secs_f64(), events / off_time.as_secs_f64());
+        eprintln!(
+            "ingest_paired/{fsync_name}: {batches} batches of {BATCH}: ledger on {on_rate:.0} events/s, \
+             off {off_rate:.0} events/s, on/off {:.3}",
+            on_rate / off_rate
+        );
+    }
+}
+
+criterion_group!(benches, ingest, ingest_paired, ledger_alone, month_total);
 criterion_main!(benches);

@@ -89,11 +89,33 @@ struct Previewed {
 }
 
 /// What a fold in place overwrote in the cache: each hour's and counter's
-/// value before the batch's first change to it.
+/// value before the batch's first change to it, each once (the slots'
+/// stamps say which change is the first, see [`HourSlot`]).
 #[derive(Default)]
 struct Undo {
-    hours: HashMap<HourKey, Option<Rollup>>,
-    watermarks: HashMap<Arc<CounterKey>, Option<i64>>,
+    hours: Vec<(HourKey, Option<Rollup>)>,
+    watermarks: Vec<(Arc<CounterKey>, Option<i64>)>,
+}
+
+/// A cached hour: its rollup (`None`: known absent from the store) and the
+/// fold that last changed it. The stamp is how a fold knows its first
+/// change to an hour, the one it records in its [`Undo`], without a lookup
+/// of its own. The undo was a hash map, probed twice per event: a fresh
+/// table of a thousand entries each batch, out of the CPU's caches (perf:
+/// the preview fell from 8.9% to 7.8% of a batch's CPU without it).
+#[derive(Default)]
+struct HourSlot {
+    rollup: Option<Box<Rollup>>,
+    /// [`Cache::folds`] of the fold that last changed it (0: none).
+    fold: u64,
+}
+
+/// A cached counter watermark (`None`: known absent), stamped like
+/// [`HourSlot`].
+#[derive(Default, Clone, Copy)]
+struct WatermarkSlot {
+    ms: Option<i64>,
+    fold: u64,
 }
 
 /// One partition's cached hours and watermarks as a fold sees them. Every
@@ -101,35 +123,44 @@ struct Undo {
 /// which also found each event's counter (`resolved`, by position), so the
 /// fold neither hashes names nor reads the store.
 struct CacheTally<'c> {
-    hours: &'c mut HashMap<HourKey, Option<Box<Rollup>>>,
-    watermarks: &'c mut HashMap<Arc<CounterKey>, Option<i64>>,
+    hours: &'c mut HashMap<HourKey, HourSlot>,
+    watermarks: &'c mut HashMap<Arc<CounterKey>, WatermarkSlot>,
     resolved: &'c [Arc<CounterKey>],
+    /// This fold's stamp: never 0, never a stamp an earlier fold left.
+    fold: u64,
     undo: &'c mut Undo,
 }
 
 impl Tally for CacheTally<'_> {
     fn counter(&mut self, i: usize, _: &UsageEvent) -> (Arc<CounterKey>, Option<i64>) {
         let counter = self.resolved[i].clone();
-        let watermark = self.watermarks.get(&counter).copied().flatten();
+        let watermark = self.watermarks.get(&counter).and_then(|w| w.ms);
         (counter, watermark)
     }
 
     fn set_watermark(&mut self, counter: &Arc<CounterKey>, ms: i64) {
-        let old = self.watermarks.insert(counter.clone(), Some(ms)).flatten();
-        if !self.undo.watermarks.contains_key(counter) {
-            self.undo.watermarks.insert(counter.clone(), old);
+        // Loaded before the fold, so found (an absent one as `None`).
+        if let Some(slot) = self.watermarks.get_mut(counter) {
+            if slot.fold != self.fold {
+                self.undo.watermarks.push((counter.clone(), slot.ms));
+                slot.fold = self.fold;
+            }
+            slot.ms = Some(ms);
+            return;
         }
+        self.undo.watermarks.push((counter.clone(), None));
+        self.watermarks.insert(counter.clone(), WatermarkSlot { ms: Some(ms), fold: self.fold });
     }
 
     fn hour(&mut self, counter: &Arc<CounterKey>, hour_ms: i64) -> (&mut Rollup, bool) {
-        let key = HourRef { counter, hour_ms };
-        let first = !self.undo.hours.contains_key(&key);
         // Loaded before the fold, so found (an absent hour as `None`).
-        let slot = self.hours.entry_ref(&key).or_insert(None);
+        let slot = self.hours.entry_ref(&HourRef { counter, hour_ms }).or_default();
+        let first = slot.fold != self.fold;
         if first {
-            self.undo.hours.insert(HourKey { counter: counter.clone(), hour_ms }, slot.as_deref().cloned());
+            self.undo.hours.push((HourKey { counter: counter.clone(), hour_ms }, slot.rollup.as_deref().cloned()));
+            slot.fold = self.fold;
         }
-        (slot.get_or_insert_with(Box::default), first)
+        (slot.rollup.get_or_insert_with(Box::default), first)
     }
 }
 
@@ -196,8 +227,11 @@ struct Cache {
     /// Looked up by reference, no key built. Rollups boxed: the table stays
     /// small enough to sit in cache while each event's hour is probed (a
     /// rollup is about a hundred bytes).
-    hours: HashMap<HourKey, Option<Box<Rollup>>>,
-    watermarks: HashMap<Arc<CounterKey>, Option<i64>>,
+    hours: HashMap<HourKey, HourSlot>,
+    watermarks: HashMap<Arc<CounterKey>, WatermarkSlot>,
+    /// Folds made in this cache: the last one's stamp (see [`HourSlot`]).
+    /// 64 bits, so a stamp never comes round again.
+    folds: u64,
     dirty_hours: HashSet<HourKey>,
     dirty_watermarks: HashSet<Arc<CounterKey>>,
     /// The last preview, folded in place and kept by the apply of the same
@@ -346,7 +380,7 @@ impl LedgerStore {
         Self::undo_preview(&mut cache);
         let (folded, undo) = self.fold_in_cache(&mut cache, partition, lateness, events)?;
         let held = &cache.hours;
-        let preview = Preview::of(folded.clone(), |k| held.get(k).and_then(Option::as_deref));
+        let preview = Preview::of(folded.clone(), |k| held.get(k).and_then(|s| s.rollup.as_deref()));
         cache.previewed = Some(Previewed { checkpoint, fingerprint: fingerprint(events), folded, undo });
         Ok(preview)
     }
@@ -411,12 +445,13 @@ impl LedgerStore {
         events: &[(&UsageEvent, i64)],
     ) -> Result<(Folded, Undo), LedgerError> {
         let resolved = self.load(cache, partition, events)?;
-        let mut undo =
-            Undo { hours: HashMap::with_capacity(events.len()), watermarks: HashMap::with_capacity(events.len()) };
+        let mut undo = Undo { hours: Vec::with_capacity(events.len()), watermarks: Vec::new() };
+        cache.folds += 1;
         let mut tally = CacheTally {
             hours: &mut cache.hours,
             watermarks: &mut cache.watermarks,
             resolved: &resolved,
+            fold: cache.folds,
             undo: &mut undo,
         };
         match fold_into(&mut tally, lateness, events.iter().copied()) {
@@ -437,10 +472,10 @@ impl LedgerStore {
 
     fn restore(cache: &mut Cache, undo: Undo) {
         for (k, v) in undo.hours {
-            cache.hours.insert(k, v.map(Box::new));
+            cache.hours.entry(k).or_default().rollup = v.map(Box::new);
         }
         for (c, w) in undo.watermarks {
-            cache.watermarks.insert(c, w);
+            cache.watermarks.entry(c).or_default().ms = w;
         }
     }
 
@@ -491,13 +526,13 @@ impl LedgerStore {
         Self::undo_preview(cache);
         let mut puts = Puts::default();
         for key in &cache.dirty_hours {
-            if let Some(Some(r)) = cache.hours.get(key) {
+            if let Some(r) = cache.hours.get(key).and_then(|s| s.rollup.as_deref()) {
                 puts.add(|out| push_hour_key(out, key, partition), |out| push_rollup(out, r));
             }
         }
         for counter in &cache.dirty_watermarks {
-            if let Some(Some(w)) = cache.watermarks.get(counter) {
-                puts.add(|out| push_watermark_key(out, partition, counter), |out| out.extend_from_slice(&flip(*w)));
+            if let Some(w) = cache.watermarks.get(counter).and_then(|s| s.ms) {
+                puts.add(|out| push_watermark_key(out, partition, counter), |out| out.extend_from_slice(&flip(w)));
             }
         }
         for a in &cache.adjustments {
@@ -573,7 +608,7 @@ impl LedgerStore {
                     // event of the same counter later in the batch does not
                     // ask again.
                     let counter = Arc::new(CounterKey::of(e));
-                    watermarks_held.insert(counter.clone(), None);
+                    watermarks_held.insert(counter.clone(), WatermarkSlot::default());
                     missing_counters.push(counter.clone());
                     counter
                 }
@@ -581,7 +616,7 @@ impl LedgerStore {
             let hour_ms = hour_of(e.timestamp_ms);
             if !hours_held.contains_key(&HourRef { counter: &counter, hour_ms }) {
                 let hour = HourKey { counter: counter.clone(), hour_ms };
-                hours_held.insert(hour.clone(), None);
+                hours_held.insert(hour.clone(), HourSlot::default());
                 missing_hours.push(hour);
             }
             resolved.push(counter);
@@ -595,10 +630,10 @@ impl LedgerStore {
         match self.read_missing(partition, &missing_hours, &missing_counters) {
             Ok((hours, watermarks)) => {
                 for (key, value) in missing_hours.into_iter().zip(hours) {
-                    hours_held.insert(key, value.map(Box::new));
+                    hours_held.insert(key, HourSlot { rollup: value.map(Box::new), fold: 0 });
                 }
                 for (counter, value) in missing_counters.into_iter().zip(watermarks) {
-                    watermarks_held.insert(counter, value);
+                    watermarks_held.insert(counter, WatermarkSlot { ms: value, fold: 0 });
                 }
                 Ok(resolved)
             }
