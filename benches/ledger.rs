@@ -43,19 +43,46 @@ fn batch(base: u64, offset: i64) -> Vec<StoredEvent> {
         .collect()
 }
 
+/// The fsync policies `ingest` and `ingest_paired` run under.
+fn fsync_policies() -> [(&'static str, FsyncPolicy); 2] {
+    [("fsync_always", FsyncPolicy::Always), ("fsync_interval_250ms", FsyncPolicy::Interval(Duration::from_millis(250)))]
+}
+
+/// Local state in `dir` with partition 0 assigned, the ledger on or off.
+fn open_state(dir: &tempfile::TempDir, ledger: bool, fsync: &FsyncPolicy) -> LocalState {
+    let settings = EngineSettings { ledger, fsync: fsync.clone(), ..EngineSettings::default() };
+    let mut state = LocalState::open(Some(dir.path()), settings, true).expect("open");
+    state.assign(0, NOW).expect("assign");
+    state
+}
+
+/// One batch the way a worker handles it, timed: previewed (its records
+/// built, dropped), then applied.
+fn previewed_apply(state: &LocalState, ledger: bool, events: &[StoredEvent]) -> Duration {
+    let started = Instant::now();
+    let accepted: Vec<(&UsageEvent, i64)> = events.iter().map(|e| (&e.event, e.key.output.offset)).collect();
+    let preview = state.ledger_preview(0, &accepted).expect("preview");
+    assert_eq!(preview.is_some(), ledger);
+    drop(preview);
+    state.apply_published(0, events, NOW).expect("apply");
+    started.elapsed()
+}
+
+/// Whether a benchmark whose setup is long should be skipped: the command
+/// line names benchmarks, and `name` is not among them.
+fn not_asked_for(name: &str) -> bool {
+    let filters: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str()))
+}
+
 fn ingest(c: &mut Criterion) {
     let mut group = c.benchmark_group("ingest");
     group.sample_size(10).warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(8));
     group.throughput(Throughput::Elements(BATCH as u64));
-    for (fsync_name, fsync) in [
-        ("fsync_always", FsyncPolicy::Always),
-        ("fsync_interval_250ms", FsyncPolicy::Interval(Duration::from_millis(250))),
-    ] {
+    for (fsync_name, fsync) in fsync_policies() {
         for ledger in [false, true] {
             let dir = tempfile::tempdir().expect("tempdir");
-            let settings = EngineSettings { ledger, fsync: fsync.clone(), ..EngineSettings::default() };
-            let mut state = LocalState::open(Some(dir.path()), settings, true).expect("open");
-            state.assign(0, NOW).expect("assign");
+            let state = open_state(&dir, ledger, &fsync);
             let mut next = 0u64;
             let name = format!("{fsync_name}/ledger_{}", if ledger { "on" } else { "off" });
             group.bench_function(name, |b| {
@@ -64,16 +91,7 @@ fn ingest(c: &mut Criterion) {
                     for _ in 0..iters {
                         let events = batch(next, next as i64);
                         next += BATCH as u64;
-                        let started = Instant::now();
-                        let accepted: Vec<(&UsageEvent, i64)> =
-                            events.iter().map(|e| (&e.event, e.key.output.offset)).collect();
-                        // Previewed, its records built, dropped, then applied:
-                        // the worker's order.
-                        let preview = state.ledger_preview(0, &accepted).expect("preview");
-                        assert_eq!(preview.is_some(), ledger);
-                        drop(preview);
-                        state.apply_published(0, &events, NOW).expect("apply");
-                        total += started.elapsed();
+                        total += previewed_apply(&state, ledger, &events);
                     }
                     total
                 })
@@ -87,8 +105,7 @@ fn ingest(c: &mut Criterion) {
 fn month_total(c: &mut Criterion) {
     // Its setup writes 25M rollups (about three minutes): skipped when the
     // command line names other benchmarks only.
-    let filters: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
-    if !filters.is_empty() && !filters.iter().any(|f| "query/one_customer_month_by_meter".contains(f.as_str())) {
+    if not_asked_for("query/one_customer_month_by_meter") {
         return;
     }
     let events: u64 =
@@ -192,16 +209,6 @@ fn ledger_alone(c: &mut Criterion) {
     group.finish();
 }
 
-/// One batch the way a worker handles it, timed: the ledger's preview (when
-/// the ledger is on), then the apply.
-fn previewed_apply(state: &LocalState, events: &[StoredEvent]) -> Duration {
-    let started = Instant::now();
-    let accepted: Vec<(&UsageEvent, i64)> = events.iter().map(|e| (&e.event, e.key.output.offset)).collect();
-    drop(state.ledger_preview(0, &accepted).expect("preview"));
-    state.apply_published(0, events, NOW).expect("apply");
-    started.elapsed()
-}
-
 /// `ingest` with the ledger on and off in one run: two state directories,
 /// each batch applied to both, the order alternating. Two separate runs
 /// of `ingest` differ by ±10% on this machine (the disk's fsync times, the
@@ -210,32 +217,22 @@ fn previewed_apply(state: &LocalState, events: &[StoredEvent]) -> Duration {
 /// whatever slows the disk or the CPU for a while slows both. Prints each
 /// side's events per second and the ratio; not a criterion measurement.
 fn ingest_paired(_: &mut Criterion) {
-    let filters: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
-    if !filters.is_empty() && !filters.iter().any(|f| "ingest_paired".contains(f.as_str())) {
+    if not_asked_for("ingest_paired") {
         return;
     }
     let batches: u64 = std::env::var("DEDUPD_BENCH_PAIRED_BATCHES").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
-    for (fsync_name, fsync) in [
-        ("fsync_always", FsyncPolicy::Always),
-        ("fsync_interval_250ms", FsyncPolicy::Interval(Duration::from_millis(250))),
-    ] {
-        let open = |dir: &tempfile::TempDir, ledger: bool| {
-            let settings = EngineSettings { ledger, fsync: fsync.clone(), ..EngineSettings::default() };
-            let mut state = LocalState::open(Some(dir.path()), settings, true).expect("open");
-            state.assign(0, NOW).expect("assign");
-            state
-        };
+    for (fsync_name, fsync) in fsync_policies() {
         let (dir_on, dir_off) = (tempfile::tempdir().expect("tempdir"), tempfile::tempdir().expect("tempdir"));
-        let (on, off) = (open(&dir_on, true), open(&dir_off, false));
+        let (on, off) = (open_state(&dir_on, true, &fsync), open_state(&dir_off, false, &fsync));
         let (mut on_time, mut off_time) = (Duration::ZERO, Duration::ZERO);
         for k in 0..batches {
             let events = batch(k * BATCH as u64, (k * BATCH as u64) as i64);
             if k % 2 == 0 {
-                on_time += previewed_apply(&on, &events);
-                off_time += previewed_apply(&off, &events);
+                on_time += previewed_apply(&on, true, &events);
+                off_time += previewed_apply(&off, false, &events);
             } else {
-                off_time += previewed_apply(&off, &events);
-                on_time += previewed_apply(&on, &events);
+                off_time += previewed_apply(&off, false, &events);
+                on_time += previewed_apply(&on, true, &events);
             }
         }
         on.close().expect("close");

@@ -98,7 +98,8 @@ struct Undo {
 }
 
 /// A cached hour: its rollup (`None`: known absent from the store) and the
-/// fold that last changed it. The stamp is how a fold knows its first
+/// last fold to change it (perhaps one undone since: later folds' stamps are
+/// larger, so that does not matter). The stamp is how a fold knows its first
 /// change to an hour, the one it records in its [`Undo`], without a lookup
 /// of its own. The undo was a hash map, probed twice per event: a fresh
 /// table of a thousand entries each batch, out of the CPU's caches (perf:
