@@ -4,7 +4,11 @@
 //! classifier and the usage store: see "RocksDB settings and why" in
 //! `docs/keystore.md` for the reasoning behind each one.
 
-use rocksdb::{BlockBasedOptions, Cache, DBCompressionType, DBRecoveryMode, Options};
+use rocksdb::{
+    BlockBasedOptions, Cache, DBCompressionType, DBRecoveryMode, MemtableFactory, Options, ReadOptions, SliceTransform,
+};
+
+use super::codec::KEY_LEN;
 
 use super::error::KeystoreError;
 use super::histogram::merge_meta;
@@ -149,13 +153,45 @@ pub(crate) fn keys_cf_options(o: &KeyStoreOptions, cache: &Cache, floor: Floor) 
     // keys and is rewritten rarely: zstd for the bytes per key.
     cf.set_compression_type(DBCompressionType::Lz4);
     cf.set_bottommost_compression_type(DBCompressionType::Zstd);
-    // A memtable probe for an absent key is a skiplist walk; this bloom
-    // answers most of them from a few cache lines.
+    // The memtable is a hash table of short lists, not one skiplist: an
+    // id is random, so inserting a batch's sorted keys into a skiplist of
+    // a whole memtable (~800k keys at 64 MiB) walked most of its levels per
+    // key through cold memory, half of a durable batch's CPU (perf,
+    // benches/ledger.rs ingest_paired, 2026-11-26). A hash bucket is a key
+    // or two. The sorted order a flush needs is built then, on the flush
+    // thread; iterators over this family ask for total order (see
+    // `total_order`). The hash needs a prefix extractor: the whole key, so
+    // lookups and filters see exactly what they saw without one (RocksDB
+    // adds a prefix equal to its key to a filter once).
+    cf.set_prefix_extractor(SliceTransform::create_fixed_prefix(KEY_LEN));
+    cf.set_memtable_factory(MemtableFactory::HashLinkList { bucket_count: memtable_buckets(o.write_buffer_bytes) });
+    // A memtable probe for an absent key would walk its bucket; this bloom
+    // answers most of them from a cache line. The prefix is the whole key,
+    // so the bloom holds prefixes only (whole keys too would add each
+    // key twice).
     cf.set_memtable_prefix_bloom_ratio(0.05);
-    cf.set_memtable_whole_key_filtering(true);
+    cf.set_memtable_whole_key_filtering(false);
     cf.set_periodic_compaction_seconds(o.periodic_compaction_secs);
     cf.set_compaction_filter_factory(FloorFilterFactory::new(floor));
     cf
+}
+
+/// Hash buckets of a keys memtable of `write_buffer_bytes`: about one per
+/// key it holds (a key, its value and its list node take ~75 bytes). The
+/// bucket array comes out of the memtable's own budget (8 bytes a bucket,
+/// an eighth of it at 64 bytes a bucket).
+fn memtable_buckets(write_buffer_bytes: usize) -> usize {
+    (write_buffer_bytes / 64).max(1024)
+}
+
+/// Read options for an iterator over the keys family: in key order across
+/// the whole family. Without `total_order_seek` a seek stays within the
+/// seek key's prefix (here the whole key), and the hash memtable would
+/// show an iterator only that bucket.
+pub(crate) fn total_order() -> ReadOptions {
+    let mut r = ReadOptions::default();
+    r.set_total_order_seek(true);
+    r
 }
 
 pub(crate) fn meta_cf_options() -> Options {

@@ -21,7 +21,7 @@ use super::error::{hex, KeystoreError};
 use super::histogram::{cell_key, parse_cell_key, BucketStats, Histogram};
 use super::horizon::Floor;
 use super::options::{
-    db_options, keys_cf_options, meta_cf_options, sst_writer_options, KeyStoreOptions, KEYS_CF, META_CF,
+    db_options, keys_cf_options, meta_cf_options, sst_writer_options, total_order, KeyStoreOptions, KEYS_CF, META_CF,
 };
 
 /// Share of `max_bytes` the live keys may fill: the rest is headroom for
@@ -502,7 +502,7 @@ impl KeyStore {
         let mut st = self.lock();
         let (start, end) = partition_range(partition);
         {
-            let mut it = self.db.raw_iterator_cf(keys_cf);
+            let mut it = self.db.raw_iterator_cf_opt(keys_cf, total_order());
             it.seek(start);
             if it.key().is_some_and(|k| k < end.as_slice()) {
                 return Err(KeystoreError::PartitionNotEmpty { partition });
@@ -610,7 +610,7 @@ impl KeyStore {
         let (start, end) = partition_range(partition);
         let floor = self.floor.get();
         let mut out = Vec::new();
-        let mut it = self.db.raw_iterator_cf(self.keys_cf()?);
+        let mut it = self.db.raw_iterator_cf_opt(self.keys_cf()?, total_order());
         it.seek(start);
         while let (Some(k), Some(v)) = (it.key(), it.value()) {
             if k >= end.as_slice() {
@@ -787,6 +787,31 @@ mod tests {
         // Rebuilt from scratch: the partition takes keys again.
         ks.apply_batch(7, &[k7], 5)?;
         assert_eq!(ks.get(7, &k7.id_hash)?, Some(k7));
+        Ok(())
+    }
+
+    /// The memtable is hashed by key (see `keys_cf_options`): a scan must
+    /// still see every unflushed key of its partition, in id order, and
+    /// none of a neighbour's, and bulk loading must see a partition whose
+    /// keys are all unflushed as full.
+    #[test]
+    fn a_partition_scan_sees_its_unflushed_keys_in_id_order_and_no_neighbours() -> Result<(), KeystoreError> {
+        let dir = tempfile::tempdir().map_err(|source| KeystoreError::Io { path: "tmp".into(), source })?;
+        let ks = KeyStore::open(dir.path(), opts())?;
+        let in_partition = |p: i32, n: u64| {
+            let mut k = key(n, HOUR + n as i64, n as i64);
+            k.source.partition = p;
+            k.output.partition = p;
+            k
+        };
+        let mut ones: Vec<SeenKey> = (0..300).map(|n| in_partition(1, n)).collect();
+        ks.apply_batch(0, &(300..400).map(|n| in_partition(0, n)).collect::<Vec<_>>(), 399)?;
+        ks.apply_batch(1, &ones[..150], 149)?;
+        ks.apply_batch(1, &ones[150..], 299)?;
+        ks.apply_batch(2, &(400..500).map(|n| in_partition(2, n)).collect::<Vec<_>>(), 499)?;
+        ones.sort_by_key(|k| k.id_hash);
+        assert_eq!(ks.scan_partition(1)?, ones);
+        assert!(matches!(ks.bulk_load(1, ones.clone(), None), Err(KeystoreError::PartitionNotEmpty { partition: 1 })));
         Ok(())
     }
 
