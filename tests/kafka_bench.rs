@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use dedupd::config::EngineSettings;
 use dedupd::kafka::clients::{input_consumer_config, producer_config};
 use dedupd::kafka::demo::{produce_traffic, TrafficRecord};
 use dedupd::kafka::router::{route, RouteSettings};
@@ -43,6 +44,29 @@ fn now_ms() -> i64 {
 
 fn events(n: usize, first: usize, stamp_ms: Option<i64>) -> Vec<TrafficRecord> {
     (first..first + n).map(|i| event("bench", &format!("b{i:09}"), "1.5", stamp_ms.unwrap_or_else(now_ms))).collect()
+}
+
+/// Events of the shape `scripts/bench ledger` ingests offline: 2,000
+/// customers x 3 meters, event times spread over the two hours before
+/// `now_ms`, so a batch touches about a thousand counter-hours (the seven
+/// customers of [`event`] would touch seven and flatter the ledger).
+fn ledger_shaped_events(n: usize, now_ms: i64) -> Vec<TrafficRecord> {
+    const METERS: [&str; 3] = ["api_calls", "storage_gb", "egress_bytes"];
+    (0..n)
+        .map(|i| {
+            let id = format!("evt_{i:08}");
+            let value = format!(
+                r#"{{"event_id":"{id}","tenant_id":"acme","customer_id":"cus_{}","meter":"{}","quantity":"{}","timestamp":{}}}"#,
+                i % 2000,
+                METERS[i % 3],
+                i % 1000,
+                now_ms - (i % 7200) as i64 * 1000
+            );
+            let mut key = b"acme\0".to_vec();
+            key.extend_from_slice(id.as_bytes());
+            TrafficRecord { key: Some(key), value: Some(value.into_bytes()) }
+        })
+        .collect()
 }
 
 /// Reads the output topic, recording (read time − event timestamp) per record,
@@ -91,6 +115,11 @@ enum Pipeline {
     /// hashing, no state): what the broker charges for dedupd's record shape.
     PassthroughWithHeaders,
     Dedupd,
+    /// The worker with the usage ledger off (`--ledger false`).
+    DedupdLedgerOff,
+    /// The worker publishing the ledger's rollups (`--rollups-topic`): each
+    /// batch previewed, its changed rollups published with its events.
+    DedupdRollups,
     /// `dedupd route`: identity read, key and partition by identity, the
     /// value and headers unchanged (raw = this run's input topic).
     Router,
@@ -174,7 +203,12 @@ async fn measure(broker: &Tansu, name: &str, pipeline: Pipeline) -> Figures {
     let secs = env_or("BENCH_SECONDS", 10);
     let mut figures = Figures { events_per_s: 0.0, steady_per_s: 0.0, p50_ms: 0, p99_ms: 0, repair_per_s: 0.0 };
     for phase in ["throughput", "latency"] {
-        let topics = topics(&format!("bench-{name}-{phase}"));
+        let mut topics = topics(&format!("bench-{name}-{phase}"));
+        if pipeline == Pipeline::DedupdRollups {
+            let rollups = format!("bench-{name}-{phase}-rollups");
+            broker.create_topic(&rollups, PARTITIONS);
+            topics.rollups = Some(rollups);
+        }
         for (t, p) in
             [(&topics.input, PARTITIONS), (&topics.output, PARTITIONS), (&topics.conflicts, 1), (&topics.rejected, 1)]
         {
@@ -187,9 +221,11 @@ async fn measure(broker: &Tansu, name: &str, pipeline: Pipeline) -> Figures {
         let producer = traffic_producer(&broker.brokers);
         let expected = if phase == "throughput" { n } else { (rate * secs) as usize };
         if phase == "throughput" {
-            produce_traffic(&producer, &topics.input, PARTITIONS, &events(n, 0, Some(now_ms())))
-                .await
-                .expect("produce");
+            let backlog = match pipeline {
+                Pipeline::DedupdLedgerOff | Pipeline::DedupdRollups => ledger_shaped_events(n, now_ms()),
+                _ => events(n, 0, Some(now_ms())),
+            };
+            produce_traffic(&producer, &topics.input, PARTITIONS, &backlog).await.expect("produce");
         }
         let stop = Arc::new(AtomicBool::new(false));
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -204,8 +240,9 @@ async fn measure(broker: &Tansu, name: &str, pipeline: Pipeline) -> Figures {
         let mut metrics = None;
         let run_settings = settings.clone();
         let task = match pipeline {
-            Pipeline::Dedupd => {
-                let (parts, m) = parts_in(state.path());
+            Pipeline::Dedupd | Pipeline::DedupdLedgerOff | Pipeline::DedupdRollups => {
+                let ledger = pipeline != Pipeline::DedupdLedgerOff;
+                let (parts, m) = parts_with(state.path(), EngineSettings { ledger, ..EngineSettings::default() });
                 metrics = Some(m);
                 tokio::spawn(async move {
                     let _ = run(settings, parts, async move {
@@ -259,6 +296,21 @@ async fn measure(broker: &Tansu, name: &str, pipeline: Pipeline) -> Figures {
             figures.steady_per_s = (n - 1) as f64 / last.duration_since(first).as_secs_f64().max(1e-3);
             if pipeline == Pipeline::Dedupd {
                 figures.repair_per_s = measure_repair(run_settings, n as u64).await;
+            }
+            if pipeline == Pipeline::DedupdRollups {
+                // What was measured did publish the ledger: its rollups sum
+                // to the accepted events, hour by hour.
+                let (brokers, topics) = (broker.brokers.clone(), topics.clone());
+                let (rollups, output) = tokio::task::spawn_blocking(move || {
+                    let rollups = read_topic(&brokers, topics.rollups.as_deref().expect("a rollups topic"));
+                    (rollups, read_topic(&brokers, &topics.output))
+                })
+                .await
+                .expect("read the rollups and output topics");
+                eprintln!("{name}: {} rollup records beside {} output records", rollups.len(), output.len());
+                let (totals, _) = rollup_totals(&rollups);
+                assert!(!totals.is_empty(), "{name}: no rollups published");
+                assert_eq!(totals, output_totals(&output), "{name}: rollups against the output's events");
             }
         } else {
             figures.p50_ms = percentile(&lat, 0.50);
@@ -329,4 +381,42 @@ async fn bench_worker_against_passthrough_on_tansu() {
         dedupd.events_per_s / headers.events_per_s.max(1.0),
         dedupd.steady_per_s / headers.steady_per_s.max(1.0)
     );
+}
+
+/// `scripts/bench ledger-worker`: the worker with the usage ledger off and
+/// with its rollups published (issue #12's ingest with rollups on against
+/// off, in the mode billing runs), alternating on one broker, `BENCH_ROUNDS`
+/// (default 2) of each. The throughput phase's backlog has the shape of
+/// `scripts/bench ledger` ([`ledger_shaped_events`]); a run with rollups
+/// checks that they sum to its output before its figures count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: run by scripts/bench ledger-worker"]
+async fn bench_worker_with_and_without_the_ledger_on_tansu() {
+    let broker = Tansu::start();
+    let rounds = env_or("BENCH_ROUNDS", 2);
+    let (mut off, mut on) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        off.push(measure(&broker, &format!("ledger-off-{round}"), Pipeline::DedupdLedgerOff).await);
+        on.push(measure(&broker, &format!("rollups-{round}"), Pipeline::DedupdRollups).await);
+    }
+    let rows: Vec<(&str, Figures)> =
+        off.iter().map(|f| ("ledger off", *f)).chain(on.iter().map(|f| ("rollups", *f))).collect();
+    print_table(&rows);
+    println!(
+        "ratio rollups / ledger off, medians of {rounds} rounds: {:.3} with start, {:.3} steady",
+        median_of(&on, |f| f.events_per_s) / median_of(&off, |f| f.events_per_s).max(1.0),
+        median_of(&on, |f| f.steady_per_s) / median_of(&off, |f| f.steady_per_s).max(1.0)
+    );
+}
+
+/// The median of one figure over runs.
+fn median_of(runs: &[Figures], figure: fn(&Figures) -> f64) -> f64 {
+    let mut x: Vec<f64> = runs.iter().map(figure).collect();
+    x.sort_by(f64::total_cmp);
+    let n = x.len();
+    if n % 2 == 1 {
+        x[n / 2]
+    } else {
+        (x[n / 2 - 1] + x[n / 2]) / 2.0
+    }
 }

@@ -65,9 +65,13 @@ pub fn parts() -> (WorkerParts, Arc<Metrics>) {
 /// `dedupd run --state-dir` opens them): a restart repairs from its
 /// checkpoint instead of from the start of the output topic.
 pub fn parts_in(state_dir: &std::path::Path) -> (WorkerParts, Arc<Metrics>) {
+    parts_with(state_dir, EngineSettings::default())
+}
+
+/// [`parts_in`] with engine settings of the caller's (the ledger off, say).
+pub fn parts_with(state_dir: &std::path::Path, settings: EngineSettings) -> (WorkerParts, Arc<Metrics>) {
     init_tracing();
     let metrics = Arc::new(Metrics::new());
-    let settings = EngineSettings::default();
     let state = LocalState::open_observed(Some(state_dir), settings.clone(), true, metrics.clone())
         .unwrap_or_else(|e| panic!("opening state dir {}: {e}", state_dir.display()));
     let parts = WorkerParts {
