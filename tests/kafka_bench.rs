@@ -393,7 +393,7 @@ async fn bench_worker_against_passthrough_on_tansu() {
 #[ignore = "benchmark: run by scripts/bench ledger-worker"]
 async fn bench_worker_with_and_without_the_ledger_on_tansu() {
     let broker = Tansu::start();
-    let rounds = env_or("BENCH_ROUNDS", 2);
+    let rounds = env_or("BENCH_ROUNDS", 2).max(1);
     let (mut off, mut on) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         off.push(measure(&broker, &format!("ledger-off-{round}"), Pipeline::DedupdLedgerOff).await);

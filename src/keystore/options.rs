@@ -111,10 +111,12 @@ pub(crate) fn db_options(o: &KeyStoreOptions) -> Options {
     db.create_missing_column_families(true);
     db.set_max_background_jobs(o.background_jobs);
     db.set_max_subcompactions(1);
-    // Partitions write side by side, but RocksDB's write group inserts
-    // their sorted batches one after another, reusing the skiplist splice;
-    // the concurrent insert path measured no faster with two partitions
-    // on two cores (scripts/bench engine, 2026-11-25).
+    // Required: the keys family's hash memtable (see `keys_cf_options`)
+    // takes no concurrent inserts, and RocksDB refuses to open a database
+    // that asks for them. Partitions write side by side all the same:
+    // RocksDB's write group inserts their batches one after another (the
+    // concurrent path, measured with the skiplist memtable, was no faster
+    // with two partitions on two cores: scripts/bench engine, 2026-11-25).
     db.set_allow_concurrent_memtable_write(false);
     // Keys and meta are written in one batch; flushing them together keeps
     // the SSTs consistent with each other even without the WAL.

@@ -302,7 +302,8 @@ impl CompactionJob {
             return Ok(done);
         }
         let before: usize = inputs.iter().map(Vec::len).sum();
-        let refs: Vec<&StoredEvent> = inputs.iter().flatten().filter(|e| e.key.first_seen_ms >= self.cutoff).collect();
+        let mut refs: Vec<&StoredEvent> = Vec::with_capacity(before);
+        refs.extend(inputs.iter().flatten().filter(|e| e.key.first_seen_ms >= self.cutoff));
         done.filtered_rows = (before - refs.len()) as u64;
         if let (Some(id), false) = (self.id, refs.is_empty()) {
             done.new_meta = Some(write_segment_files(
