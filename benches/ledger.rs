@@ -61,7 +61,7 @@ fn open_state(dir: &tempfile::TempDir, ledger: bool, fsync: &FsyncPolicy) -> Loc
 fn previewed_apply(state: &LocalState, ledger: bool, events: &[StoredEvent]) -> Duration {
     let started = Instant::now();
     let accepted: Vec<(&UsageEvent, i64)> = events.iter().map(|e| (&e.event, e.key.output.offset)).collect();
-    let preview = state.ledger_preview(0, &accepted).expect("preview");
+    let preview = state.ledger_preview(0, &accepted, &[]).expect("preview");
     assert_eq!(preview.is_some(), ledger);
     drop(preview);
     state.apply_published(0, events, NOW).expect("apply");
@@ -194,7 +194,7 @@ fn ledger_alone(c: &mut Criterion) {
                 next += BATCH as u64;
                 let started = Instant::now();
                 let unknown: Vec<(&UsageEvent, i64)> = events.iter().map(|e| (&e.event, -1)).collect();
-                drop(store.preview(0, &lateness, &unknown).expect("preview"));
+                drop(store.preview(0, &lateness, &unknown, &[]).expect("preview"));
                 let accepted: Vec<(&UsageEvent, i64)> =
                     events.iter().map(|e| (&e.event, e.key.output.offset)).collect();
                 store.apply(0, &lateness, &accepted).expect("apply");

@@ -270,6 +270,72 @@ async fn a_crashed_worker_is_repaired_from_the_output_topic_by_its_successor() {
     }
 }
 
+/// At least once, the output topic and the rollups topic acknowledge a
+/// batch apart: its events can land on the output while its rollups and
+/// adjustments do not. The retry, after repair has read the events back,
+/// finds them replayed, not accepted, and must publish their hours' totals
+/// and their adjustments again; otherwise the rollups topic stays short of
+/// the output for every hour no later event touches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn at_least_once_rollups_lost_beside_published_events_are_published_on_the_retry() {
+    let mut topics = topics("alo-rollups");
+    let rollups = "alo-rollups-rollups".to_owned();
+    topics.rollups = Some(rollups.clone());
+    let mock = cluster(&topics, PARTITIONS);
+    let brokers = mock.bootstrap_servers();
+    let mut s = scenario(1500, 20, 5, 5);
+    let late = add_late_events(&mut s, 5);
+    let producer = traffic_producer(&brokers);
+    produce_traffic(&producer, &topics.input, PARTITIONS, &s.records).await.expect("produce");
+    // No leader for the rollups topic: its records wait, then time out,
+    // while the output's are acknowledged.
+    for p in 0..2 {
+        mock.partition_leader(&rollups, p, None).expect("leaderless");
+    }
+    let mut st = settings(&brokers, "alo-rollups", &topics, DeliveryMode::AtLeastOnce);
+    st.kafka_properties.push(("message.timeout.ms".into(), "1500".into()));
+    let (stop, worker, metrics) = spawn_worker(st);
+    let retries = |m: &dedupd::metrics::Metrics| -> f64 {
+        m.encode()
+            .lines()
+            .filter(|l| l.starts_with("dedupd_publish_retries_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let output_taken = || high_watermarks(&brokers, &topics.output, PARTITIONS).iter().sum::<i64>() > 0;
+    assert!(
+        wait_until(Duration::from_secs(60), || retries(&metrics) >= 4.0 && output_taken()).await,
+        "publishes must fail on the rollups topic after the output took their events"
+    );
+    for p in 0..2 {
+        mock.partition_leader(&rollups, p, Some(1)).expect("leader back");
+    }
+    let total = s.records.len() as u64;
+    let done = wait_until(Duration::from_secs(90), || {
+        input_done(&brokers, &topics, "alo-rollups", DeliveryMode::AtLeastOnce, &metrics, total)
+    })
+    .await;
+    assert!(done, "the worker did not finish the input");
+    let _ = stop.send(());
+    worker.await.expect("join").expect("run");
+    check_outcome(&brokers, &topics, "alo-rollups", &s, DeliveryMode::AtLeastOnce);
+    let output = read_topic(&brokers, &topics.output);
+    let (totals, mut adjusted) = rollup_totals(&read_topic(&brokers, &rollups));
+    let mut want_adjusted = late.clone();
+    adjusted.sort();
+    want_adjusted.sort();
+    assert_eq!(adjusted, want_adjusted, "every late event's adjustment is on the rollups topic");
+    // Late events are adjustments, not part of any hour's rollup.
+    let on_time: Vec<ReadRecord> = output
+        .into_iter()
+        .filter(|r| {
+            let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().unwrap_or_default()).expect("JSON");
+            !late.iter().any(|id| v["event_id"] == id.as_str())
+        })
+        .collect();
+    assert_eq!(totals, output_totals(&on_time), "rollups topic against the accepted events");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_workers_in_one_group_publish_each_id_once_through_rebalances() {
     let topics = topics("pair");

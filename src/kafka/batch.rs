@@ -105,6 +105,8 @@ pub fn classify_batch(
     let mut records = Vec::with_capacity(inputs.len());
     let mut accepted = Vec::new();
     let mut in_batch: HashMap<IdHash, UsageEvent> = HashMap::new();
+    // Only needed to publish their rollups again.
+    let mut replays: Vec<(UsageEvent, i64)> = Vec::new();
     let mut reasons: HashMap<RejectReason, u64> = HashMap::new();
     let mut tenants: HashMap<String, u64> = HashMap::new();
     for ((m, input), outcome) in inputs.iter().zip(&records_in).zip(outcomes) {
@@ -127,7 +129,12 @@ pub fn classify_batch(
                 accepted.push((records.len() - 1, StoredEvent { key, event }));
             }
             Outcome::Duplicate { .. } => summary.duplicate += 1,
-            Outcome::Replayed { .. } => summary.replayed += 1,
+            Outcome::Replayed { event, first, .. } => {
+                summary.replayed += 1;
+                if let (Some(output), Some(_)) = (first.output, layout.rollups_partitions) {
+                    replays.push((event, output.offset));
+                }
+            }
             Outcome::Conflict { event, id_hash, payload_hash, tier, first } => {
                 summary.conflict += 1;
                 *tenants.entry(event.tenant_id.clone()).or_default() += 1;
@@ -164,15 +171,18 @@ pub fn classify_batch(
     // late events as adjustments, go out in the same unit as the events (one
     // transaction in exactly-once mode): billing never sees a total that
     // disagrees with the output. Offsets are not known yet and the records
-    // do not need them.
+    // do not need them. Replays' totals and adjustments go out again: an
+    // earlier attempt of theirs may have reached the output and not the
+    // rollups topic (see `Replays`).
     let events: Vec<(&UsageEvent, i64)> = accepted.iter().map(|(_, s)| (&s.event, -1)).collect();
-    if let Some(preview) = using(with, |e| e.ledger_preview(partition, &events))? {
+    let replays: Vec<(&UsageEvent, i64)> = replays.iter().map(|(e, o)| (e, *o)).collect();
+    if let Some(preview) = using(with, |e| e.ledger_preview(partition, &events, &replays))? {
         summary.late = preview.folded.adjustments.len() as u64;
         if let Some(rollups_partitions) = layout.rollups_partitions {
             for (key, rollup) in preview.rollups() {
                 records.push(rollup_record(key, rollup, partition, rollups_partitions, now_ms));
             }
-            for a in &preview.folded.adjustments {
+            for a in preview.folded.adjustments.iter().chain(&preview.republished) {
                 records.push(adjustment_record(a, partition, rollups_partitions, now_ms));
             }
         }
@@ -189,14 +199,19 @@ mod tests {
     use super::*;
     use crate::config::EngineSettings;
     use crate::kafka::engine::StateEngine;
+    use crate::kafka::records::Destination;
     use crate::ledger::UsageQuery;
     use crate::state::LocalState;
 
     const NOW: i64 = 1_790_000_000_000;
 
     fn ev(id: &str, customer: &str, qty: &str) -> Vec<u8> {
+        ev_at(id, customer, qty, NOW)
+    }
+
+    fn ev_at(id: &str, customer: &str, qty: &str, ms: i64) -> Vec<u8> {
         format!(
-            r#"{{"event_id":"{id}","tenant_id":"t","customer_id":"{customer}","meter":"m","quantity":"{qty}","timestamp":{NOW}}}"#
+            r#"{{"event_id":"{id}","tenant_id":"t","customer_id":"{customer}","meter":"m","quantity":"{qty}","timestamp":{ms}}}"#
         )
         .into_bytes()
     }
@@ -289,5 +304,60 @@ mod tests {
                 .expect("query");
         let answer = |e: &RefCell<StateEngine>| e.borrow().usage(&query).expect("usage").expect("ledger").to_json();
         assert_eq!(answer(&busy), answer(&quiet), "customer c0's usage, with and without the other partition's work");
+    }
+
+    /// The rollups-topic records of `prepared`: partition, key and value.
+    fn rollups_records(prepared: &Prepared) -> Vec<String> {
+        let text = |b: &Option<Vec<u8>>| String::from_utf8_lossy(b.as_deref().unwrap_or_default()).into_owned();
+        prepared
+            .records
+            .iter()
+            .filter(|r| r.destination == Destination::Rollups)
+            .map(|r| format!("{} {:?} {}", r.partition, text(&r.key), text(&r.value)))
+            .collect()
+    }
+
+    /// At least once, a publish can fail after the output topic took a
+    /// batch's events and before the rollups topic took their totals (two
+    /// topics, no transaction). The retry, after repair has read the events
+    /// back, finds them replayed, not accepted: it must publish their hours'
+    /// totals and their adjustments again, or the rollups topic stays short
+    /// of the output for good (until another event of the same hour).
+    #[test]
+    fn a_retried_batch_of_replays_publishes_their_rollups_and_adjustments_again() {
+        for durable in [false, true] {
+            let dir = tempfile::tempdir().expect("dir");
+            let settings = EngineSettings::default();
+            let state = LocalState::open(durable.then_some(dir.path()), settings.clone(), true).expect("open");
+            let e = RefCell::new(StateEngine::new(state, settings.validator()));
+            e.borrow_mut().assign_all(&[0], NOW).expect("assign");
+            ingest(&e, 0, &[ev("w", "c0", "1")], 0);
+            let batch = vec![ev("a", "c0", "2"), ev("b", "c1", "3"), ev_at("late", "c0", "5", NOW - 49 * 3_600_000)];
+            let first = ingest(&e, 0, &batch, 1);
+            assert_eq!((first.summary.accepted, first.summary.late), (3, 1), "durable: {durable}");
+            // Two hours and one adjustment.
+            assert_eq!(rollups_records(&first).len(), 3, "durable: {durable}");
+
+            let with = |f: &mut dyn FnMut(&dyn Engine)| f(&*e.borrow());
+            let retry = classify_batch(&with, 0, &inputs(&batch, 1), NOW, &LAYOUT).expect("classify");
+            assert_eq!((retry.summary.replayed, retry.summary.accepted), (3, 0), "durable: {durable}");
+            assert_eq!(retry.summary.late, 0, "a republished adjustment is not a new late event");
+            assert_eq!(rollups_records(&retry), rollups_records(&first), "durable: {durable}");
+
+            // Replays beside a new event of the same hour: that hour once,
+            // with its new total.
+            let mut grown = batch.clone();
+            grown.push(ev("c", "c0", "4"));
+            let mixed = classify_batch(&with, 0, &inputs(&grown, 1), NOW, &LAYOUT).expect("classify");
+            assert_eq!((mixed.summary.replayed, mixed.summary.accepted), (3, 1), "durable: {durable}");
+            let published = rollups_records(&mixed);
+            assert_eq!(published.len(), 3, "durable: {durable}: {published:#?}");
+            let c0 = published.iter().filter(|r| r.contains(r#""customer_id":"c0","hour""#)).count();
+            assert_eq!(c0, 1, "durable: {durable}: {published:#?}");
+            assert!(
+                published.iter().any(|r| r.contains(r#""customer_id":"c0","hour""#) && r.contains(r#""sum":"7""#)),
+                "c0's hour holds w + a + c = 7; durable: {durable}: {published:#?}"
+            );
+        }
     }
 }

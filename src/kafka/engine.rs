@@ -102,11 +102,13 @@ pub trait Engine: Send + Sync + 'static {
     }
     /// What applying `accepted` (in output order) would change in the
     /// usage ledger, read-only: the rollups and adjustments a batch
-    /// publishes with its events. `None` when no ledger is kept.
+    /// publishes with its events, and those of its `replays` again (see
+    /// [`Replays`](crate::ledger::Replays)). `None` when no ledger is kept.
     fn ledger_preview(
         &self,
         partition: i32,
         accepted: &[(&UsageEvent, i64)],
+        replays: &crate::ledger::Replays<'_>,
     ) -> Result<Option<crate::ledger::Preview>, EngineError>;
     /// Answers a usage query from local state's ledger (this process's
     /// partitions); `None` when no ledger is kept.
@@ -229,8 +231,11 @@ impl Engine for StateEngine {
         &self,
         partition: i32,
         accepted: &[(&UsageEvent, i64)],
+        replays: &crate::ledger::Replays<'_>,
     ) -> Result<Option<crate::ledger::Preview>, EngineError> {
-        self.state("ledger", partition)?.ledger_preview(partition, accepted).map_err(state_error("ledger", partition))
+        self.state("ledger", partition)?
+            .ledger_preview(partition, accepted, replays)
+            .map_err(state_error("ledger", partition))
     }
 
     fn usage(&self, query: &crate::ledger::UsageQuery) -> Result<Option<crate::ledger::UsageAnswer>, EngineError> {

@@ -46,7 +46,7 @@ pub use rollup::{
     hour_of, Adjustment, AdjustmentReason, CounterKey, FoldError, Folded, HourKey, Lateness, LedgerMaps, Rollup,
     DEFAULT_LATENESS_MS, HOUR_MS,
 };
-pub use store::{LedgerError, LedgerStore, Preview, TenantLedger, WRITE_BEHIND};
+pub use store::{LedgerError, LedgerStore, Preview, Replays, TenantLedger, WRITE_BEHIND};
 
 use crate::event::UsageEvent;
 
@@ -95,18 +95,23 @@ impl Ledger {
     /// store folds into its cache and undoes it unless the same events are
     /// applied next; see [`LedgerStore::preview`]): the rollups a batch
     /// publishes in its own transaction.
+    /// `replays` are events already folded, met again (see [`Replays`]):
+    /// their hours' current rollups and their adjustments join the preview.
     pub fn preview(
         &self,
         partition: i32,
         lateness: &Lateness,
         events: &[(&UsageEvent, i64)],
+        replays: &Replays<'_>,
     ) -> Result<Preview, LedgerError> {
         match self {
-            Ledger::Durable(store) => store.preview(partition, lateness, events),
+            Ledger::Durable(store) => store.preview(partition, lateness, events, replays),
             Ledger::Memory(parts) => {
+                let parts = held(parts);
+                let held = parts.get(&partition);
                 let mut maps = LedgerMaps::default();
-                if let Some(held) = held(parts).get(&partition) {
-                    for (e, _) in events {
+                if let Some(held) = held {
+                    for (e, _) in events.iter().chain(replays) {
                         let counter = std::sync::Arc::new(CounterKey::of(e));
                         let hour = HourKey { counter: counter.clone(), hour_ms: hour_of(e.timestamp_ms) };
                         if let Some(r) = held.maps.hours.get(&hour) {
@@ -118,7 +123,15 @@ impl Ledger {
                     }
                 }
                 let folded = maps.fold(lateness, events.iter().copied())?;
-                Ok(Preview::of(folded, |k| maps.hours.get(k)))
+                let mut preview = Preview::of(folded, replays, |k| maps.hours.get(k));
+                if let Some(held) = held {
+                    preview.republished = replays
+                        .iter()
+                        .filter_map(|(e, offset)| held.adjustments.iter().find(|a| a.made_of(e, *offset)))
+                        .cloned()
+                        .collect();
+                }
+                Ok(preview)
             }
         }
     }

@@ -198,7 +198,7 @@ proptest! {
                     }
                     // As a worker previews: before the output offsets are known.
                     let accepted: Vec<(&UsageEvent, i64)> = batch.iter().map(|s| (&s.event, -1)).collect();
-                    let previewed = state.ledger_preview(p, &accepted).expect("preview").expect("ledger on");
+                    let previewed = state.ledger_preview(p, &accepted, &[]).expect("preview").expect("ledger on");
                     if matches!(preview, Preview::Abandoned) {
                         continue;
                     }

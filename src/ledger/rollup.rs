@@ -297,6 +297,16 @@ pub struct Adjustment {
     pub output_offset: i64,
 }
 
+impl Adjustment {
+    /// Whether this is what `event`, published at `output_offset`, became
+    /// (by identity: two tenants may use the same event id).
+    pub fn made_of(&self, event: &UsageEvent, output_offset: i64) -> bool {
+        self.output_offset == output_offset
+            && self.event_id == event.event_id
+            && self.counter.tenant_id == event.tenant_id
+    }
+}
+
 /// A partition's ledger held in maps: what the durable store loads for a
 /// batch (the counters and hours it touches), and the whole ledger in
 /// memory-only state and in the reference model of the tests. Hash maps:

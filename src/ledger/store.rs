@@ -264,19 +264,48 @@ pub type TenantLedger = (Vec<(HourKey, Rollup)>, Vec<Adjustment>);
 /// publishes in its own transaction.
 #[derive(Debug, Default)]
 pub struct Preview {
-    /// The changed hours with their new rollups, in key order.
+    /// The changed hours with their new rollups, and the hours of the
+    /// batch's replays with their current ones, each once, in key order.
     pub rollups: Vec<(HourKey, Rollup)>,
     pub folded: Folded,
+    /// The adjustments the batch's replays became when they were first
+    /// folded: published again, not new (see [`Replays`]).
+    pub republished: Vec<Adjustment>,
 }
 
+/// Accepted events a batch meets again at the same source position, with
+/// the output offsets they were published at: their earlier publication
+/// reached the output topic, but at least once, nothing says its rollups
+/// and adjustments reached theirs (a publish can fail between the two, and
+/// its retry finds the events replayed, not accepted). So the batch
+/// publishes their hours' current totals and their adjustments again;
+/// both are latest-value records on a compacted topic, so once more is
+/// harmless.
+pub type Replays<'a> = [(&'a UsageEvent, i64)];
+
 impl Preview {
-    /// `folded` with the new rollups of its hours, read from `hours`.
-    pub(crate) fn of<'h>(folded: Folded, hours: impl Fn(&HourKey) -> Option<&'h Rollup>) -> Preview {
-        let rollups = folded.hours.iter().filter_map(|k| Some((k.clone(), hours(k)?.clone()))).collect();
-        Preview { rollups, folded }
+    /// `folded` with the new rollups of its hours, and the current rollups
+    /// of `replays`' hours, read from `hours`.
+    pub(crate) fn of<'h>(
+        folded: Folded,
+        replays: &Replays<'_>,
+        hours: impl Fn(&HourKey) -> Option<&'h Rollup>,
+    ) -> Preview {
+        let mut keys: Vec<HourKey> = folded.hours.clone();
+        if !replays.is_empty() {
+            keys.extend(
+                replays
+                    .iter()
+                    .map(|(e, _)| HourKey { counter: Arc::new(CounterKey::of(e)), hour_ms: hour_of(e.timestamp_ms) }),
+            );
+            keys.sort_unstable();
+            keys.dedup();
+        }
+        let rollups = keys.into_iter().filter_map(|k| Some((k.clone(), hours(&k)?.clone()))).collect();
+        Preview { rollups, folded, republished: Vec::new() }
     }
 
-    /// The changed rollups with their new values, in key order.
+    /// The rollups to publish with their new values, in key order.
     pub fn rollups(&self) -> impl Iterator<Item = (&HourKey, &Rollup)> {
         self.rollups.iter().map(|(k, r)| (k, r))
     }
@@ -369,21 +398,59 @@ impl LedgerStore {
     /// is made in the cache and kept there for the apply of the same events
     /// (see [`Previewed`]); to every other reader it is as if it had not
     /// happened.
+    ///
+    /// `replays` (see [`Replays`]) are not folded again: their hours'
+    /// current rollups and their adjustments are added to the preview.
     pub fn preview(
         &self,
         partition: i32,
         lateness: &Lateness,
         events: &[(&UsageEvent, i64)],
+        replays: &Replays<'_>,
     ) -> Result<Preview, LedgerError> {
         let cache = self.cache(partition);
         let mut cache = lock(&cache);
         let checkpoint = self.checkpoint_of(partition, &cache)?;
         Self::undo_preview(&mut cache);
+        let republished = if replays.is_empty() {
+            Vec::new()
+        } else {
+            self.load(&mut cache, partition, replays)?;
+            self.adjustments_of(&cache, partition, replays)?
+        };
         let (folded, undo) = self.fold_in_cache(&mut cache, partition, lateness, events)?;
         let held = &cache.hours;
-        let preview = Preview::of(folded.clone(), |k| held.get(k).and_then(|s| s.rollup.as_deref()));
+        let mut preview = Preview::of(folded.clone(), replays, |k| held.get(k).and_then(|s| s.rollup.as_deref()));
+        preview.republished = republished;
         cache.previewed = Some(Previewed { checkpoint, fingerprint: fingerprint(events), folded, undo });
         Ok(preview)
+    }
+
+    /// The adjustments `replays` became, if any: each is found by its key
+    /// (tenant, its event's period, partition, output offset), among the
+    /// folded ones not written yet, then in the store.
+    fn adjustments_of(
+        &self,
+        cache: &Cache,
+        partition: i32,
+        replays: &Replays<'_>,
+    ) -> Result<Vec<Adjustment>, LedgerError> {
+        let mut found = Vec::new();
+        let mut stored_keys = Vec::new();
+        for (e, offset) in replays {
+            match cache.adjustments.iter().find(|a| a.made_of(e, *offset)) {
+                Some(a) => found.push(a.clone()),
+                None => stored_keys.push(encoded(|out| {
+                    push_adjustment_key_of(out, &e.tenant_id, Period::of_ms(e.timestamp_ms), partition, *offset)
+                })),
+            }
+        }
+        for v in self.db.multi_get(&stored_keys) {
+            if let Some(v) = v.map_err(self.rocks())? {
+                found.push(decode_adjustment(&v)?);
+            }
+        }
+        Ok(found)
     }
 
     /// Folds `events` in; those at or below the checkpoint are skipped
@@ -861,12 +928,16 @@ fn watermark_key(partition: i32, c: &CounterKey) -> Vec<u8> {
 }
 
 fn push_adjustment_key(out: &mut Vec<u8>, a: &Adjustment, partition: i32) {
+    push_adjustment_key_of(out, &a.counter.tenant_id, a.period, partition, a.output_offset);
+}
+
+fn push_adjustment_key_of(out: &mut Vec<u8>, tenant_id: &str, period: Period, partition: i32, output_offset: i64) {
     out.push(b'A');
-    push_str(out, &a.counter.tenant_id);
-    out.extend_from_slice(&flip32(a.period.year));
-    out.push(a.period.month);
+    push_str(out, tenant_id);
+    out.extend_from_slice(&flip32(period.year));
+    out.push(period.month);
     out.extend_from_slice(&flip32(partition));
-    out.extend_from_slice(&flip(a.output_offset));
+    out.extend_from_slice(&flip(output_offset));
 }
 
 fn push_checkpoint_key(out: &mut Vec<u8>, partition: i32) {
@@ -1168,7 +1239,7 @@ mod tests {
         std::thread::scope(|scope| {
             let (store, with_offsets, lateness) = (&store, &with_offsets, &lateness);
             scope.spawn(move || {
-                drop(store.preview(2, lateness, with_offsets).expect("preview"));
+                drop(store.preview(2, lateness, with_offsets, &[]).expect("preview"));
                 store.apply(2, lateness, with_offsets).expect("apply");
                 done.send(store.checkpoint(2).expect("checkpoint")).expect("send");
             });
@@ -1260,6 +1331,47 @@ mod tests {
         assert_eq!(held, want);
     }
 
+    /// Replays are found again whether their fold is still pending or
+    /// written, and after a restart (an empty cache): the hours' current
+    /// rollups, and each late one's adjustment by its own identity and
+    /// output offset, never another tenant's of the same id.
+    #[test]
+    fn a_replay_brings_back_its_hours_rollup_and_its_adjustment_written_or_not() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let t = 1_700_000_000_000;
+        let event = |tenant: &str, id: &str, ts: i64| {
+            let mut e = sample_event_at(0, 3, 0, ts).event;
+            e.tenant_id = tenant.to_owned();
+            e.event_id = id.to_owned();
+            e.timestamp_ms = ts;
+            e
+        };
+        let lateness = Lateness::default();
+        let on_time = [event("acme", "evt_a", t), event("globex", "evt_b", t)];
+        let late = [event("acme", "evt_x", t - 49 * HOUR_MS), event("globex", "evt_x", t - 49 * HOUR_MS)];
+        let replays = [(&on_time[0], 0), (&late[1], 3)];
+        let seen = |p: &Preview| {
+            let hours: Vec<(String, i64, Decimal)> =
+                p.rollups().map(|(k, r)| (k.counter.tenant_id.clone(), k.hour_ms, r.sum)).collect();
+            let adjustments: Vec<(String, i64)> =
+                p.republished.iter().map(|a| (a.counter.tenant_id.clone(), a.output_offset)).collect();
+            (hours, adjustments, p.folded.hours.len(), p.folded.adjustments.len())
+        };
+        let want = (vec![("acme".to_owned(), hour_of(t), on_time[0].quantity)], vec![("globex".to_owned(), 3)], 0, 0);
+        {
+            let store = LedgerStore::open(dir.path()).expect("open");
+            store.apply(3, &lateness, &[(&on_time[0], 0), (&on_time[1], 1)]).expect("apply");
+            store.apply(3, &lateness, &[(&late[0], 2), (&late[1], 3)]).expect("apply");
+            assert_eq!(seen(&store.preview(3, &lateness, &[], &replays).expect("preview")), want, "pending");
+            store.write_pending().expect("write");
+            assert_eq!(seen(&store.preview(3, &lateness, &[], &replays).expect("preview")), want, "written");
+        }
+        let store = LedgerStore::open(dir.path()).expect("reopen");
+        assert_eq!(seen(&store.preview(3, &lateness, &[], &replays).expect("preview")), want, "reopened");
+        // Replays fold nothing: the checkpoint and the totals are unchanged.
+        assert_eq!(store.checkpoint(3).expect("checkpoint"), Some(3));
+    }
+
     #[test]
     fn a_previewed_late_event_keeps_its_own_output_offset_when_two_tenants_share_its_id() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -1279,7 +1391,7 @@ mod tests {
         let late = [event("acme", "evt_x", t - 49 * HOUR_MS), event("globex", "evt_x", t - 49 * HOUR_MS)];
         // As a worker does: previewed before the output offsets are known,
         // then applied with them.
-        let preview = store.preview(3, &lateness, &[(&late[0], -1), (&late[1], -1)]).expect("preview");
+        let preview = store.preview(3, &lateness, &[(&late[0], -1), (&late[1], -1)], &[]).expect("preview");
         assert_eq!(preview.folded.adjustments.len(), 2);
         let folded = store.apply(3, &lateness, &[(&late[0], 2), (&late[1], 3)]).expect("apply");
         let offsets: Vec<(&str, i64)> =
@@ -1312,7 +1424,7 @@ mod tests {
         // The small event's hour is folded before the second huge one
         // overflows its own: both attempts must leave no trace of it.
         let overflowing = [(&small, 0), (&huge, 1), (&huge, 2)];
-        assert!(matches!(store.preview(3, &lateness, &overflowing), Err(LedgerError::Fold(_))));
+        assert!(matches!(store.preview(3, &lateness, &overflowing, &[]), Err(LedgerError::Fold(_))));
         assert!(matches!(store.apply(3, &lateness, &overflowing), Err(LedgerError::Fold(_))));
         assert_eq!(store.checkpoint(3).expect("checkpoint"), None, "a failed apply moves no checkpoint");
         store.apply(3, &lateness, &[(&small, 0)]).expect("apply");

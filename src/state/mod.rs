@@ -992,15 +992,18 @@ impl LocalState {
 
     /// The ledger's changes if `accepted` (in output order, with the output
     /// offsets they will have) were applied now: the rollups and adjustments
-    /// a batch publishes in its own transaction. `None` with the ledger off.
+    /// a batch publishes in its own transaction, with those of its `replays`
+    /// published again (see [`Replays`](crate::ledger::Replays)). `None`
+    /// with the ledger off.
     pub fn ledger_preview(
         &self,
         partition: i32,
         accepted: &[(&UsageEvent, i64)],
+        replays: &crate::ledger::Replays<'_>,
     ) -> Result<Option<Preview>, StateError> {
         match &self.ledger {
             None => Ok(None),
-            Some(l) => Ok(Some(l.preview(partition, &self.settings.lateness, accepted)?)),
+            Some(l) => Ok(Some(l.preview(partition, &self.settings.lateness, accepted, replays)?)),
         }
     }
 
