@@ -118,7 +118,7 @@ fn main() -> R<()> {
     let load = t.elapsed();
     let total = per_part * PARTITIONS as u64;
     println!(
-        "load: {total} keys in {:.1}s = {:.0} keys/s; disk {:.2} GB = {:.1} bytes/key (bulk SSTs, zstd)",
+        "load: {total} keys in {:.1}s = {:.0} keys/s; disk {:.2} GB = {:.1} bytes/key (bulk SSTs)",
         load.as_secs_f64(),
         per_sec(total, load),
         ks.disk_bytes() as f64 / 1e9,

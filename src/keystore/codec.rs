@@ -18,9 +18,10 @@
 //! deleted). Ids are blake3 output and do not compress; everything else is a
 //! varint. Input and output are co-partitioned (DESIGN §6), so both positions'
 //! partitions normally equal the key's partition and are omitted: a typical
-//! value is 1 + 16 + 6 + 4 + 4 = 31 bytes, which with the 20-byte key, block
-//! prefix compression and zstd on the bottommost level lands at about 50 disk
-//! bytes per key (see the benchmark figures in `docs/keystore.md`).
+//! value is 1 + 16 + 6 + 4 + 4 = 31 bytes, which with the 20-byte key and
+//! block prefix compression (blocks are not compressed: the hashes do not
+//! shrink) lands at about 58 disk bytes per key (see the benchmark figures
+//! in `docs/keystore.md`).
 //!
 //! The tag's low nibble is the value format version (1); a reader meeting an
 //! unknown version reports corruption rather than guessing.

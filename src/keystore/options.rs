@@ -151,10 +151,15 @@ pub(crate) fn keys_cf_options(o: &KeyStoreOptions, cache: &Cache, floor: Floor) 
     cf.set_level_compaction_dynamic_level_bytes(true);
     cf.set_target_file_size_base(64 << 20);
     cf.set_max_bytes_for_level_base((o.write_buffer_bytes as u64).saturating_mul(4).max(256 << 20));
-    // Upper levels churn: cheap lz4. The bottommost level holds ~90% of the
-    // keys and is rewritten rarely: zstd for the bytes per key.
-    cf.set_compression_type(DBCompressionType::Lz4);
-    cf.set_bottommost_compression_type(DBCompressionType::Zstd);
+    // No compression: an entry is mostly two random hashes (the id in the
+    // key, the payload hash in the value), so zstd saved 16% of the bytes
+    // (49 against 58 a key) and lz4 nothing (RocksDB stores a block raw
+    // when it compresses too little, after trying). What zstd cost is on
+    // every key found in the store, a late retry: its block decompressed,
+    // a fifth of the lookup (perf, benches/keystore.rs, 2026-11-26).
+    // Uncompressed, the OS page cache holds blocks as they are read.
+    cf.set_compression_type(DBCompressionType::None);
+    cf.set_bottommost_compression_type(DBCompressionType::None);
     // The memtable is a hash table of short lists, not one skiplist: an
     // id is random, so inserting a batch's sorted keys into a skiplist of
     // a whole memtable (~800k keys at 64 MiB) walked most of its levels per
@@ -204,9 +209,21 @@ pub(crate) fn meta_cf_options() -> Options {
 }
 
 /// Options for writing bulk-load SST files: the keys CF's table format,
-/// compressed as the bottommost level they will land in.
+/// uncompressed like the level they land in.
 pub(crate) fn sst_writer_options(o: &KeyStoreOptions, cache: &Cache, floor: Floor) -> Options {
-    let mut w = keys_cf_options(o, cache, floor);
-    w.set_compression_type(DBCompressionType::Zstd);
-    w
+    keys_cf_options(o, cache, floor)
+}
+
+/// Read options for looking keys up: the blocks read do not go into the
+/// block cache. Ids are uniformly random, so a found key's block is one of
+/// every block of the store (about 700k at 50M keys; the default cache
+/// holds 32k), rarely read again before it is evicted; inserting it and
+/// evicting another cost more than the few hits saved (a retry storm of
+/// found keys 146-162k events/s filling the cache, 222-244k not, one
+/// thread, 50M keys). The hot cache, not this one, is what answers
+/// recent ids.
+pub(crate) fn lookup() -> ReadOptions {
+    let mut r = ReadOptions::default();
+    r.fill_cache(false);
+    r
 }

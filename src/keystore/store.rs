@@ -21,7 +21,8 @@ use super::error::{hex, KeystoreError};
 use super::histogram::{cell_key, parse_cell_key, BucketStats, Histogram};
 use super::horizon::Floor;
 use super::options::{
-    db_options, keys_cf_options, meta_cf_options, sst_writer_options, total_order, KeyStoreOptions, KEYS_CF, META_CF,
+    db_options, keys_cf_options, lookup, meta_cf_options, sst_writer_options, total_order, KeyStoreOptions, KEYS_CF,
+    META_CF,
 };
 
 /// Share of `max_bytes` the live keys may fill: the rest is headroom for
@@ -279,8 +280,10 @@ impl KeyStore {
 
     /// The remembered key of `id`, if it is above the floor.
     pub fn get(&self, partition: i32, id: &IdHash) -> Result<Option<SeenKey>, KeystoreError> {
-        let v =
-            self.db.get_pinned_cf(self.keys_cf()?, encode_key(partition, id)).map_err(KeystoreError::rocks("get"))?;
+        let v = self
+            .db
+            .get_pinned_cf_opt(self.keys_cf()?, encode_key(partition, id), &lookup())
+            .map_err(KeystoreError::rocks("get"))?;
         let floor = self.floor.get();
         match v {
             None => Ok(None),
@@ -298,7 +301,7 @@ impl KeyStore {
         out.clear();
         let keys: Vec<[u8; KEY_LEN]> = ids.iter().map(|id| encode_key(partition, id)).collect();
         let floor = self.floor.get();
-        let answers = self.db.batched_multi_get_cf(self.keys_cf()?, keys.iter(), false);
+        let answers = self.db.batched_multi_get_cf_opt(self.keys_cf()?, keys.iter(), false, &lookup());
         for (id, a) in ids.iter().zip(answers) {
             let k = match a.map_err(KeystoreError::rocks("multi get"))? {
                 None => None,
