@@ -56,7 +56,8 @@ pub struct TuningArgs {
     /// key store's window below this [default: 30d].
     #[arg(long, env = "DEDUPD_KEYSTORE_WINDOW_FLOOR", value_name = "DURATION")]
     pub keystore_window_floor: Option<String>,
-    /// RocksDB block cache size [default: 128MiB].
+    /// RocksDB block cache size, an upper bound: blocks read before a write
+    /// and by scans; lookups read past it [default: 128MiB].
     #[arg(long, env = "DEDUPD_KEYSTORE_BLOCK_CACHE", value_name = "BYTES")]
     pub keystore_block_cache: Option<String>,
     /// RocksDB memtable (write buffer) size [default: 64MiB].
