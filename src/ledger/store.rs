@@ -1331,6 +1331,15 @@ mod tests {
         assert_eq!(held, want);
     }
 
+    /// An event of `tenant` with id `id` at `ts`.
+    fn event(tenant: &str, id: &str, ts: i64) -> UsageEvent {
+        let mut e = sample_event_at(0, 3, 0, ts).event;
+        e.tenant_id = tenant.to_owned();
+        e.event_id = id.to_owned();
+        e.timestamp_ms = ts;
+        e
+    }
+
     /// Replays are found again whether their fold is still pending or
     /// written, and after a restart (an empty cache): the hours' current
     /// rollups, and each late one's adjustment by its own identity and
@@ -1339,13 +1348,6 @@ mod tests {
     fn a_replay_brings_back_its_hours_rollup_and_its_adjustment_written_or_not() {
         let dir = tempfile::tempdir().expect("tempdir");
         let t = 1_700_000_000_000;
-        let event = |tenant: &str, id: &str, ts: i64| {
-            let mut e = sample_event_at(0, 3, 0, ts).event;
-            e.tenant_id = tenant.to_owned();
-            e.event_id = id.to_owned();
-            e.timestamp_ms = ts;
-            e
-        };
         let lateness = Lateness::default();
         let on_time = [event("acme", "evt_a", t), event("globex", "evt_b", t)];
         let late = [event("acme", "evt_x", t - 49 * HOUR_MS), event("globex", "evt_x", t - 49 * HOUR_MS)];
@@ -1377,13 +1379,6 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = LedgerStore::open(dir.path()).expect("open");
         let t = 1_700_000_000_000;
-        let event = |tenant: &str, id: &str, ts: i64| {
-            let mut e = sample_event_at(0, 3, 0, ts).event;
-            e.tenant_id = tenant.to_owned();
-            e.event_id = id.to_owned();
-            e.timestamp_ms = ts;
-            e
-        };
         let on_time = [event("acme", "evt_a", t), event("globex", "evt_b", t)];
         let lateness = Lateness::default();
         store.apply(3, &lateness, &[(&on_time[0], 0), (&on_time[1], 1)]).expect("apply");
