@@ -150,6 +150,7 @@ fn run(partitions: usize, a: &Args) -> (f64, Spent, f64, f64) {
         rejected_partitions: 1,
         max_rejected_raw_bytes: 256 * 1024,
         rollups_partitions: None,
+        republish_replays: false,
     };
     let threads = a.threads.min(partitions);
     let spent = Spent::default();

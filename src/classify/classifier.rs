@@ -161,9 +161,10 @@ impl PartitionClassifier {
         // Misses are collected (once per id) for a single batched
         // long-horizon lookup. Tables sized for the batch up front: grown
         // from empty, their rehashing was 5% of classifying new traffic.
-        let mut miss_ids: Vec<IdHash> = Vec::with_capacity(batch.len());
+        let misses = hot_hits.iter().filter(|h| h.is_none()).count();
+        let mut miss_ids: Vec<IdHash> = Vec::with_capacity(misses);
         let mut miss_index: HashMap<IdHash, usize, IdBuildHasher> =
-            HashMap::with_capacity_and_hasher(batch.len(), IdBuildHasher);
+            HashMap::with_capacity_and_hasher(misses, IdBuildHasher);
         for (c, hit) in batch.iter().zip(&hot_hits) {
             if hit.is_none() {
                 miss_index.entry(c.id_hash).or_insert_with(|| {

@@ -59,6 +59,11 @@ pub struct BatchLayout {
     /// Partitions of the rollups topic; `None`: the ledger's changes are
     /// not published.
     pub rollups_partitions: Option<usize>,
+    /// Publish the rollups and adjustments of the batch's replays again
+    /// (at least once: the output and the rollups topic are acknowledged
+    /// apart, see [`Replays`](crate::ledger::Replays)). Exactly once they
+    /// committed with their events, so they are not.
+    pub republish_replays: bool,
 }
 
 /// A classified batch, ready to publish.
@@ -131,7 +136,9 @@ pub fn classify_batch(
             Outcome::Duplicate { .. } => summary.duplicate += 1,
             Outcome::Replayed { event, first, .. } => {
                 summary.replayed += 1;
-                if let (Some(output), Some(_)) = (first.output, layout.rollups_partitions) {
+                if let (Some(output), Some(_), true) =
+                    (first.output, layout.rollups_partitions, layout.republish_replays)
+                {
                     replays.push((event, output.offset));
                 }
             }
@@ -230,6 +237,7 @@ mod tests {
         rejected_partitions: 1,
         max_rejected_raw_bytes: 1024,
         rollups_partitions: Some(2),
+        republish_replays: true,
     };
 
     /// `prepared`'s accepted events as published: output offsets from
@@ -247,12 +255,23 @@ mod tests {
             .collect()
     }
 
-    /// Classifies and applies `payloads` on `partition` of `e`, output
-    /// offsets from `first_output`; returns what was prepared.
+    /// Classifies and applies `payloads` on `partition` of `e`, input and
+    /// output offsets both from `first_output`; returns what was prepared.
     fn ingest(e: &RefCell<StateEngine>, partition: i32, payloads: &[Vec<u8>], first_output: i64) -> Prepared {
+        ingest_at(e, partition, payloads, first_output, first_output)
+    }
+
+    /// [`ingest`] with input offsets from `first_input`.
+    fn ingest_at(
+        e: &RefCell<StateEngine>,
+        partition: i32,
+        payloads: &[Vec<u8>],
+        first_input: i64,
+        first_output: i64,
+    ) -> Prepared {
         let with = |f: &mut dyn FnMut(&dyn Engine)| f(&*e.borrow());
         let prepared =
-            classify_batch(&with, partition, &inputs(payloads, first_output), NOW, &LAYOUT).expect("classify");
+            classify_batch(&with, partition, &inputs(payloads, first_input), NOW, &LAYOUT).expect("classify");
         e.borrow_mut().apply_published(partition, &published(&prepared, partition, first_output), NOW).expect("apply");
         prepared
     }
@@ -333,22 +352,29 @@ mod tests {
             e.borrow_mut().assign_all(&[0], NOW).expect("assign");
             ingest(&e, 0, &[ev("w", "c0", "1")], 0);
             let batch = vec![ev("a", "c0", "2"), ev("b", "c1", "3"), ev_at("late", "c0", "5", NOW - 49 * 3_600_000)];
-            let first = ingest(&e, 0, &batch, 1);
+            // Input offsets apart from output offsets: an adjustment is
+            // found by its output offset.
+            let first = ingest_at(&e, 0, &batch, 100, 1);
             assert_eq!((first.summary.accepted, first.summary.late), (3, 1), "durable: {durable}");
             // Two hours and one adjustment.
             assert_eq!(rollups_records(&first).len(), 3, "durable: {durable}");
 
             let with = |f: &mut dyn FnMut(&dyn Engine)| f(&*e.borrow());
-            let retry = classify_batch(&with, 0, &inputs(&batch, 1), NOW, &LAYOUT).expect("classify");
+            let retry = classify_batch(&with, 0, &inputs(&batch, 100), NOW, &LAYOUT).expect("classify");
             assert_eq!((retry.summary.replayed, retry.summary.accepted), (3, 0), "durable: {durable}");
             assert_eq!(retry.summary.late, 0, "a republished adjustment is not a new late event");
             assert_eq!(rollups_records(&retry), rollups_records(&first), "durable: {durable}");
+            // Exactly once, the rollups committed with their events.
+            let once = BatchLayout { republish_replays: false, ..LAYOUT };
+            let retry = classify_batch(&with, 0, &inputs(&batch, 100), NOW, &once).expect("classify");
+            assert_eq!(retry.summary.replayed, 3, "durable: {durable}");
+            assert!(rollups_records(&retry).is_empty(), "durable: {durable}");
 
             // Replays beside a new event of the same hour: that hour once,
             // with its new total.
             let mut grown = batch.clone();
             grown.push(ev("c", "c0", "4"));
-            let mixed = classify_batch(&with, 0, &inputs(&grown, 1), NOW, &LAYOUT).expect("classify");
+            let mixed = classify_batch(&with, 0, &inputs(&grown, 100), NOW, &LAYOUT).expect("classify");
             assert_eq!((mixed.summary.replayed, mixed.summary.accepted), (3, 1), "durable: {durable}");
             let published = rollups_records(&mixed);
             assert_eq!(published.len(), 3, "durable: {durable}: {published:#?}");

@@ -122,6 +122,7 @@ impl Shared {
             rejected_partitions: self.layout.rejected_partitions,
             max_rejected_raw_bytes: self.settings.max_rejected_raw_bytes,
             rollups_partitions: self.layout.rollups_partitions,
+            republish_replays: self.settings.delivery == DeliveryMode::AtLeastOnce,
         }
     }
 

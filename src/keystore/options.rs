@@ -44,8 +44,8 @@ pub struct KeyStoreOptions {
     pub sync_writes: bool,
     /// Whole-key bloom filter bits per key.
     pub bloom_bits_per_key: f64,
-    /// Data block size: a found key costs one block read and decompression
-    /// of this size; smaller blocks grow the index.
+    /// Data block size: a found key costs one block read of this size;
+    /// smaller blocks grow the index.
     pub block_bytes: usize,
     /// Width of the first-seen histogram's buckets: the granularity of the
     /// size cap and of the window estimate.

@@ -30,7 +30,7 @@ use super::options::{
 /// (about a tenth of the data with leveled compaction's 10x fan-out).
 const SIZE_CAP_FILL: f64 = 0.9;
 
-/// Keys per SST file written by [`KeyStore::bulk_load`] (~100 MB at ~50 B/key).
+/// Keys per SST file written by [`KeyStore::bulk_load`] (~116 MB at ~58 B/key).
 const BULK_FILE_KEYS: u64 = 2_000_000;
 
 /// What one [`KeyStore::age_out`] did.

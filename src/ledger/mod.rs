@@ -48,6 +48,8 @@ pub use rollup::{
 };
 pub use store::{LedgerError, LedgerStore, Preview, Replays, TenantLedger, WRITE_BEHIND};
 
+use rollup::CounterRef;
+
 use crate::event::UsageEvent;
 
 /// One partition's ledger kept in memory (state without a directory).
@@ -127,6 +129,9 @@ impl Ledger {
                 if let Some(held) = held {
                     preview.republished = replays
                         .iter()
+                        // Only late ones became adjustments (watermarks
+                        // only rise: on time now, on time when folded).
+                        .filter(|(e, _)| lateness.is_late(e, held.maps.watermarks.get(&CounterRef::of(e)).copied()))
                         .filter_map(|(e, offset)| held.adjustments.iter().find(|a| a.made_of(e, *offset)))
                         .cloned()
                         .collect();

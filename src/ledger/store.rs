@@ -291,8 +291,10 @@ impl Preview {
         replays: &Replays<'_>,
         hours: impl Fn(&HourKey) -> Option<&'h Rollup>,
     ) -> Preview {
-        let mut keys: Vec<HourKey> = folded.hours.clone();
-        if !replays.is_empty() {
+        let rollups = if replays.is_empty() {
+            folded.hours.iter().filter_map(|k| Some((k.clone(), hours(k)?.clone()))).collect()
+        } else {
+            let mut keys: Vec<HourKey> = folded.hours.clone();
             keys.extend(
                 replays
                     .iter()
@@ -300,8 +302,8 @@ impl Preview {
             );
             keys.sort_unstable();
             keys.dedup();
-        }
-        let rollups = keys.into_iter().filter_map(|k| Some((k.clone(), hours(&k)?.clone()))).collect();
+            keys.into_iter().filter_map(|k| hours(&k).cloned().map(|r| (k, r))).collect()
+        };
         Preview { rollups, folded, republished: Vec::new() }
     }
 
@@ -416,7 +418,7 @@ impl LedgerStore {
             Vec::new()
         } else {
             self.load(&mut cache, partition, replays)?;
-            self.adjustments_of(&cache, partition, replays)?
+            self.adjustments_of(&cache, partition, lateness, replays)?
         };
         let (folded, undo) = self.fold_in_cache(&mut cache, partition, lateness, events)?;
         let held = &cache.hours;
@@ -428,16 +430,21 @@ impl LedgerStore {
 
     /// The adjustments `replays` became, if any: each is found by its key
     /// (tenant, its event's period, partition, output offset), among the
-    /// folded ones not written yet, then in the store.
+    /// folded ones not written yet, then in the store. Only replays late
+    /// against their counter's watermark now (loaded, see `load`) are
+    /// looked for: watermarks only rise, so a replay on time now was on
+    /// time when it was folded.
     fn adjustments_of(
         &self,
         cache: &Cache,
         partition: i32,
+        lateness: &Lateness,
         replays: &Replays<'_>,
     ) -> Result<Vec<Adjustment>, LedgerError> {
         let mut found = Vec::new();
         let mut stored_keys = Vec::new();
-        for (e, offset) in replays {
+        let watermark = |e: &UsageEvent| cache.watermarks.get(&CounterRef::of(e)).and_then(|w| w.ms);
+        for (e, offset) in replays.iter().filter(|(e, _)| lateness.is_late(e, watermark(e))) {
             match cache.adjustments.iter().find(|a| a.made_of(e, *offset)) {
                 Some(a) => found.push(a.clone()),
                 None => stored_keys.push(encoded(|out| {

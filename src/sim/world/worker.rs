@@ -884,6 +884,7 @@ fn perform(w: &mut World, worker: usize, partition: i32) {
                 rejected_partitions: 1,
                 max_rejected_raw_bytes: 1 << 16,
                 rollups_partitions: None,
+                republish_replays: false,
             };
             let engine = wk.engine.as_ref().expect("engine");
             let with = |f: &mut dyn FnMut(&dyn Engine)| f(engine);
