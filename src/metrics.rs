@@ -147,6 +147,7 @@ pub struct Metrics {
     unkeyed_records: IntCounter,
     misrouted_records: IntCounter,
     late_events: IntCounter,
+    republished_rollups: IntCounter,
     closed_periods: IntGauge,
     routed_records: IntCounterVec,
     publish_retries: IntCounterVec,
@@ -281,6 +282,11 @@ impl Metrics {
             "Accepted events later than the lateness window behind their counter's watermark: \
              published as adjustments (reason late), their hours left as they were",
         );
+        let republished_rollups = b.counter(
+            "dedupd_republished_rollups_total",
+            "Rollup and adjustment records published again for replayed events (at least once: a \
+             redelivered batch whose events were already on the output, after a failed publish or a crash)",
+        );
         let routed_records = b.counters(
             "dedupd_routed_records_total",
             "Raw records `dedupd route` keyed and placed by identity (routed) or sent to the rejected topic",
@@ -397,6 +403,7 @@ impl Metrics {
             unkeyed_records,
             misrouted_records,
             late_events,
+            republished_rollups,
             closed_periods,
             routed_records,
             publish_retries,
@@ -453,6 +460,10 @@ impl Metrics {
 
     pub fn late_events(&self) -> u64 {
         self.late_events.get()
+    }
+
+    pub fn republished_rollups(&self) -> u64 {
+        self.republished_rollups.get()
     }
 
     /// How many periods the periods reader last found closed.
@@ -571,6 +582,8 @@ pub struct BatchClassified {
     pub misrouted: u64,
     /// Accepted events the ledger made adjustments (reason `late`).
     pub late: u64,
+    /// Rollup and adjustment records published again for replays.
+    pub republished: u64,
     /// Rejections by reason.
     pub rejected_by_reason: Vec<(RejectReason, u64)>,
     /// Conflicts by tenant.
@@ -605,6 +618,9 @@ impl BatchClassified {
         }
         if self.late > 0 {
             m.late_events.inc_by(self.late);
+        }
+        if self.republished > 0 {
+            m.republished_rollups.inc_by(self.republished);
         }
         if self.conflict > 0 || self.rejected > 0 || self.misrouted > 0 {
             tracing::info!(
@@ -1213,6 +1229,7 @@ mod tests {
             "dedupd_unkeyed_records_total",
             "dedupd_misrouted_records_total",
             "dedupd_late_events_total",
+            "dedupd_republished_rollups_total",
             "dedupd_closed_periods",
             "dedupd_standby_partitions",
             "dedupd_standby_records_total",

@@ -322,6 +322,7 @@ async fn at_least_once_rollups_lost_beside_published_events_are_published_on_the
     })
     .await;
     assert!(done, "the worker did not finish the input");
+    assert!(metrics.republished_rollups() > 0, "the retries published their replays' rollups again");
     let _ = stop.send(());
     worker.await.expect("join").expect("run");
     check_outcome(&brokers, &topics, "alo-rollups", &s, DeliveryMode::AtLeastOnce);

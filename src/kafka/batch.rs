@@ -186,6 +186,9 @@ pub fn classify_batch(
     if let Some(preview) = using(with, |e| e.ledger_preview(partition, &events, &replays))? {
         summary.late = preview.folded.adjustments.len() as u64;
         if let Some(rollups_partitions) = layout.rollups_partitions {
+            // Every changed hour has a rollup; the rest are replays' hours.
+            summary.republished =
+                (preview.rollups.len().saturating_sub(preview.folded.hours.len()) + preview.republished.len()) as u64;
             for (key, rollup) in preview.rollups() {
                 records.push(rollup_record(key, rollup, partition, rollups_partitions, now_ms));
             }
@@ -363,6 +366,7 @@ mod tests {
             let retry = classify_batch(&with, 0, &inputs(&batch, 100), NOW, &LAYOUT).expect("classify");
             assert_eq!((retry.summary.replayed, retry.summary.accepted), (3, 0), "durable: {durable}");
             assert_eq!(retry.summary.late, 0, "a republished adjustment is not a new late event");
+            assert_eq!(retry.summary.republished, 3, "two hours and an adjustment, published again");
             assert_eq!(rollups_records(&retry), rollups_records(&first), "durable: {durable}");
             // Exactly once, the rollups committed with their events.
             let once = BatchLayout { republish_replays: false, ..LAYOUT };
