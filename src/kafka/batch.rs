@@ -186,9 +186,7 @@ pub fn classify_batch(
     if let Some(preview) = using(with, |e| e.ledger_preview(partition, &events, &replays))? {
         summary.late = preview.folded.adjustments.len() as u64;
         if let Some(rollups_partitions) = layout.rollups_partitions {
-            // Every changed hour has a rollup; the rest are replays' hours.
-            summary.republished =
-                (preview.rollups.len().saturating_sub(preview.folded.hours.len()) + preview.republished.len()) as u64;
+            summary.republished = preview.republished_records() as u64;
             for (key, rollup) in preview.rollups() {
                 records.push(rollup_record(key, rollup, partition, rollups_partitions, now_ms));
             }

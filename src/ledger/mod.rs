@@ -127,11 +127,8 @@ impl Ledger {
                 let folded = maps.fold(lateness, events.iter().copied())?;
                 let mut preview = Preview::of(folded, replays, |k| maps.hours.get(k));
                 if let Some(held) = held {
-                    preview.republished = replays
-                        .iter()
-                        // Only late ones became adjustments (watermarks
-                        // only rise: on time now, on time when folded).
-                        .filter(|(e, _)| lateness.is_late(e, held.maps.watermarks.get(&CounterRef::of(e)).copied()))
+                    let watermark = |e: &UsageEvent| held.maps.watermarks.get(&CounterRef::of(e)).copied();
+                    preview.republished = store::late_replays(replays, lateness, watermark)
                         .filter_map(|(e, offset)| held.adjustments.iter().find(|a| a.made_of(e, *offset)))
                         .cloned()
                         .collect();

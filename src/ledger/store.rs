@@ -283,6 +283,17 @@ pub struct Preview {
 /// harmless.
 pub type Replays<'a> = [(&'a UsageEvent, i64)];
 
+/// The replays that may have become adjustments: those late against their
+/// counter's watermark now (`watermark`). Watermarks only rise, so a
+/// replay on time now was on time when it was folded, and is not looked up.
+pub(crate) fn late_replays<'r, 'e>(
+    replays: &'r Replays<'e>,
+    lateness: &'r Lateness,
+    watermark: impl Fn(&UsageEvent) -> Option<i64> + 'r,
+) -> impl Iterator<Item = &'r (&'e UsageEvent, i64)> + 'r {
+    replays.iter().filter(move |(e, _)| lateness.is_late(e, watermark(e)))
+}
+
 impl Preview {
     /// `folded` with the new rollups of its hours, and the current rollups
     /// of `replays`' hours, read from `hours`.
@@ -310,6 +321,13 @@ impl Preview {
     /// The rollups to publish with their new values, in key order.
     pub fn rollups(&self) -> impl Iterator<Item = (&HourKey, &Rollup)> {
         self.rollups.iter().map(|(k, r)| (k, r))
+    }
+
+    /// Records published again for the replays: their hours' rollups (every
+    /// hour the batch changed has a rollup; the others are replays') and
+    /// their adjustments.
+    pub fn republished_records(&self) -> usize {
+        self.rollups.len().saturating_sub(self.folded.hours.len()) + self.republished.len()
     }
 }
 
@@ -430,10 +448,8 @@ impl LedgerStore {
 
     /// The adjustments `replays` became, if any: each is found by its key
     /// (tenant, its event's period, partition, output offset), among the
-    /// folded ones not written yet, then in the store. Only replays late
-    /// against their counter's watermark now (loaded, see `load`) are
-    /// looked for: watermarks only rise, so a replay on time now was on
-    /// time when it was folded.
+    /// folded ones not written yet, then in the store; only
+    /// [`late_replays`] against the watermarks `load` brought in.
     fn adjustments_of(
         &self,
         cache: &Cache,
@@ -444,7 +460,7 @@ impl LedgerStore {
         let mut found = Vec::new();
         let mut stored_keys = Vec::new();
         let watermark = |e: &UsageEvent| cache.watermarks.get(&CounterRef::of(e)).and_then(|w| w.ms);
-        for (e, offset) in replays.iter().filter(|(e, _)| lateness.is_late(e, watermark(e))) {
+        for (e, offset) in late_replays(replays, lateness, watermark) {
             match cache.adjustments.iter().find(|a| a.made_of(e, *offset)) {
                 Some(a) => found.push(a.clone()),
                 None => stored_keys.push(encoded(|out| {
