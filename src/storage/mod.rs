@@ -224,9 +224,10 @@ pub struct StoreOptions {
     pub compaction_min_segments: usize,
     /// A merge writes at most this many input rows. Default 4,194,304.
     pub compaction_max_rows: u64,
-    /// ... and holds at most about this many bytes of rows in memory (it
-    /// stops reading inputs once past it, after two at least). Default
-    /// 256 MiB.
+    /// ... and holds at most about this many bytes in memory: the merged
+    /// segment as stored and its rows' keys (it stops reading inputs once
+    /// past it, after two at least; inputs are read one at a time, and
+    /// their groups are copied as stored). Default 256 MiB.
     pub compaction_max_bytes: usize,
     /// Test seam: the failpoint name at which the store fails and poisons
     /// itself (see [`failpoint`]). `None` in production.

@@ -8,7 +8,7 @@ use super::error::IoContext;
 use super::fs::{FileSystem, RealFs};
 use super::manifest::{self, Manifest};
 use super::memtable::Memtable;
-use super::segment::{self, GroupEntry, Segment, SegmentIndex, SegmentMeta};
+use super::segment::{self, GroupEntry, Segment, SegmentIndex, SegmentMeta, SegmentWriter};
 use super::sidecar::{self, SidecarEntry};
 use super::wal::{
     self, reader,
@@ -92,6 +92,10 @@ pub struct UsageStore {
     /// store's lock: still read as the memtable is, until the manifest that
     /// names its segment is installed. Older than `memtable`.
     frozen: Option<Arc<Memtable>>,
+    /// The last flushed memtable, emptied, with its allocations: the next
+    /// freeze starts the live memtable from it instead of from nothing.
+    /// Only while no memtable is frozen, so it adds no memory to a flush.
+    spare: Option<Memtable>,
     /// Highest output offset per partition in segments + memtable (= written to the WAL).
     checkpoints: BTreeMap<i32, i64>,
     wal: WalWriter,
@@ -155,13 +159,31 @@ fn write_segment_files(
     crash_at: Option<&str>,
     id: u64,
     rows: &[&StoredEvent],
-    [after_segment, after_sidecar]: [&'static str; 2],
+    failpoints: [&'static str; 2],
 ) -> Result<SegmentMeta, StorageError> {
     let (bytes, meta) = segment::encode(id, rows)?;
-    fsutil::write_atomic(fs, &segment::segment_path(seg_dir, id), &bytes, None, crash_at)?;
-    failpoint::check(after_segment, crash_at)?;
     let keys: Vec<SeenKey> = rows.iter().map(|e| e.key).collect();
-    fsutil::write_atomic(fs, &sidecar::sidecar_path(seg_dir, id), &sidecar::encode(id, &keys), None, crash_at)?;
+    write_encoded_segment(fs, seg_dir, crash_at, (&bytes, meta), &keys, failpoints)
+}
+
+/// [`write_segment_files`] of a segment already encoded, with its rows' keys.
+fn write_encoded_segment(
+    fs: &dyn FileSystem,
+    seg_dir: &Path,
+    crash_at: Option<&str>,
+    (bytes, meta): (&[u8], SegmentMeta),
+    keys: &[SeenKey],
+    [after_segment, after_sidecar]: [&'static str; 2],
+) -> Result<SegmentMeta, StorageError> {
+    fsutil::write_atomic(fs, &segment::segment_path(seg_dir, meta.id), bytes, None, crash_at)?;
+    failpoint::check(after_segment, crash_at)?;
+    fsutil::write_atomic(
+        fs,
+        &sidecar::sidecar_path(seg_dir, meta.id),
+        &sidecar::encode(meta.id, keys),
+        None,
+        crash_at,
+    )?;
     failpoint::check(after_sidecar, crash_at)?;
     Ok(meta)
 }
@@ -268,54 +290,89 @@ impl CompactionJob {
     }
 
     fn merge(&self) -> Result<Merged, StorageError> {
-        // Each input's rows stay in the vector it was read into: gathering
-        // them into one grew it by doubling, each step a fresh mapping for
-        // the kernel to zero and a copy of every row so far (perf, a
-        // million-event `dedupd dedupe --state-dir`: page zeroing on the
-        // compaction thread fell from 11.9% to 4.0% of the run's CPU).
-        let mut inputs: Vec<Vec<StoredEvent>> = Vec::new();
         let mut done = Merged { merged: Vec::new(), new_meta: None, filtered_rows: 0, corrupt: Vec::new() };
-        let mut bytes = 0usize;
+        let planned_rows: u64 = self.inputs.iter().map(|s| s.rows).sum();
+        let mut out = SegmentWriter::with_capacity(usize::try_from(planned_rows).unwrap_or(0).saturating_mul(48));
+        let mut keys: Vec<SeenKey> = Vec::with_capacity(usize::try_from(planned_rows).unwrap_or(0));
         for s in &self.inputs {
-            // The working set is bounded in bytes as well as in rows: it
-            // stops at the first input past the bound (two at least, or
-            // nothing would ever merge); the rest wait for the next round.
-            if done.merged.len() >= 2 && bytes >= self.max_bytes {
+            // The working set is bounded in bytes as well as in rows: the
+            // merged file and its keys, which grow input by input (one
+            // input is held at a time besides). It stops at the first input
+            // past the bound (two at least, or nothing would ever merge);
+            // the rest wait for the next round.
+            let held = out.len() + keys.len() * std::mem::size_of::<SeenKey>();
+            if done.merged.len() >= 2 && held >= self.max_bytes {
                 break;
             }
             let path = segment::segment_path(&self.seg_dir, s.id);
-            match Segment::open(self.fs.as_ref(), &path).and_then(|f| f.read_all()) {
-                Ok(r) => {
-                    bytes += r.iter().map(super::memtable::event_bytes).sum::<usize>();
+            let mark = (out.mark(), keys.len());
+            let copied =
+                Segment::open(self.fs.as_ref(), &path).and_then(|seg| self.copy_kept_rows(&seg, &mut out, &mut keys));
+            match copied {
+                Ok(filtered) => {
+                    done.filtered_rows += filtered;
                     done.merged.push(s.id);
-                    inputs.push(r);
                 }
                 Err(StorageError::Io { source, .. }) if source.kind() != std::io::ErrorKind::InvalidData => {
                     return Err(StorageError::Io { path, source });
                 }
-                Err(_) => done.corrupt.push(path),
+                Err(_) => {
+                    // A corrupt input stays where it is, reported; nothing
+                    // of it goes into the merged segment.
+                    out.truncate(mark.0);
+                    keys.truncate(mark.1);
+                    done.corrupt.push(path);
+                }
             }
         }
         if done.merged.len() < 2 {
             // Nothing left worth merging (e.g. a corrupt segment dropped out).
             done.merged.clear();
+            done.filtered_rows = 0;
             return Ok(done);
         }
-        let before: usize = inputs.iter().map(Vec::len).sum();
-        let mut refs: Vec<&StoredEvent> = Vec::with_capacity(before);
-        refs.extend(inputs.iter().flatten().filter(|e| e.key.first_seen_ms >= self.cutoff));
-        done.filtered_rows = (before - refs.len()) as u64;
-        if let (Some(id), false) = (self.id, refs.is_empty()) {
-            done.new_meta = Some(write_segment_files(
+        if let (Some(id), false) = (self.id, keys.is_empty()) {
+            let (bytes, meta) = out.finish(id);
+            done.new_meta = Some(write_encoded_segment(
                 self.fs.as_ref(),
                 &self.seg_dir,
                 self.crash_at.as_deref(),
-                id,
-                &refs,
+                (&bytes, meta),
+                &keys,
                 ["compact_after_segment", "compact_after_segment"],
             )?);
         }
         Ok(done)
+    }
+
+    /// Appends `seg`'s rows still within retention to `out` and their keys
+    /// to `keys`, in row order, and returns how many were past it. A group
+    /// wholly within retention is copied as stored; one wholly past it is
+    /// skipped unread; only a group across the cutoff (or a version-1
+    /// file's single large image) is decoded and encoded again.
+    fn copy_kept_rows(
+        &self,
+        seg: &Segment,
+        out: &mut SegmentWriter,
+        keys: &mut Vec<SeenKey>,
+    ) -> Result<u64, StorageError> {
+        let mut filtered = 0u64;
+        for group in seg.groups() {
+            let (min, max) = group.first_seen_range();
+            if max < self.cutoff {
+                filtered += group.rows() as u64;
+            } else if min >= self.cutoff && group.rows() <= segment::GROUP_ROWS {
+                keys.extend(group.read_keys()?);
+                out.push_group(group)?;
+            } else {
+                let rows = group.read_all()?;
+                let kept: Vec<&StoredEvent> = rows.iter().filter(|e| e.key.first_seen_ms >= self.cutoff).collect();
+                filtered += (rows.len() - kept.len()) as u64;
+                keys.extend(kept.iter().map(|e| e.key));
+                out.push_rows(&kept)?;
+            }
+        }
+        Ok(filtered)
     }
 }
 
@@ -402,7 +459,7 @@ impl UsageStore {
             });
         }
         let mut checkpoints = manifest.checkpoints.clone();
-        let mut memtable = Memtable::default();
+        let mut memtable = Memtable::sized_for(opts.memtable_max_events, opts.memtable_max_bytes);
         for (i, (_, path)) in live.iter().enumerate() {
             let is_last = i + 1 == live.len();
             let scan = reader::scan_file(fs.as_ref(), path, is_last, |events| {
@@ -455,6 +512,7 @@ impl UsageStore {
             highest_generation,
             memtable,
             frozen: None,
+            spare: None,
             commits,
             checkpoints,
             wal,
@@ -1003,7 +1061,11 @@ impl UsageStore {
         // rotating makes the next file the first one the new manifest needs.
         self.rotate_wal()?;
         let id = self.take_segment_id();
-        let rows = Arc::new(std::mem::take(&mut self.memtable));
+        let fresh = self
+            .spare
+            .take()
+            .unwrap_or_else(|| Memtable::sized_for(self.opts.memtable_max_events, self.opts.memtable_max_bytes));
+        let rows = Arc::new(std::mem::replace(&mut self.memtable, fresh));
         self.frozen = Some(Arc::clone(&rows));
         Ok(Some(FlushJob {
             fs: Arc::clone(&self.fs),
@@ -1048,6 +1110,8 @@ impl UsageStore {
         self.install_manifest(next)?;
         failpoint::check("flush_after_manifest", self.crash_at())?;
         self.frozen = None;
+        // Unique once `frozen` lets go; the job was the other holder.
+        self.spare = Arc::try_unwrap(job.rows).ok().map(Memtable::recycled);
         self.collect_garbage()?;
         Ok(())
     }
@@ -1565,6 +1629,108 @@ mod tests {
     fn assert_verifies(dir: &Path) {
         let report = crate::storage::verify(dir).expect("verify");
         assert!(report.is_clean(), "{report:?}");
+    }
+
+    /// A store at `dir` holding `segments` flushed segments of `rows`
+    /// events each (first seen 1_700_000_000_000 + n), and those events.
+    fn segments_of(dir: &Path, opts: &StoreOptions, segments: u64, rows: u64) -> (UsageStore, Vec<StoredEvent>) {
+        use crate::storage::testutil::sample_event;
+        let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
+        let (mut store, _) = UsageStore::open_on(Arc::new(RealFs), dir, opts.clone(), observer).expect("open");
+        let events: Vec<StoredEvent> = (0..segments * rows).map(|n| sample_event(n, 0, n as i64)).collect();
+        for chunk in events.chunks(rows as usize) {
+            store.append(chunk).expect("append");
+            let mut job = store.start_flush().expect("start").expect("a flush");
+            job.write();
+            store.finish_flush(job).expect("finish");
+        }
+        (store, events)
+    }
+
+    /// Each group of the segment at `path`, as stored.
+    fn group_images(path: &Path) -> Vec<Vec<u8>> {
+        let bytes = std::fs::read(path).expect("read");
+        let index = segment::read_index(&RealFs, path).expect("index").expect("version 2");
+        index.groups.iter().map(|g| bytes[g.offset as usize..(g.offset + u64::from(g.len)) as usize].to_vec()).collect()
+    }
+
+    /// Compaction copies the groups of its inputs as they are stored
+    /// (their rows are never decoded and encoded again) when every row
+    /// stays; across a retention cutoff it drops exactly the rows first
+    /// seen before it, whichever group they are in, and what it writes
+    /// reads back and verifies.
+    #[test]
+    fn a_compaction_copies_its_inputs_groups_as_stored_and_drops_exactly_the_expired_rows() {
+        let rows = segment::GROUP_ROWS as u64 + 44;
+        let opts = StoreOptions { memtable_max_events: usize::MAX, ..jobs_options() };
+        let dir = tempfile::tempdir().expect("tmp");
+        let (mut store, events) = segments_of(dir.path(), &opts, 4, rows);
+        let seg_dir = dir.path().join("segments");
+        let inputs: Vec<Vec<u8>> =
+            store.segments().iter().flat_map(|m| group_images(&segment::segment_path(&seg_dir, m.id))).collect();
+        assert_eq!(inputs.len(), 8, "each input is a full group and a short one");
+        let mut job = store.start_compaction(1).expect("plan").expect("four small segments");
+        job.run();
+        let report = store.finish_compaction(job).expect("install");
+        assert_eq!((report.compacted_segments, report.expired_rows), (4, 0), "{report:?}");
+        let merged = segment::segment_path(&seg_dir, report.compacted_into.expect("merged"));
+        let merged = group_images(&merged);
+        assert_eq!(merged.len(), inputs.len(), "a group for each input group");
+        assert!(merged == inputs, "the merged segment is its inputs' groups, byte for byte");
+        assert_eq!(every_event(&store), events);
+        drop(store);
+        assert_verifies(dir.path());
+
+        // Cutoffs inside a full group, on a group's edge, inside a short
+        // group, and past a whole input (which then expires unread).
+        let first_seen = |n: u64| events[n as usize].key.first_seen_ms;
+        for cut in [100, segment::GROUP_ROWS as u64, rows - 10, rows + 3, 2 * rows + 1] {
+            let retention = StoreOptions { retention_ms: 1_000, ..opts.clone() };
+            let dir = tempfile::tempdir().expect("tmp");
+            let (mut store, events) = segments_of(dir.path(), &retention, 4, rows);
+            let mut job = store.start_compaction(first_seen(cut) + 1_000).expect("plan").expect("a compaction");
+            job.run();
+            let report = store.finish_compaction(job).expect("install");
+            assert_eq!(report.expired_rows, cut, "cut at {cut}: {report:?}");
+            assert_eq!(every_event(&store), events[cut as usize..], "cut at {cut}");
+            drop(store);
+            assert_verifies(dir.path());
+        }
+    }
+
+    /// A damaged column in a group that compaction would copy as stored
+    /// (one no key read touches) leaves that input where it is, reported,
+    /// and none of its rows in the merged segment.
+    #[test]
+    fn a_compaction_leaves_an_input_with_a_damaged_column_in_place_and_out_of_the_merge() {
+        let rows = segment::GROUP_ROWS as u64 + 44;
+        let opts = StoreOptions { memtable_max_events: usize::MAX, ..jobs_options() };
+        let dir = tempfile::tempdir().expect("tmp");
+        let (mut store, events) = segments_of(dir.path(), &opts, 3, rows);
+        let seg_dir = dir.path().join("segments");
+        let damaged = segment::segment_path(&seg_dir, store.segments()[1].id);
+        // The last byte of the last column's block (dimension values): it
+        // ends where the group's footer (510 bytes) and trailer begin.
+        let index = segment::read_index(&RealFs, &damaged).expect("index").expect("version 2");
+        let g = index.groups[0];
+        let at = (g.offset + u64::from(g.len)) as usize - 12 - 510 - 1;
+        let mut bytes = std::fs::read(&damaged).expect("read");
+        bytes[at] ^= 0x40;
+        std::fs::write(&damaged, &bytes).expect("write");
+
+        let mut job = store.start_compaction(1).expect("plan").expect("three small segments");
+        job.run();
+        let report = store.finish_compaction(job).expect("install");
+        assert_eq!(report.corrupt_segments, vec![damaged.clone()]);
+        assert_eq!(report.compacted_segments, 2, "{report:?}");
+        assert!(damaged.exists(), "the damaged input stays where it is");
+        let merged = Segment::open(&RealFs, &segment::segment_path(&seg_dir, report.compacted_into.expect("merged")))
+            .expect("open merged")
+            .read_all()
+            .expect("read merged");
+        let rows = rows as usize;
+        let expected: Vec<StoredEvent> = events[..rows].iter().chain(&events[2 * rows..]).cloned().collect();
+        assert_eq!(merged, expected);
     }
 
     /// Small memtables, flushes and compactions left to jobs, nothing
