@@ -7,6 +7,11 @@ use super::StoredEvent;
 use crate::classify::{IdBuildHasher, SeenKey};
 use crate::event::IdHash;
 
+/// The most events a memtable reserves room for up front: far above the
+/// default bounds (about 370k events in 128 MiB), and a bound set higher
+/// than this only grows the memtable as it used to.
+const MAX_RESERVED_EVENTS: usize = 1 << 21;
+
 #[derive(Default)]
 pub(crate) struct Memtable {
     events: Vec<StoredEvent>,
@@ -40,12 +45,13 @@ pub(crate) fn event_bytes(e: &StoredEvent) -> usize {
 impl Memtable {
     /// An empty memtable with room for as many events as its bounds let
     /// it hold (no event takes less than its struct and id slot), so it
-    /// never grows by doubling: each step copied every event so far into a
-    /// fresh mapping the kernel zeroed first. The room is address space
-    /// until events fill it.
+    /// seldom grows by doubling (only past its bound, while a flush is
+    /// out): each step copied every event so far into a fresh mapping the
+    /// kernel zeroed first. The room is address space until events fill
+    /// it, and at most [`MAX_RESERVED_EVENTS`] whatever the bounds say.
     pub(crate) fn sized_for(max_events: usize, max_bytes: usize) -> Memtable {
         let floor = std::mem::size_of::<StoredEvent>() + std::mem::size_of::<(IdHash, u32)>();
-        let events = max_events.min(max_bytes / floor + 1);
+        let events = max_events.min(max_bytes / floor + 1).min(MAX_RESERVED_EVENTS);
         Memtable {
             events: Vec::with_capacity(events),
             first_row: HashMap::with_capacity_and_hasher(events, IdBuildHasher),

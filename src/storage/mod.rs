@@ -77,9 +77,11 @@
 //!   (`memtable_max_events`, `memtable_max_bytes`).
 //! - A compaction ([`UsageStore::start_compaction`]) picks the segments
 //!   past retention and the small ones to merge; [`CompactionJob::run`]
-//!   reads and merges them (it stops reading inputs once it holds
-//!   `compaction_max_bytes` of rows, after two at least, so it may pass the
-//!   bound by one input) and writes the merged segment;
+//!   reads and merges them, copying full row groups as stored and packing
+//!   the rest into full groups again (it stops reading inputs once the
+//!   merged segment and its keys hold `compaction_max_bytes`, after two
+//!   inputs at least, so it may pass the bound by one input) and writes the
+//!   merged segment;
 //!   [`UsageStore::finish_compaction`] puts it in the place of its oldest
 //!   input in the manifest of that moment. One at a time, so its inputs
 //!   stay in the manifest until then; a flush may install meanwhile.

@@ -5,7 +5,10 @@
 //! segments/<id:020>.seg  (little-endian), version 2: row groups
 //!   header   8 bytes: magic b"DSEG", version u16 = 2, reserved u16 = 0
 //!   groups   back to back, each a complete version-1 image (below) of
-//!            GROUP_ROWS rows (the last may hold fewer), in row order
+//!            GROUP_ROWS rows or fewer, in row order (a flush writes full
+//!            groups and a short last one; compaction copies full groups
+//!            as they are and packs the rest into full groups again, so a
+//!            merged segment keeps a short group only before a copied one)
 //!   index    row_count u64, min_first_seen_ms i64, max_first_seen_ms i64,
 //!            group_count u32, then per group 32 bytes: offset u64 (from
 //!            file start), len u32, rows u32, min_first_seen_ms i64,
@@ -512,7 +515,7 @@ impl SegmentFile {
 
     /// Checks every column's stored bytes against its checksum, without
     /// decompressing any.
-    fn check_columns(&self) -> Result<(), StorageError> {
+    pub(crate) fn check_columns(&self) -> Result<(), StorageError> {
         for c in &self.columns {
             self.stored(c)?;
         }
@@ -1190,6 +1193,10 @@ impl Segment {
 
     pub(crate) fn len_bytes(&self) -> usize {
         self.len_bytes
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
     }
 
     /// Its groups, in row order (a version-1 file is one group).

@@ -117,7 +117,8 @@ pub struct UsageStore {
     /// The group index of each segment a lookup has touched (`None`: a
     /// version-1 file, read whole). Segments are immutable, so an index
     /// stays right until its segment leaves the manifest; 32 bytes per
-    /// group of 256 rows, about 125 KB per million stored events.
+    /// group of up to 256 rows, about 125 KB per million stored events
+    /// (more where compaction kept a flush's short last group).
     indexes: std::sync::Mutex<HashMap<u64, Option<Arc<SegmentIndex>>>>,
 }
 
@@ -255,7 +256,7 @@ pub struct CompactionJob {
     expired: HashSet<u64>,
     /// Small segments to merge, oldest first.
     inputs: Vec<SegmentMeta>,
-    /// Bound on the rows held in memory at once (see `StoreOptions`).
+    /// Bound on the bytes a merge holds (see `StoreOptions`).
     max_bytes: usize,
     outcome: Option<Result<Merged, StorageError>>,
 }
@@ -291,23 +292,20 @@ impl CompactionJob {
 
     fn merge(&self) -> Result<Merged, StorageError> {
         let mut done = Merged { merged: Vec::new(), new_meta: None, filtered_rows: 0, corrupt: Vec::new() };
-        let planned_rows: u64 = self.inputs.iter().map(|s| s.rows).sum();
-        let mut out = SegmentWriter::with_capacity(usize::try_from(planned_rows).unwrap_or(0).saturating_mul(48));
-        let mut keys: Vec<SeenKey> = Vec::with_capacity(usize::try_from(planned_rows).unwrap_or(0));
+        let planned_rows = usize::try_from(self.inputs.iter().map(|s| s.rows).sum::<u64>()).unwrap_or(0);
+        let mut merging = MergedSegment::with_capacity(planned_rows);
         for s in &self.inputs {
             // The working set is bounded in bytes as well as in rows: the
             // merged file and its keys, which grow input by input (one
             // input is held at a time besides). It stops at the first input
             // past the bound (two at least, or nothing would ever merge);
             // the rest wait for the next round.
-            let held = out.len() + keys.len() * std::mem::size_of::<SeenKey>();
-            if done.merged.len() >= 2 && held >= self.max_bytes {
+            if done.merged.len() >= 2 && merging.held_bytes() >= self.max_bytes {
                 break;
             }
             let path = segment::segment_path(&self.seg_dir, s.id);
-            let mark = (out.mark(), keys.len());
-            let copied =
-                Segment::open(self.fs.as_ref(), &path).and_then(|seg| self.copy_kept_rows(&seg, &mut out, &mut keys));
+            let mark = merging.mark();
+            let copied = Segment::open(self.fs.as_ref(), &path).and_then(|seg| merging.add(&seg, self.cutoff));
             match copied {
                 Ok(filtered) => {
                     done.filtered_rows += filtered;
@@ -319,8 +317,7 @@ impl CompactionJob {
                 Err(_) => {
                     // A corrupt input stays where it is, reported; nothing
                     // of it goes into the merged segment.
-                    out.truncate(mark.0);
-                    keys.truncate(mark.1);
+                    merging.reset(mark);
                     done.corrupt.push(path);
                 }
             }
@@ -331,48 +328,133 @@ impl CompactionJob {
             done.filtered_rows = 0;
             return Ok(done);
         }
-        if let (Some(id), false) = (self.id, keys.is_empty()) {
-            let (bytes, meta) = out.finish(id);
-            done.new_meta = Some(write_encoded_segment(
-                self.fs.as_ref(),
-                &self.seg_dir,
-                self.crash_at.as_deref(),
-                (&bytes, meta),
-                &keys,
-                ["compact_after_segment", "compact_after_segment"],
-            )?);
+        if let Some(id) = self.id {
+            done.new_meta = merging.write(self, id)?;
         }
         Ok(done)
     }
+}
 
-    /// Appends `seg`'s rows still within retention to `out` and their keys
-    /// to `keys`, in row order, and returns how many were past it. A group
-    /// wholly within retention is copied as stored; one wholly past it is
-    /// skipped unread; only a group across the cutoff (or a version-1
-    /// file's single large image) is decoded and encoded again.
-    fn copy_kept_rows(
-        &self,
-        seg: &Segment,
-        out: &mut SegmentWriter,
-        keys: &mut Vec<SeenKey>,
-    ) -> Result<u64, StorageError> {
+/// A compaction's merged segment as it is built, input by input, in row
+/// order. A full group wholly within retention is copied as stored (its
+/// columns' checksums checked, its keys decoded for the sidecar). Any
+/// other group (a flush's last, short one; one retention cuts through; a
+/// version-1 file's single image) is decoded, and its rows wait in
+/// `pending` until a full group follows or 256 of them fill one: merging
+/// small segments packs their rows into full groups again instead of
+/// keeping each input's short tail.
+struct MergedSegment {
+    out: SegmentWriter,
+    /// The rows written to `out`, in row order.
+    keys: Vec<SeenKey>,
+    /// Decoded rows after everything in `out`, fewer than a group.
+    pending: Vec<StoredEvent>,
+}
+
+/// Where a [`MergedSegment`] stood before an input, to go back to if the
+/// input turns out corrupt.
+struct MergeMark {
+    out: segment::WriterMark,
+    keys: usize,
+    pending: Vec<StoredEvent>,
+}
+
+impl MergedSegment {
+    fn with_capacity(rows: usize) -> MergedSegment {
+        MergedSegment {
+            out: SegmentWriter::with_capacity(rows.saturating_mul(48)),
+            keys: Vec::with_capacity(rows),
+            pending: Vec::new(),
+        }
+    }
+
+    fn held_bytes(&self) -> usize {
+        self.out.len()
+            + self.keys.len() * std::mem::size_of::<SeenKey>()
+            + self.pending.iter().map(super::memtable::event_bytes).sum::<usize>()
+    }
+
+    fn mark(&self) -> MergeMark {
+        MergeMark { out: self.out.mark(), keys: self.keys.len(), pending: self.pending.clone() }
+    }
+
+    fn reset(&mut self, mark: MergeMark) {
+        self.out.truncate(mark.out);
+        self.keys.truncate(mark.keys);
+        self.pending = mark.pending;
+    }
+
+    /// Adds `seg`'s rows first seen at or after `cutoff`, and returns how
+    /// many were before it.
+    fn add(&mut self, seg: &Segment, cutoff: i64) -> Result<u64, StorageError> {
         let mut filtered = 0u64;
         for group in seg.groups() {
             let (min, max) = group.first_seen_range();
-            if max < self.cutoff {
+            if max < cutoff {
+                // Dropped unread, but checked: a damaged input is reported
+                // whichever of its groups is damaged.
+                group.check_columns()?;
                 filtered += group.rows() as u64;
-            } else if min >= self.cutoff && group.rows() <= segment::GROUP_ROWS {
-                keys.extend(group.read_keys()?);
-                out.push_group(group)?;
+            } else if min >= cutoff && group.rows() == segment::GROUP_ROWS {
+                self.write_pending(0)?;
+                let keys = group.read_keys()?;
+                // The footer's range decides retention and goes into the
+                // index unread: it must be the rows'.
+                let got = keys
+                    .iter()
+                    .map(|k| k.first_seen_ms)
+                    .fold((i64::MAX, i64::MIN), |(lo, hi), t| (lo.min(t), hi.max(t)));
+                if got != (min, max) {
+                    return Err(StorageError::corrupt(
+                        seg.path(),
+                        0,
+                        "a group's first-seen range differs from its rows'",
+                    ));
+                }
+                self.keys.extend(keys);
+                self.out.push_group(group)?;
             } else {
                 let rows = group.read_all()?;
-                let kept: Vec<&StoredEvent> = rows.iter().filter(|e| e.key.first_seen_ms >= self.cutoff).collect();
-                filtered += (rows.len() - kept.len()) as u64;
-                keys.extend(kept.iter().map(|e| e.key));
-                out.push_rows(&kept)?;
+                let (read, waiting) = (rows.len(), self.pending.len());
+                self.pending.extend(rows.into_iter().filter(|e| e.key.first_seen_ms >= cutoff));
+                filtered += (read - (self.pending.len() - waiting)) as u64;
+                self.write_pending(segment::GROUP_ROWS)?;
             }
         }
         Ok(filtered)
+    }
+
+    /// Writes the pending rows as groups, keeping fewer than `keep` back
+    /// (0: all of them).
+    fn write_pending(&mut self, keep: usize) -> Result<(), StorageError> {
+        let n = if keep == 0 { self.pending.len() } else { self.pending.len() - self.pending.len() % keep };
+        if n == 0 {
+            return Ok(());
+        }
+        let rows: Vec<&StoredEvent> = self.pending[..n].iter().collect();
+        self.out.push_rows(&rows)?;
+        self.keys.extend(rows.iter().map(|e| e.key));
+        self.pending.drain(..n);
+        Ok(())
+    }
+
+    /// Writes the merged segment `id` and its sidecar for `job`; `None`
+    /// (and nothing written) when no row stayed.
+    fn write(mut self, job: &CompactionJob, id: u64) -> Result<Option<SegmentMeta>, StorageError> {
+        self.write_pending(0)?;
+        if self.keys.is_empty() {
+            return Ok(None);
+        }
+        let (bytes, meta) = self.out.finish(id);
+        write_encoded_segment(
+            job.fs.as_ref(),
+            &job.seg_dir,
+            job.crash_at.as_deref(),
+            (&bytes, meta),
+            &self.keys,
+            ["compact_after_segment", "compact_after_segment"],
+        )
+        .map(Some)
     }
 }
 
@@ -1698,39 +1780,96 @@ mod tests {
         }
     }
 
-    /// A damaged column in a group that compaction would copy as stored
-    /// (one no key read touches) leaves that input where it is, reported,
-    /// and none of its rows in the merged segment.
+    /// An input compaction cannot trust leaves that input where it is,
+    /// reported, and none of its rows in the merged segment: a damaged
+    /// column in a group it would copy as stored (a column no key read
+    /// touches), the same in a group it would skip as past retention, and
+    /// a group whose footer (checksummed, and matching the index) says a
+    /// first-seen range its rows do not have.
     #[test]
-    fn a_compaction_leaves_an_input_with_a_damaged_column_in_place_and_out_of_the_merge() {
+    fn a_compaction_leaves_an_input_it_cannot_trust_in_place_and_out_of_the_merge() {
         let rows = segment::GROUP_ROWS as u64 + 44;
+        // Group 0 of the segment at `path`: where its image ends.
+        let group_end = |path: &Path| {
+            let g = segment::read_index(&RealFs, path).expect("index").expect("version 2").groups[0];
+            (g.offset + u64::from(g.len)) as usize
+        };
+        // Footers are 510 bytes here (22 columns), before a 12-byte trailer.
+        let footer_at = |end: usize| end - 12 - 510;
+        let damage_last_column = |path: &Path| {
+            let mut bytes = std::fs::read(path).expect("read");
+            bytes[footer_at(group_end(path)) - 1] ^= 0x40;
+            std::fs::write(path, &bytes).expect("write");
+        };
+        let shift_first_seen_min = |path: &Path| {
+            let end = group_end(path);
+            let mut bytes = std::fs::read(path).expect("read");
+            let f = footer_at(end);
+            let min = i64::from_le_bytes(bytes[f + 8..f + 16].try_into().expect("8 bytes")) + 1;
+            bytes[f + 8..f + 16].copy_from_slice(&min.to_le_bytes());
+            let crc = crc32c::crc32c(&bytes[f..end - 12]);
+            bytes[end - 8..end - 4].copy_from_slice(&crc.to_le_bytes());
+            let t = bytes.len() - 12;
+            let at = t - u32::from_le_bytes(bytes[t..t + 4].try_into().expect("4 bytes")) as usize;
+            bytes[at + 28 + 16..at + 28 + 24].copy_from_slice(&min.to_le_bytes());
+            let crc = crc32c::crc32c(&bytes[at..t]);
+            bytes[t + 4..t + 8].copy_from_slice(&crc.to_le_bytes());
+            std::fs::write(path, &bytes).expect("write");
+        };
+        type Damage<'a> = &'a dyn Fn(&Path);
+        // (case, damage to segment 1, the first row kept by retention)
+        let cases: [(&str, Damage<'_>, u64); 3] = [
+            ("a copied group's column", &damage_last_column, 0),
+            ("an expired group's column", &damage_last_column, rows + segment::GROUP_ROWS as u64),
+            ("a footer's first-seen range", &shift_first_seen_min, 0),
+        ];
+        for (case, damage, kept_from) in cases {
+            let opts = StoreOptions { memtable_max_events: usize::MAX, retention_ms: 1_000, ..jobs_options() };
+            let dir = tempfile::tempdir().expect("tmp");
+            let (mut store, events) = segments_of(dir.path(), &opts, 4, rows);
+            let seg_dir = dir.path().join("segments");
+            let damaged = segment::segment_path(&seg_dir, store.segments()[1].id);
+            damage(&damaged);
+            let now = events[kept_from as usize].key.first_seen_ms + 1_000;
+            let mut job = store.start_compaction(now).expect("plan").expect("a compaction");
+            job.run();
+            let report = store.finish_compaction(job).expect("install");
+            assert_eq!(report.corrupt_segments, vec![damaged.clone()], "{case}");
+            assert!(damaged.exists(), "{case}: the input stays where it is");
+            let merged =
+                Segment::open(&RealFs, &segment::segment_path(&seg_dir, report.compacted_into.expect("merged")))
+                    .expect("open merged")
+                    .read_all()
+                    .expect("read merged");
+            let r = rows as usize;
+            let expected: Vec<StoredEvent> = events[..r]
+                .iter()
+                .chain(&events[2 * r..])
+                .filter(|e| e.key.first_seen_ms >= now - 1_000)
+                .cloned()
+                .collect();
+            assert_eq!(merged, expected, "{case}");
+        }
+    }
+
+    /// Segments of a few rows each (small flushes) merge into full groups,
+    /// not into one short group per input.
+    #[test]
+    fn a_compaction_packs_small_segments_rows_into_full_groups() {
         let opts = StoreOptions { memtable_max_events: usize::MAX, ..jobs_options() };
         let dir = tempfile::tempdir().expect("tmp");
-        let (mut store, events) = segments_of(dir.path(), &opts, 3, rows);
-        let seg_dir = dir.path().join("segments");
-        let damaged = segment::segment_path(&seg_dir, store.segments()[1].id);
-        // The last byte of the last column's block (dimension values): it
-        // ends where the group's footer (510 bytes) and trailer begin.
-        let index = segment::read_index(&RealFs, &damaged).expect("index").expect("version 2");
-        let g = index.groups[0];
-        let at = (g.offset + u64::from(g.len)) as usize - 12 - 510 - 1;
-        let mut bytes = std::fs::read(&damaged).expect("read");
-        bytes[at] ^= 0x40;
-        std::fs::write(&damaged, &bytes).expect("write");
-
-        let mut job = store.start_compaction(1).expect("plan").expect("three small segments");
+        let (mut store, events) = segments_of(dir.path(), &opts, 8, 40);
+        let mut job = store.start_compaction(1).expect("plan").expect("eight small segments");
         job.run();
         let report = store.finish_compaction(job).expect("install");
-        assert_eq!(report.corrupt_segments, vec![damaged.clone()]);
-        assert_eq!(report.compacted_segments, 2, "{report:?}");
-        assert!(damaged.exists(), "the damaged input stays where it is");
-        let merged = Segment::open(&RealFs, &segment::segment_path(&seg_dir, report.compacted_into.expect("merged")))
-            .expect("open merged")
-            .read_all()
-            .expect("read merged");
-        let rows = rows as usize;
-        let expected: Vec<StoredEvent> = events[..rows].iter().chain(&events[2 * rows..]).cloned().collect();
-        assert_eq!(merged, expected);
+        assert_eq!(report.compacted_segments, 8, "{report:?}");
+        let merged = segment::segment_path(&dir.path().join("segments"), report.compacted_into.expect("merged"));
+        let index = segment::read_index(&RealFs, &merged).expect("index").expect("version 2");
+        let group_rows: Vec<u32> = index.groups.iter().map(|g| g.rows).collect();
+        assert_eq!(group_rows, [segment::GROUP_ROWS as u32, 320 - segment::GROUP_ROWS as u32]);
+        assert_eq!(every_event(&store), events);
+        drop(store);
+        assert_verifies(dir.path());
     }
 
     /// Small memtables, flushes and compactions left to jobs, nothing
