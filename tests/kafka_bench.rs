@@ -11,6 +11,9 @@
 //!   = time an output record is read − the wall time its input was appended
 //!   (carried in the event's `timestamp`).
 //!
+//! Beside the throughput phase's rates, the CPU seconds this process (the
+//! pipeline and the output's reader) and the broker used over it.
+//!
 //! Both pipelines use at-least-once delivery (Tansu has no EndTxn).
 
 mod kafka_common;
@@ -201,13 +204,42 @@ struct Figures {
     /// on the throughput phase's topics: output records applied per second
     /// by repair, from its start (group join included) to the last one.
     repair_per_s: f64,
+    /// CPU seconds (user + system) over the throughput phase, from the
+    /// pipeline's start to the last output record read: this process (the
+    /// pipeline and the output's reader) and the broker's. Both share the
+    /// machine's cores, so a slower pipeline may be short of CPU or of
+    /// something else; these tell which, and whose.
+    process_cpu_s: f64,
+    broker_cpu_s: f64,
+}
+
+/// CPU seconds (user + system) the process `pid` has used so far, from
+/// `/proc/<pid>/stat`; 0 where it cannot be read.
+fn cpu_seconds(pid: &str) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0.0 };
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let fields: Vec<&str> = stat.rsplit_once(')').map_or("", |(_, rest)| rest).split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).unwrap_or(0.0);
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after it.
+    // SAFETY: sysconf reads a constant of the system; it has no preconditions.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    (ticks(11) + ticks(12)) / per_second
 }
 
 async fn measure(broker: &Tansu, name: &str, pipeline: Pipeline) -> Figures {
     let n = env_or("BENCH_EVENTS", 200_000) as usize;
     let rate = env_or("BENCH_RATE", 2_000);
     let secs = env_or("BENCH_SECONDS", 10);
-    let mut figures = Figures { events_per_s: 0.0, steady_per_s: 0.0, p50_ms: 0, p99_ms: 0, repair_per_s: 0.0 };
+    let mut figures = Figures {
+        events_per_s: 0.0,
+        steady_per_s: 0.0,
+        p50_ms: 0,
+        p99_ms: 0,
+        repair_per_s: 0.0,
+        process_cpu_s: 0.0,
+        broker_cpu_s: 0.0,
+    };
+    let broker_pid = broker.pid().to_string();
     for phase in ["throughput", "latency"] {
         let mut topics = topics(&format!("bench-{name}-{phase}"));
         if pipeline == Pipeline::DedupdRollups {
@@ -240,6 +272,7 @@ async fn measure(broker: &Tansu, name: &str, pipeline: Pipeline) -> Figures {
             tokio::spawn(async move { read_output(&s, expected).await })
         };
         let started = Instant::now();
+        let cpu_at_start = (cpu_seconds("self"), cpu_seconds(&broker_pid));
         // The worker persists for real (usage store with fsync, key store),
         // as `dedupd run --state-dir` does.
         let state = tempfile::tempdir().expect("state dir");
@@ -285,6 +318,7 @@ async fn measure(broker: &Tansu, name: &str, pipeline: Pipeline) -> Figures {
         }
         let (mut lat, first, last) =
             tokio::time::timeout(Duration::from_secs(600), reader).await.expect("reader timed out").expect("reader");
+        let cpu = (cpu_seconds("self") - cpu_at_start.0, cpu_seconds(&broker_pid) - cpu_at_start.1);
         stop.store(true, Ordering::Relaxed);
         let _ = stop_tx.send(());
         let _ = task.await;
@@ -300,6 +334,7 @@ async fn measure(broker: &Tansu, name: &str, pipeline: Pipeline) -> Figures {
         if phase == "throughput" {
             figures.events_per_s = n as f64 / last.duration_since(started).as_secs_f64();
             figures.steady_per_s = (n - 1) as f64 / last.duration_since(first).as_secs_f64().max(1e-3);
+            (figures.process_cpu_s, figures.broker_cpu_s) = cpu;
             if pipeline == Pipeline::Dedupd {
                 figures.repair_per_s = measure_repair(run_settings, n as u64).await;
             }
@@ -347,9 +382,12 @@ async fn measure_repair(settings: RunSettings, records: u64) -> f64 {
 }
 
 fn print_table(rows: &[(&str, Figures)]) {
-    println!("pipeline      events/s (with start)   events/s (steady)   p50 ms   p99 ms");
+    println!("pipeline      events/s (with start)   events/s (steady)   p50 ms   p99 ms   CPU-s: process   broker");
     for (name, f) in rows {
-        println!("{name:<12} {:>21.0} {:>19.0} {:>8} {:>8}", f.events_per_s, f.steady_per_s, f.p50_ms, f.p99_ms);
+        println!(
+            "{name:<12} {:>21.0} {:>19.0} {:>8} {:>8} {:>16.2} {:>8.2}",
+            f.events_per_s, f.steady_per_s, f.p50_ms, f.p99_ms, f.process_cpu_s, f.broker_cpu_s
+        );
     }
 }
 

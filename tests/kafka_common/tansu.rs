@@ -36,6 +36,11 @@ pub struct Tansu {
 }
 
 impl Tansu {
+    /// The broker's process id (for its CPU time, `scripts/bench`).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Starts the broker. A missing `tansu` binary fails the test, however
     /// the suite is run: an end-to-end test that passes without its broker
     /// checked nothing. Storage is sqlite unless `DEDUPD_TANSU_STORAGE` names
