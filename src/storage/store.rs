@@ -604,6 +604,13 @@ impl UsageStore {
             compacting: false,
             indexes: Default::default(),
         };
+        // The manifests just loaded may not be durable: a write whose
+        // directory fsync failed leaves its rename in the page cache, where
+        // this open reads it and a power loss undoes it. Garbage collection
+        // deletes what they no longer name (WAL files, segments), so they
+        // are made durable first; otherwise the manifest that comes back
+        // after the power loss names files that are gone.
+        fsutil::fsync_dir(store.fs.as_ref(), &store.man_dir)?;
         report.removed_files = store.collect_garbage()?;
         Ok((store, report))
     }
