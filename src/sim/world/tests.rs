@@ -189,6 +189,28 @@ fn a_member_that_lost_its_session_cannot_commit_offsets_unfenced() {
     }
 }
 
+/// Regression (found by the simulator, seed 307391, beyond the default
+/// run's seeds): both members lost their session; one rejoined and was
+/// given both partitions again while its old task of one of them was still
+/// publishing, and that task then failed and let the partition go. The next
+/// generation held the partition back for the member to give up, but it had
+/// given it up already, so nothing made it join again and no member was ever
+/// given the partition (a stall). The simulator's client now joins again,
+/// as librdkafka's cooperative protocol does, when a partition it owned at
+/// its join is not in the answer; without that, this seed stalls.
+#[test]
+fn a_partition_let_go_before_the_assignment_that_takes_it_away_is_given_to_someone() {
+    let config = ScheduleConfig {
+        seed: 307391,
+        delivery: DeliveryMode::ExactlyOnce,
+        mutations: Mutations::NONE,
+        membership: Membership::Dynamic,
+    };
+    if let Err(failure) = World::new(config).run() {
+        panic!("{failure}");
+    }
+}
+
 /// Issue #10: two processes with one `--instance-id`. At 10 s a second
 /// process starts with worker 0's instance id while worker 0 holds both
 /// input partitions and has a transaction in flight on one of them. The

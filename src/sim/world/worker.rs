@@ -168,6 +168,8 @@ struct Member {
     stable: bool,
     /// Partitions the last SyncGroup assigned.
     assigned: BTreeSet<i32>,
+    /// Partitions the last JoinGroup said this member owned.
+    owned_at_join: BTreeSet<i32>,
     /// When the coordinator last confirmed the membership (sync or
     /// heartbeat answered): librdkafka's own session timer starts there.
     last_confirmed_ms: i64,
@@ -555,6 +557,7 @@ fn join(w: &mut World, worker: usize) {
     }
     wk.member.joining = true;
     wk.member.stable = false;
+    wk.member.owned_at_join = wk.slots.keys().copied().collect();
     let owned = wk.slots.keys().map(|p| TopicPartition::new(INPUT, *p)).collect();
     let req = JoinGroupRequest {
         group_id: GROUP.into(),
@@ -626,6 +629,13 @@ fn on_sync(w: &mut World, worker: usize, sent_as: &str, response: Option<Respons
     wk.member.stable = true;
     wk.member.last_confirmed_ms = now;
     let revoked: Vec<i32> = wk.slots.keys().filter(|p| !assigned.contains(p)).copied().collect();
+    // Cooperative, as librdkafka does it: the group holds a partition this
+    // member owned when it joined and is not given now until the member has
+    // let it go and joined again. One whose task ended between the join and
+    // this answer (fenced, say) is let go already, so no release will
+    // trigger that join: it is sent now, or no member is ever given the
+    // partition (found by the simulator, seed 307391).
+    let let_go_already = wk.member.owned_at_join.iter().any(|p| !assigned.contains(p) && !wk.slots.contains_key(p));
     if !assigned.is_empty() {
         note_overlap(w, worker);
     }
@@ -647,6 +657,9 @@ fn on_sync(w: &mut World, worker: usize, sent_as: &str, response: Option<Respons
     // can move; otherwise it heartbeats.
     let incarnation = w.workers[worker].incarnation;
     w.at(w.now_ms + HEARTBEAT_MS, Timer::Heartbeat { worker, incarnation });
+    if let_go_already {
+        join(w, worker);
+    }
 }
 
 fn heartbeat(w: &mut World, worker: usize) {
