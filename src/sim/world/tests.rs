@@ -169,6 +169,20 @@ fn a_seed_replays_exactly() {
     assert_eq!(format!("{ra:?}"), format!("{rb:?}"));
 }
 
+/// Runs one exactly-once schedule with dynamic members (where the
+/// regressions below were found) and fails with its violations and trace.
+fn assert_exactly_once_with_dynamic_members(seed: u64) {
+    let config = ScheduleConfig {
+        seed,
+        delivery: DeliveryMode::ExactlyOnce,
+        mutations: Mutations::NONE,
+        membership: Membership::Dynamic,
+    };
+    if let Err(failure) = World::new(config).run() {
+        panic!("{failure}");
+    }
+}
+
 /// Regression (found by the simulator, seed 224 of the default run): a
 /// member whose session was lost while its transaction was in flight sent
 /// the input offsets with no member id and generation -1, which Kafka
@@ -178,15 +192,7 @@ fn a_seed_replays_exactly() {
 /// Found with dynamic members, and pinned to them.
 #[test]
 fn a_member_that_lost_its_session_cannot_commit_offsets_unfenced() {
-    let config = ScheduleConfig {
-        seed: 224,
-        delivery: DeliveryMode::ExactlyOnce,
-        mutations: Mutations::NONE,
-        membership: Membership::Dynamic,
-    };
-    if let Err(failure) = World::new(config).run() {
-        panic!("{failure}");
-    }
+    assert_exactly_once_with_dynamic_members(224);
 }
 
 /// Regression (found by the simulator, seed 307391, beyond the default
@@ -200,15 +206,7 @@ fn a_member_that_lost_its_session_cannot_commit_offsets_unfenced() {
 /// its join is not in the answer; without that, this seed stalls.
 #[test]
 fn a_partition_let_go_before_the_assignment_that_takes_it_away_is_given_to_someone() {
-    let config = ScheduleConfig {
-        seed: 307391,
-        delivery: DeliveryMode::ExactlyOnce,
-        mutations: Mutations::NONE,
-        membership: Membership::Dynamic,
-    };
-    if let Err(failure) = World::new(config).run() {
-        panic!("{failure}");
-    }
+    assert_exactly_once_with_dynamic_members(307391);
 }
 
 /// Issue #10: two processes with one `--instance-id`. At 10 s a second
