@@ -3,6 +3,11 @@
 //! errors and a full disk, against the one promise billing needs from it:
 //! with `--fsync always`, every event `append` acknowledged is there after
 //! any crash, once, and nothing is there that was never appended.
+//!
+//! `DISK_SEED` (default 0) and `DISK_LIVES` (default 400) choose the lives
+//! of the main test, as `SIM_SEED` and `SIM_SCHEDULES` do the simulator's:
+//! a longer sweep is `DISK_SEED=400 DISK_LIVES=50000 cargo test --release
+//! --lib faulty_disk`, and a failing seed replays with `DISK_LIVES=1`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -115,6 +120,10 @@ fn one_life(seed: u64, mutations: Mutations) -> Result<(), String> {
     Ok(())
 }
 
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
 fn disk_is_failing(disk: &SimDisk) -> bool {
     let c = disk.counts();
     c.write_errors + c.fsync_errors + c.full_disk_errors > 0
@@ -124,7 +133,9 @@ fn disk_is_failing(disk: &SimDisk) -> bool {
 fn every_acknowledged_event_survives_crashes_power_losses_and_a_failing_disk() {
     // Seeds beyond the first 400 that once failed: 2684 deleted a WAL file
     // on the word of a manifest whose directory fsync had failed.
-    for seed in (0..400).chain([2684]) {
+    let first = env_u64("DISK_SEED", 0);
+    let lives = env_u64("DISK_LIVES", 400);
+    for seed in (first..first + lives).chain([2684]) {
         if let Err(e) = one_life(seed, Mutations::NONE) {
             panic!("seed {seed}: {e}");
         }

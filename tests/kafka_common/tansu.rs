@@ -41,6 +41,14 @@ impl Tansu {
         self.child.id()
     }
 
+    /// Whether a consumer can resume or stop at an offset on this broker:
+    /// the sqlite engine can; the memory engine answers the latest offset
+    /// short of the last batch's end (DESIGN §11), so a repair waiting for
+    /// every record never finishes there.
+    pub fn seeks(&self) -> bool {
+        self.sqlite.is_some()
+    }
+
     /// Starts the broker. A missing `tansu` binary fails the test, however
     /// the suite is run: an end-to-end test that passes without its broker
     /// checked nothing. Storage is sqlite unless `DEDUPD_TANSU_STORAGE` names
