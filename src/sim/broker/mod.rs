@@ -97,6 +97,13 @@ pub struct Broker {
 }
 
 impl Broker {
+    /// Markers of transactions decided from now on land after `delay_ms`
+    /// (the simulator sets 0 once a schedule's faults stop: slow markers
+    /// are one of its faults).
+    pub fn set_marker_delay_ms(&mut self, delay_ms: i64) {
+        self.config.marker_delay_ms = delay_ms;
+    }
+
     pub fn new(config: BrokerConfig) -> Self {
         Broker {
             config,

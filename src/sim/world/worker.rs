@@ -149,6 +149,46 @@ struct Run {
     next_group: usize,
     positions: Vec<(i32, i64)>,
     ending: Option<TransactionEnding>,
+    /// The transactional request the next [`Timer::ProducerStep`] sends
+    /// again (see [`TxnStep`]).
+    repeat: Option<TxnStep>,
+    /// Until when a transactional request is sent again rather than failing
+    /// the run, and how many times it has been: set by the run's first
+    /// retried answer, [`RETRY_FOR_MS`] later, as librdkafka gives up on its
+    /// own retries at the call's timeout.
+    retry_until_ms: Option<i64>,
+    retries: u32,
+}
+
+/// A request of a transaction that the client sends again by itself.
+/// librdkafka (`rdkafka_txnmgr.c`) retries AddPartitionsToTxn,
+/// AddOffsetsToTxn and TxnOffsetCommit answered CONCURRENT_TRANSACTIONS
+/// (the coordinator is still writing the previous transaction's markers)
+/// or not answered in time, without surfacing either; the application only
+/// waits longer. EndTxn is repeated by dedupd's own code (see
+/// [`TransactionEnding`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TxnStep {
+    AddPartitions,
+    AddOffsets,
+    TxnOffsetCommit,
+    EndTxn,
+}
+
+/// How long a run's transactional requests are retried: half the
+/// transaction timeout, so an outage longer than that still fails the run
+/// (and aborts) before the coordinator would time the transaction out.
+const RETRY_FOR_MS: i64 = TXN_TIMEOUT_MS / 2;
+
+/// librdkafka's pause before its `retries`-th retry of `step` after
+/// `error`: 20 ms for AddPartitionsToTxn answered CONCURRENT_TRANSACTIONS
+/// (the markers take milliseconds), otherwise `retry.backoff.ms` (100)
+/// doubling up to `retry.backoff.max.ms` (1,000).
+fn retry_pause_ms(step: TxnStep, error: ErrorCode, retries: u32) -> i64 {
+    if step == TxnStep::AddPartitions && error == ErrorCode::ConcurrentTransactions {
+        return 20;
+    }
+    (RETRY_MS << retries.min(4)).min(1_000)
 }
 
 #[derive(Default)]
@@ -1184,23 +1224,36 @@ fn producer_next(w: &mut World, worker: usize) {
         }
     }
     let positions = vec![(0, -1); job.records.len()];
-    wk.producer.run = Some(Run { job, groups, next_group: 0, positions, ending: None });
+    wk.producer.run = Some(Run {
+        job,
+        groups,
+        next_group: 0,
+        positions,
+        ending: None,
+        repeat: None,
+        retry_until_ms: None,
+        retries: 0,
+    });
     if w.config.delivery == DeliveryMode::ExactlyOnce {
-        let wk = &w.workers[worker];
-        let run = wk.producer.run.as_ref().expect("run");
-        let partitions: Vec<TopicPartition> = run.groups.iter().map(|(tp, _)| tp.clone()).collect();
-        if partitions.is_empty() {
-            return txn_offsets(w, worker);
-        }
-        let req = Request::AddPartitionsToTxn {
-            transactional_id: wk.transactional_id(),
-            producer: wk.producer.pid.expect("pid"),
-            partitions,
-        };
-        producer_request(w, worker, req, ProducerRequest::AddPartitions);
+        add_partitions(w, worker);
     } else {
         produce_next_group(w, worker);
     }
+}
+
+fn add_partitions(w: &mut World, worker: usize) {
+    let wk = &w.workers[worker];
+    let run = wk.producer.run.as_ref().expect("run");
+    let partitions: Vec<TopicPartition> = run.groups.iter().map(|(tp, _)| tp.clone()).collect();
+    if partitions.is_empty() {
+        return txn_offsets(w, worker);
+    }
+    let req = Request::AddPartitionsToTxn {
+        transactional_id: wk.transactional_id(),
+        producer: wk.producer.pid.expect("pid"),
+        partitions,
+    };
+    producer_request(w, worker, req, ProducerRequest::AddPartitions);
 }
 
 fn producer_request(w: &mut World, worker: usize, request: Request, what: ProducerRequest) {
@@ -1339,7 +1392,7 @@ fn on_producer_response(w: &mut World, worker: usize, what: ProducerRequest, res
                 let incarnation = w.workers[worker].incarnation;
                 // Same call again, after a short pause.
                 w.at(now + RETRY_MS, Timer::ProducerStep { worker, incarnation });
-                w.workers[worker].producer.run.as_mut().expect("run").next_group = usize::MAX;
+                w.workers[worker].producer.run.as_mut().expect("run").repeat = Some(TxnStep::EndTxn);
             }
             EndDecision::AbortInstead => {
                 finish_run(w, worker, Err(BatchFailure { reason: "transaction_aborted", detail: format!("{error:?}") }))
@@ -1352,6 +1405,26 @@ fn on_producer_response(w: &mut World, worker: usize, what: ProducerRequest, res
     }
     if let (ProducerRequest::TxnOffsetCommit { sent_as }, Some(ErrorCode::FencedInstanceId)) = (&what, error) {
         if fenced_for_good(w, worker, sent_as, "TxnOffsetCommit") {
+            return;
+        }
+    }
+    let step = match what {
+        ProducerRequest::AddPartitions => Some(TxnStep::AddPartitions),
+        ProducerRequest::AddOffsets => Some(TxnStep::AddOffsets),
+        ProducerRequest::TxnOffsetCommit { .. } => Some(TxnStep::TxnOffsetCommit),
+        _ => None,
+    };
+    if let (Some(step), Some(e @ (ErrorCode::ConcurrentTransactions | ErrorCode::RequestTimedOut))) = (step, error) {
+        let now = w.now_ms;
+        let incarnation = w.workers[worker].incarnation;
+        let run = w.workers[worker].producer.run.as_mut().expect("run");
+        let until = *run.retry_until_ms.get_or_insert(now + RETRY_FOR_MS);
+        if now < until {
+            let pause = retry_pause_ms(step, e, run.retries);
+            run.retries += 1;
+            run.repeat = Some(step);
+            w.log(format!("w{worker} {step:?} answered {e:?}: sent again in {pause} ms"));
+            w.at(now + pause, Timer::ProducerStep { worker, incarnation });
             return;
         }
     }
@@ -1371,39 +1444,45 @@ fn on_producer_response(w: &mut World, worker: usize, what: ProducerRequest, res
             run.next_group += 1;
             produce_next_group(w, worker);
         }
-        (ProducerRequest::AddOffsets, _) => {
-            let wk = &w.workers[worker];
-            let run = wk.producer.run.as_ref().expect("run");
-            // dedupd's guard (as in `kafka::worker`): never send offsets
-            // without a live membership, nor for a partition marked lost.
-            let lost = wk.slots.get(&run.job.partition).is_none_or(|s| s.life.lost());
-            if wk.member.id.is_empty() || wk.member.generation < 0 || lost {
-                let failure = BatchFailure { reason: "not_group_member", detail: "not a group member".into() };
-                return finish_run(w, worker, Err(failure));
-            }
-            let next = run.job.offsets.expect("offsets");
-            let member = wk.metadata();
-            let sent_as = member.member_id.clone();
-            let req = Request::TxnOffsetCommit {
-                transactional_id: wk.transactional_id(),
-                producer: wk.producer.pid.expect("pid"),
-                group_id: GROUP.into(),
-                member,
-                offsets: vec![(TopicPartition::new(INPUT, run.job.partition), next)],
-            };
-            producer_request(w, worker, req, ProducerRequest::TxnOffsetCommit { sent_as });
-        }
+        (ProducerRequest::AddOffsets, _) => txn_offset_commit(w, worker),
         (ProducerRequest::TxnOffsetCommit { .. }, _) => end_txn(w, worker),
         (what, response) => fail(w, worker, format!("unexpected producer answer {what:?}: {response:?}")),
     }
 }
 
-/// A timer for the producer: the repeated EndTxn.
+/// TxnOffsetCommit of the run's input offsets, once AddOffsetsToTxn joined
+/// the group to the transaction.
+fn txn_offset_commit(w: &mut World, worker: usize) {
+    let wk = &w.workers[worker];
+    let run = wk.producer.run.as_ref().expect("run");
+    // dedupd's guard (as in `kafka::worker`): never send offsets
+    // without a live membership, nor for a partition marked lost.
+    let lost = wk.slots.get(&run.job.partition).is_none_or(|s| s.life.lost());
+    if wk.member.id.is_empty() || wk.member.generation < 0 || lost {
+        let failure = BatchFailure { reason: "not_group_member", detail: "not a group member".into() };
+        return finish_run(w, worker, Err(failure));
+    }
+    let next = run.job.offsets.expect("offsets");
+    let member = wk.metadata();
+    let sent_as = member.member_id.clone();
+    let req = Request::TxnOffsetCommit {
+        transactional_id: wk.transactional_id(),
+        producer: wk.producer.pid.expect("pid"),
+        group_id: GROUP.into(),
+        member,
+        offsets: vec![(TopicPartition::new(INPUT, run.job.partition), next)],
+    };
+    producer_request(w, worker, req, ProducerRequest::TxnOffsetCommit { sent_as });
+}
+
+/// A timer for the producer: a transactional request sent again
+/// ([`TxnStep`]), or the next job.
 fn producer_timer(w: &mut World, worker: usize) {
-    let repeat = w.workers[worker].producer.run.as_ref().is_some_and(|r| r.next_group == usize::MAX);
-    if repeat {
-        end_txn(w, worker);
-    } else {
-        producer_next(w, worker);
+    match w.workers[worker].producer.run.as_mut().and_then(|r| r.repeat.take()) {
+        Some(TxnStep::AddPartitions) => add_partitions(w, worker),
+        Some(TxnStep::AddOffsets) => txn_offsets(w, worker),
+        Some(TxnStep::TxnOffsetCommit) => txn_offset_commit(w, worker),
+        Some(TxnStep::EndTxn) => end_txn(w, worker),
+        None => producer_next(w, worker),
     }
 }
