@@ -1039,3 +1039,105 @@ async fn the_lag_gauge_reaches_zero_once_the_input_is_consumed_in_exactly_once_m
     }
     assert_exactly_once(&read_topic(&brokers, &topics.output), &s);
 }
+
+/// Local state whose upkeep fails as a poisoned store's does (a failed
+/// fsync or background flush): every other call goes to the real engine.
+struct FailingUpkeep(Box<dyn dedupd::kafka::engine::Engine>);
+
+impl dedupd::kafka::engine::Engine for FailingUpkeep {
+    fn assign(&mut self, partition: i32, now_ms: i64) -> Result<(), dedupd::kafka::engine::EngineError> {
+        self.0.assign(partition, now_ms)
+    }
+    fn assign_all(&mut self, partitions: &[i32], now_ms: i64) -> Result<(), dedupd::kafka::engine::EngineError> {
+        self.0.assign_all(partitions, now_ms)
+    }
+    fn revoke(&mut self, partition: i32) {
+        self.0.revoke(partition)
+    }
+    fn checkpoint(&self, partition: i32) -> Option<i64> {
+        self.0.checkpoint(partition)
+    }
+    fn furthest_checkpoint(&self, partition: i32) -> Option<i64> {
+        self.0.furthest_checkpoint(partition)
+    }
+    fn horizon(&self) -> Duration {
+        self.0.horizon()
+    }
+    fn validator(&self) -> dedupd::event::Validator {
+        self.0.validator()
+    }
+    fn classify_validated(
+        &self,
+        partition: i32,
+        batch: dedupd::classify::Validated,
+        now_ms: i64,
+    ) -> Result<dedupd::kafka::engine::Classified, dedupd::kafka::engine::EngineError> {
+        self.0.classify_validated(partition, batch, now_ms)
+    }
+    fn apply_published(
+        &self,
+        partition: i32,
+        events: &[dedupd::kafka::engine::StoredEvent],
+        now_ms: i64,
+    ) -> Result<(), dedupd::kafka::engine::EngineError> {
+        self.0.apply_published(partition, events, now_ms)
+    }
+    fn original(
+        &self,
+        partition: i32,
+        id: &dedupd::event::IdHash,
+        first_seen_ms: i64,
+    ) -> Option<dedupd::event::UsageEvent> {
+        self.0.original(partition, id, first_seen_ms)
+    }
+    fn ledger_preview(
+        &self,
+        partition: i32,
+        accepted: &[(&dedupd::event::UsageEvent, i64)],
+        replays: &dedupd::ledger::Replays<'_>,
+    ) -> Result<Option<dedupd::ledger::Preview>, dedupd::kafka::engine::EngineError> {
+        self.0.ledger_preview(partition, accepted, replays)
+    }
+    fn usage(
+        &self,
+        query: &dedupd::ledger::UsageQuery,
+    ) -> Result<Option<dedupd::ledger::UsageAnswer>, dedupd::kafka::engine::EngineError> {
+        self.0.usage(query)
+    }
+    fn stats(&self, now_ms: i64) -> dedupd::kafka::engine::EngineStats {
+        self.0.stats(now_ms)
+    }
+    fn maintain(&mut self, _now_ms: i64) -> Result<(), dedupd::kafka::engine::EngineError> {
+        Err(dedupd::kafka::engine::EngineError {
+            operation: "maintain",
+            partition: -1,
+            source: "usage store is poisoned after an earlier failure (fsync: Input/output error)".into(),
+        })
+    }
+    fn close(&mut self) -> Result<(), dedupd::kafka::engine::EngineError> {
+        self.0.close()
+    }
+}
+
+/// A worker whose local state can no longer be maintained (the usage store
+/// poisoned by a failed fsync, say) stops with the error, even while its
+/// partitions are idle, instead of staying up and ready on a store that
+/// refuses every write: the restart recovers. Until 2026-11-27 it only
+/// logged a warning and this test timed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_local_state_upkeep_fails_stops_with_the_error() {
+    let topics = topics("upkeep");
+    let mock = cluster(&topics, PARTITIONS);
+    let brokers = mock.bootstrap_servers();
+    let (mut parts, _) = parts();
+    parts.engine = Box::new(FailingUpkeep(parts.engine));
+    let mut settings = settings(&brokers, "upkeep", &topics, DeliveryMode::AtLeastOnce);
+    settings.maintain_interval = Duration::from_millis(200);
+    let ended = tokio::time::timeout(Duration::from_secs(60), run(settings, parts, std::future::pending())).await;
+    let err = ended.expect("the worker kept running on local state it could not maintain").expect_err("must stop");
+    assert!(
+        matches!(&err, KafkaError::Engine(e) if e.operation == "maintain" && e.to_string().contains("maintain")),
+        "{err}"
+    );
+    assert!(format!("{err:?}").contains("poisoned"), "{err:?}");
+}

@@ -737,7 +737,7 @@ pub async fn run(
     consumer.subscribe(&[&settings.topics.input]).map_err(KafkaError::client("subscribing to the input topic"))?;
 
     let maintain_task = {
-        let (engine, metrics, clock) = (engine.clone(), metrics.clone(), clock.clone());
+        let (engine, metrics, clock, shared) = (engine.clone(), metrics.clone(), clock.clone(), shared.clone());
         // Weak: the consumer must close when the main task drops it.
         let watched = Arc::downgrade(&consumer);
         let (input_topic, partitions, op_timeout) =
@@ -764,7 +764,16 @@ pub async fn run(
                 if let Ok((r, stats)) = result {
                     stats.emit(&metrics);
                     if let Err(e) = r {
-                        tracing::warn!(error = %e, "local state maintenance failed");
+                        // Fatal, not a warning: a store that failed an fsync
+                        // or a background flush is poisoned and refuses every
+                        // later write and read, and retrying an fsync can
+                        // report success for data the kernel dropped. A
+                        // worker whose partitions are idle would otherwise
+                        // stay up and ready on a store it can no longer use
+                        // until its next batch failed. Stopping lets the
+                        // restart recover from the WAL and the output topic.
+                        shared.fail(KafkaError::Engine(e));
+                        break;
                     }
                 }
                 // A worker that owns nothing while the group's input waits

@@ -239,6 +239,27 @@ fn a_transaction_that_waits_for_the_last_ones_markers_is_sent_again_not_aborted(
     assert!(waited > 0, "the schedule must meet a coordinator still writing markers");
 }
 
+/// Regression (found by the simulator, seed 182255, beyond the default
+/// run's seeds): a worker's disk failed fsyncs while the usage store's
+/// background flush ran after an apply. The flush poisoned the store, the
+/// worker went on (its other partition idle, repairing with nothing to
+/// apply) and claimed a repaired partition on a store that refused to be
+/// read. The real worker only warned when maintenance failed; a failed
+/// maintenance now stops it, and the simulator's worker checks its store as
+/// that maintenance tick does. Without that, this seed fails.
+#[test]
+fn a_store_poisoned_by_a_background_job_stops_the_worker() {
+    let config = ScheduleConfig {
+        seed: 182_255,
+        delivery: DeliveryMode::ExactlyOnce,
+        mutations: Mutations::NONE,
+        membership: Membership::Drawn,
+    };
+    if let Err(failure) = World::new(config).run() {
+        panic!("{failure}");
+    }
+}
+
 /// Issue #10: two processes with one `--instance-id`. At 10 s a second
 /// process starts with worker 0's instance id while worker 0 holds input
 /// partition 0 and has a transaction in flight on it. The

@@ -1001,6 +1001,11 @@ fn perform(w: &mut World, worker: usize, partition: i32) {
                 _ => 0,
             });
             w.report.store_job_steps += ran;
+            // A job that failed poisoned the store; the real worker's
+            // maintenance tick (every few seconds) then stops the process.
+            if let Err(e) = crate::kafka::Engine::maintain(w.workers[worker].engine(), now) {
+                return fail(w, worker, e.to_string());
+            }
             advance(w, worker, partition, Event::Applied);
         }
         Step::CommitInput { next_input } => {
