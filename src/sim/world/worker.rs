@@ -679,9 +679,13 @@ fn on_sync(w: &mut World, worker: usize, sent_as: &str, response: Option<Respons
     if !assigned.is_empty() {
         note_overlap(w, worker);
     }
-    for p in revoked {
-        revoke_slot(w, worker, p, false);
-    }
+    // New partitions first, then the revoked ones: a revoked partition let
+    // go at once makes the member join again (below, `released`), and that
+    // JoinGroup reports what the member owns. librdkafka's owned set then
+    // is its whole new assignment; taken the other way round, a partition
+    // just assigned was missing from it, and the next generation gave that
+    // partition to another member while this one still worked on it (found
+    // by the simulator, seed 199980: billed twice).
     for p in assigned {
         // A partition's load can stop the process (local state failed, say
         // a store job that found the disk full): the rest of the
@@ -692,6 +696,9 @@ fn on_sync(w: &mut World, worker: usize, sent_as: &str, response: Option<Respons
         if !w.workers[worker].slots.contains_key(&p) {
             assign_slot(w, worker, p);
         }
+    }
+    for p in revoked {
+        revoke_slot(w, worker, p, false);
     }
     // Cooperative: a member that gave partitions up joins again so they
     // can move; otherwise it heartbeats.
