@@ -169,18 +169,19 @@ fn a_seed_replays_exactly() {
     assert_eq!(format!("{ra:?}"), format!("{rb:?}"));
 }
 
-/// Runs one exactly-once schedule with dynamic members (where the
-/// regressions below were found) and fails with its violations and trace.
-fn assert_exactly_once_with_dynamic_members(seed: u64) {
-    let config = ScheduleConfig {
-        seed,
-        delivery: DeliveryMode::ExactlyOnce,
-        mutations: Mutations::NONE,
-        membership: Membership::Dynamic,
-    };
-    if let Err(failure) = World::new(config).run() {
-        panic!("{failure}");
+/// Runs one exactly-once schedule with `membership` (the regressions below
+/// pin the one they were found with) and fails with its violations and
+/// trace; the trace of a schedule that passed otherwise.
+fn assert_exactly_once(seed: u64, membership: Membership) -> Vec<String> {
+    let config = ScheduleConfig { seed, delivery: DeliveryMode::ExactlyOnce, mutations: Mutations::NONE, membership };
+    match World::new(config).run_with_trace() {
+        Ok((_, trace)) => trace,
+        Err(failure) => panic!("{failure}"),
     }
+}
+
+fn assert_exactly_once_with_dynamic_members(seed: u64) {
+    assert_exactly_once(seed, Membership::Dynamic);
 }
 
 /// Regression (found by the simulator, seed 224 of the default run): a
@@ -222,16 +223,7 @@ fn a_partition_let_go_before_the_assignment_that_takes_it_away_is_given_to_someo
 /// slow markers also ended with the schedule's other faults, it stalled).
 #[test]
 fn a_transaction_that_waits_for_the_last_ones_markers_is_sent_again_not_aborted() {
-    let config = ScheduleConfig {
-        seed: 3_009_909,
-        delivery: DeliveryMode::ExactlyOnce,
-        mutations: Mutations::NONE,
-        membership: Membership::Drawn,
-    };
-    let (_, trace) = match World::new(config).run_with_trace() {
-        Ok(done) => done,
-        Err(failure) => panic!("{failure}"),
-    };
+    let trace = assert_exactly_once(3_009_909, Membership::Drawn);
     let failed: Vec<&String> =
         trace.iter().filter(|l| l.contains("publish of") && l.contains("ConcurrentTransactions")).collect();
     assert!(failed.is_empty(), "{failed:?}");
@@ -249,15 +241,7 @@ fn a_transaction_that_waits_for_the_last_ones_markers_is_sent_again_not_aborted(
 /// that maintenance tick does. Without that, this seed fails.
 #[test]
 fn a_store_poisoned_by_a_background_job_stops_the_worker() {
-    let config = ScheduleConfig {
-        seed: 182_255,
-        delivery: DeliveryMode::ExactlyOnce,
-        mutations: Mutations::NONE,
-        membership: Membership::Drawn,
-    };
-    if let Err(failure) = World::new(config).run() {
-        panic!("{failure}");
-    }
+    assert_exactly_once(182_255, Membership::Drawn);
 }
 
 /// Regression (found by the simulator, seed 199980, beyond the default
@@ -272,15 +256,7 @@ fn a_store_poisoned_by_a_background_job_stops_the_worker() {
 /// Without that, this seed bills an event twice.
 #[test]
 fn a_rejoin_after_a_revoke_reports_the_partitions_just_assigned() {
-    let config = ScheduleConfig {
-        seed: 199_980,
-        delivery: DeliveryMode::ExactlyOnce,
-        mutations: Mutations::NONE,
-        membership: Membership::Drawn,
-    };
-    if let Err(failure) = World::new(config).run() {
-        panic!("{failure}");
-    }
+    assert_exactly_once(199_980, Membership::Drawn);
 }
 
 /// Issue #10: two processes with one `--instance-id`. At 10 s a second
