@@ -206,6 +206,8 @@ pub struct FileConfig {
     /// See `--kafka-secret`.
     pub kafka_secrets: Option<Vec<String>>,
     pub stall_timeout: Option<String>,
+    /// See `--rollups-interval`.
+    pub rollups_interval: Option<String>,
     pub operation_timeout: Option<String>,
     pub revoke_timeout: Option<String>,
     pub on_output_gap: Option<String>,

@@ -325,6 +325,13 @@ struct RunArgs {
     /// compacted (`cleanup.policy=compact`): each key holds its latest total.
     #[arg(long, env = "DEDUPD_ROLLUPS_TOPIC")]
     rollups_topic: Option<String>,
+    /// At-least-once: how long a batch's rollups may wait to go out with
+    /// later batches' (one record per hour changed in the interval, not one
+    /// per batch); `0s`: with each batch. Input offsets commit with the
+    /// rollups, so a crash replays at most this much input. Exactly once,
+    /// rollups ride each batch's transaction [default: 1s, at most 60s].
+    #[arg(long, env = "DEDUPD_ROLLUPS_INTERVAL")]
+    rollups_interval: Option<String>,
     /// Follow the billing periods closed with `dedupd period close` here and
     /// reject usage into them (`closed_period`). Create it compacted; every
     /// worker of the deployment reads the whole topic.
@@ -481,6 +488,17 @@ impl RunArgs {
         }
         if let Some(d) = duration("stall_timeout", &self.stall_timeout, &file.stall_timeout)? {
             s.stall_timeout = d;
+        }
+        if let Some(d) = duration("rollups_interval", &self.rollups_interval, &file.rollups_interval)? {
+            if d > dedupd::kafka::settings::MAX_ROLLUPS_INTERVAL {
+                anyhow::bail!(
+                    "invalid `rollups_interval` (flag --rollups-interval): {} is longer than {}: input offsets \
+                     commit with the rollups, so a crash would replay that much input",
+                    humantime::format_duration(d),
+                    humantime::format_duration(dedupd::kafka::settings::MAX_ROLLUPS_INTERVAL)
+                );
+            }
+            s.rollups_interval = d;
         }
         if let Some(g) = self.on_output_gap.as_ref().or(file.on_output_gap.as_ref()) {
             s.on_output_gap = OnOutputGap::parse(g).ok_or_else(|| {

@@ -270,6 +270,65 @@ async fn a_crashed_worker_is_repaired_from_the_output_topic_by_its_successor() {
     }
 }
 
+/// At least once, a worker holds its batches' rollups back for
+/// `--rollups-interval` and commits their input only once a publish
+/// carried them. A crash while they are held loses them with the process:
+/// the successor must meet those batches again (their input was not
+/// committed), recognise them as replays and publish their hours' totals,
+/// or the rollups topic stays short of the output for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_crash_with_rollups_held_back_replays_their_batches_and_publishes_their_totals() {
+    let mut topics = topics("held-rollups");
+    let rollups = "held-rollups-rollups".to_owned();
+    topics.rollups = Some(rollups.clone());
+    let group = "held-rollups";
+    let mock = cluster(&topics, PARTITIONS);
+    let brokers = mock.bootstrap_servers();
+    let s = scenario(1500, 20, 5, 5);
+    let producer = traffic_producer(&brokers);
+    produce_traffic(&producer, &topics.input, PARTITIONS, &s.records).await.expect("produce");
+    let total = s.records.len() as u64;
+
+    // The first life holds everything: nothing is due for a minute.
+    let crashed = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
+    let (parts1, metrics1) = parts();
+    let mut holding = settings(&brokers, group, &topics, DeliveryMode::AtLeastOnce);
+    holding.rollups_interval = Duration::from_secs(60);
+    crashed.spawn(run(holding, parts1, std::future::pending()));
+    assert!(
+        wait_until(Duration::from_secs(60), || buckets_total(&metrics1) >= total).await,
+        "the first life did not classify the input"
+    );
+    let output_events: i64 = high_watermarks(&brokers, &topics.output, PARTITIONS).iter().sum();
+    assert!(output_events > 0, "the first life published events");
+    assert_eq!(high_watermarks(&brokers, &rollups, 2), vec![0, 0], "its rollups are all held back");
+    assert_eq!(
+        committed(&brokers, group, &topics.input, PARTITIONS),
+        vec![-1; PARTITIONS as usize],
+        "no input commits before its rollups are published"
+    );
+    crashed.shutdown_background();
+
+    let (stop, worker, metrics) = spawn_worker(settings(&brokers, group, &topics, DeliveryMode::AtLeastOnce));
+    let done = wait_until(Duration::from_secs(90), || {
+        input_done(&brokers, &topics, group, DeliveryMode::AtLeastOnce, &metrics, total)
+    })
+    .await;
+    assert!(done, "the successor did not finish the input");
+    assert!(metrics.events(dedupd::metrics::Bucket::replayed) > 0, "the successor met the held batches again");
+    assert!(metrics.republished_rollups() > 0, "and published their hours' totals");
+    let _ = stop.send(());
+    worker.await.expect("join").expect("run");
+    check_outcome(&brokers, &topics, group, &s, DeliveryMode::AtLeastOnce);
+    let (totals, late) = rollup_totals(&read_topic(&brokers, &rollups));
+    assert!(late.is_empty(), "no event of the scenario is later than 48 hours: {late:?}");
+    assert_eq!(
+        totals,
+        output_totals(&read_topic(&brokers, &topics.output)),
+        "rollups topic against the accepted events"
+    );
+}
+
 /// At least once, the output topic and the rollups topic acknowledge a
 /// batch apart: its events can land on the output while its rollups and
 /// adjustments do not. The retry, after repair has read the events back,

@@ -20,6 +20,7 @@ use crate::kafka::engine::{Engine, EngineError, InputRecord, Outcome, Placement,
 use crate::kafka::records::{
     accepted_record, adjustment_record, conflict_record, rejected_record, rollup_record, OutRecord,
 };
+use crate::ledger::{HourKey, Rollup};
 use crate::metrics::BatchClassified;
 
 /// How [`classify_batch`] reaches local state: it calls this with what it
@@ -73,7 +74,69 @@ pub struct Prepared {
     /// For each accepted event: its index in `records` and the key and event
     /// to apply once the output offset is known.
     pub accepted: Vec<(usize, StoredEvent)>,
+    /// With a rollups topic: the new totals of the hours the batch changes,
+    /// and (see [`BatchLayout::republish_replays`]) its replays' hours'
+    /// current ones, in key order. Not in `records`: they are published
+    /// with the batch or held back to go with a later one
+    /// ([`DeferredRollups`]).
+    pub rollups: Vec<(HourKey, Rollup)>,
     pub summary: BatchClassified,
+}
+
+/// Rollups of published batches not on the rollups topic yet (at least
+/// once, with `--rollups-interval`): the latest total of each hour, so one
+/// record carries every held batch's change to it. A worker whose batches
+/// touch a thousand counter-hours each publishes a record per event
+/// without this; with it, one per hour per interval.
+#[derive(Debug, Default)]
+pub struct DeferredRollups {
+    hours: HashMap<HourKey, Rollup>,
+}
+
+impl DeferredRollups {
+    /// Holds a published batch's totals back; they replace older ones of
+    /// the same hours (totals only grow with the output: later is newer).
+    pub fn hold(&mut self, rollups: &[(HourKey, Rollup)]) {
+        self.hours.extend(rollups.iter().cloned());
+    }
+
+    /// Hours held.
+    pub fn len(&self) -> usize {
+        self.hours.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.hours.is_empty()
+    }
+
+    /// Forgets what is held: a publish carrying it was acknowledged.
+    pub fn clear(&mut self) {
+        self.hours.clear();
+    }
+
+    /// The rollups-topic records of every held hour and of `newer` (a
+    /// batch's totals, later than anything held, so they win), each hour
+    /// once, in key order.
+    pub fn records(
+        &self,
+        newer: &[(HourKey, Rollup)],
+        partition: i32,
+        rollups_partitions: usize,
+        now_ms: i64,
+    ) -> Vec<OutRecord> {
+        let record = |(k, r): (&HourKey, &Rollup)| rollup_record(k, r, partition, rollups_partitions, now_ms);
+        if self.hours.is_empty() {
+            return newer.iter().map(|(k, r)| record((k, r))).collect();
+        }
+        let mut all: Vec<(&HourKey, &Rollup)> = newer.iter().map(|(k, r)| (k, r)).collect();
+        let mut merged: HashMap<&HourKey, &Rollup> = self.hours.iter().collect();
+        for (k, _) in &all {
+            merged.remove(*k);
+        }
+        all.extend(merged);
+        all.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        all.into_iter().map(record).collect()
+    }
 }
 
 /// Classifies `inputs` of `partition` read-only against `engine` and builds
@@ -183,13 +246,12 @@ pub fn classify_batch(
     // rollups topic (see `Replays`).
     let events: Vec<(&UsageEvent, i64)> = accepted.iter().map(|(_, s)| (&s.event, -1)).collect();
     let replays: Vec<(&UsageEvent, i64)> = replays.iter().map(|(e, o)| (e, *o)).collect();
-    if let Some(preview) = using(with, |e| e.ledger_preview(partition, &events, &replays))? {
+    let mut rollups = Vec::new();
+    if let Some(mut preview) = using(with, |e| e.ledger_preview(partition, &events, &replays))? {
         summary.late = preview.folded.adjustments.len() as u64;
         if let Some(rollups_partitions) = layout.rollups_partitions {
             summary.republished = preview.republished_records() as u64;
-            for (key, rollup) in preview.rollups() {
-                records.push(rollup_record(key, rollup, partition, rollups_partitions, now_ms));
-            }
+            rollups = std::mem::take(&mut preview.rollups);
             for a in preview.folded.adjustments.iter().chain(&preview.republished) {
                 records.push(adjustment_record(a, partition, rollups_partitions, now_ms));
             }
@@ -197,7 +259,7 @@ pub fn classify_batch(
     }
     summary.rejected_by_reason = reasons.into_iter().collect();
     summary.conflicts_by_tenant = tenants.into_iter().collect();
-    Ok(Prepared { records, accepted, summary })
+    Ok(Prepared { records, accepted, rollups, summary })
 }
 
 #[cfg(test)]
@@ -329,12 +391,53 @@ mod tests {
     /// The rollups-topic records of `prepared`: partition, key and value.
     fn rollups_records(prepared: &Prepared) -> Vec<String> {
         let text = |b: &Option<Vec<u8>>| String::from_utf8_lossy(b.as_deref().unwrap_or_default()).into_owned();
+        let rollups = DeferredRollups::default().records(&prepared.rollups, 0, 2, NOW);
         prepared
             .records
             .iter()
+            .chain(&rollups)
             .filter(|r| r.destination == Destination::Rollups)
             .map(|r| format!("{} {:?} {}", r.partition, text(&r.key), text(&r.value)))
             .collect()
+    }
+
+    /// Held rollups are published each hour once, with its latest total:
+    /// a newer batch's total replaces a held one, held hours the batch does
+    /// not touch go out as held, all in key order.
+    #[test]
+    fn deferred_rollups_publish_each_hour_once_with_its_latest_total() {
+        let hour = |customer: &str, h: i64, sum: i64| {
+            let counter = crate::ledger::CounterKey::new("t".into(), customer.into(), "m".into());
+            let rollup = Rollup { sum: sum.into(), count: 1, ..Rollup::default() };
+            (HourKey { counter: std::sync::Arc::new(counter), hour_ms: h * 3_600_000 }, rollup)
+        };
+        let shown = |records: Vec<OutRecord>| -> Vec<String> {
+            records
+                .iter()
+                .map(|r| {
+                    let v: serde_json::Value =
+                        serde_json::from_slice(r.value.as_deref().expect("value")).expect("JSON");
+                    format!("{} {} {}", v["customer_id"], v["hour"], v["sum"])
+                })
+                .collect()
+        };
+        let mut held = DeferredRollups::default();
+        held.hold(&[hour("a", 1, 1), hour("b", 1, 2)]);
+        held.hold(&[hour("a", 1, 5), hour("c", 2, 3)]);
+        assert_eq!(held.len(), 3, "a's hour is held once");
+        let newer = [hour("b", 1, 7), hour("a", 2, 4)];
+        assert_eq!(
+            shown(held.records(&newer, 0, 2, NOW)),
+            [
+                r#""a" "1970-01-01T01:00:00.000Z" "5""#,
+                r#""a" "1970-01-01T02:00:00.000Z" "4""#,
+                r#""b" "1970-01-01T01:00:00.000Z" "7""#,
+                r#""c" "1970-01-01T02:00:00.000Z" "3""#,
+            ]
+        );
+        held.clear();
+        assert!(held.is_empty());
+        assert_eq!(shown(held.records(&newer, 0, 2, NOW)).len(), 2, "nothing held: the batch's own");
     }
 
     /// At least once, a publish can fail after the output topic took a

@@ -15,10 +15,11 @@ use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::{mpsc, watch};
 
 use crate::event::Position;
-use crate::kafka::batch::{classify_batch, BatchInput, Prepared};
+use crate::kafka::batch::{classify_batch, BatchInput, DeferredRollups, Prepared};
 use crate::kafka::engine::{read_engine, write_engine, Engine};
 use crate::kafka::error::KafkaError;
 use crate::kafka::publisher::{PublishError, Published};
+use crate::kafka::records::OutRecord;
 use crate::kafka::repair::{monotonic_ms, RepairClients, RepairOutcome};
 use crate::kafka::worker::{InputQueue, Shared};
 use crate::metrics::{PublishRetried, RepairCompleted, Stage, StageTimed};
@@ -118,9 +119,18 @@ async fn pipeline(
     strays: &mut mpsc::UnboundedReceiver<OwnedMessage>,
     progress: &Arc<PartitionProgress>,
 ) -> Result<(), KafkaError> {
-    let settings = shared.repairer.life_settings(partition, shared.settings.delivery);
+    let mut settings = shared.repairer.life_settings(partition, shared.settings.delivery);
+    let rollups_partitions = shared.batch_layout().rollups_partitions;
+    if rollups_partitions.is_some() && !shared.settings.rollups_interval.is_zero() {
+        settings.hold_rollups_ms =
+            Some(i64::try_from(shared.settings.rollups_interval.as_millis()).unwrap_or(i64::MAX));
+    }
     let (mut life, mut step) = PartitionLife::assigned(settings, monotonic_ms());
     let mut batch = InFlight::default();
+    // Rollups of published batches the core holds back; dropped with the
+    // partition, whose next owner replays those batches (their input
+    // offsets were not committed).
+    let mut deferred = DeferredRollups::default();
     let mut clients: Option<RepairClients> = None;
     let mut repair = RepairOutcome { from_offset: -1, records: 0, duration: Duration::ZERO };
     let mut repair_started = Instant::now();
@@ -202,27 +212,44 @@ async fn pipeline(
                 batch.prepared = Some(prepared);
                 Event::Classified
             }
-            Step::Publish { next_input, offsets_in_transaction } => {
-                let records = batch.prepared.as_ref().map(|p| p.records.clone()).unwrap_or_default();
-                let started = Instant::now();
+            Step::Publish { next_input, offsets_in_transaction, flush_rollups } => {
+                let (mut records, rollups) = match batch.prepared.as_ref() {
+                    Some(p) => (p.records.clone(), p.rollups.as_slice()),
+                    None => (Vec::new(), &[][..]),
+                };
+                if let (Some(n), true) = (rollups_partitions, flush_rollups) {
+                    records.extend(deferred.records(rollups, partition, n, batch.now_ms));
+                }
                 let offsets = offsets_in_transaction.then_some(next_input);
-                let published = shared.publisher.publish(partition, records, offsets, progress.lost.clone()).await;
-                StageTimed { stage: Stage::publish, duration: started.elapsed() }.emit(&shared.metrics);
-                match published {
+                match publish(shared, partition, records, offsets, progress).await? {
                     Ok(p) => {
                         batch.published = Some(p);
+                        if flush_rollups {
+                            deferred.clear();
+                        } else {
+                            deferred.hold(rollups);
+                        }
                         Event::Published
                     }
-                    Err(PublishError::Fatal { source }) => {
-                        return Err(KafkaError::Fenced { transactional_id: shared.transactional_id.clone(), source });
+                    Err(failure) => {
+                        tracing::warn!(partition, detail = %failure.detail, reason = failure.reason, "publish failed; repairing, then retrying the batch");
+                        Event::PublishFailed(failure)
                     }
-                    Err(e @ (PublishError::Permanent { .. } | PublishError::Unresolved { .. })) => {
-                        return Err(KafkaError::Publish { partition, source: e });
+                }
+            }
+            Step::PublishRollups => {
+                let records = match rollups_partitions {
+                    Some(n) => deferred.records(&[], partition, n, shared.clock.now_ms()),
+                    None => Vec::new(),
+                };
+                match publish(shared, partition, records, None, progress).await? {
+                    Ok(_) => {
+                        deferred.clear();
+                        Event::Published
                     }
-                    Err(PublishError::Retriable { reason, detail }) => {
-                        PublishRetried { reason }.emit(&shared.metrics);
-                        tracing::warn!(partition, %detail, reason, "publish failed; repairing, then retrying the batch");
-                        Event::PublishFailed(BatchFailure { reason, detail })
+                    Err(failure) => {
+                        tracing::warn!(partition, detail = %failure.detail, reason = failure.reason, "publishing held rollups failed; retrying");
+                        Event::PublishFailed(failure)
                     }
                 }
             }
@@ -264,6 +291,34 @@ async fn pipeline(
         }
         if life.batches() > batches {
             finish_batch(shared, progress, std::mem::take(&mut batch));
+        }
+    }
+}
+
+/// Publishes `records` (with the input offset `offsets` in the transaction,
+/// exactly once) and times it. `Ok(Err(..))`: a retriable failure, counted;
+/// `Err`: one that stops the worker.
+async fn publish(
+    shared: &Arc<Shared>,
+    partition: i32,
+    records: Vec<OutRecord>,
+    offsets: Option<i64>,
+    progress: &PartitionProgress,
+) -> Result<Result<Published, BatchFailure>, KafkaError> {
+    let started = Instant::now();
+    let published = shared.publisher.publish(partition, records, offsets, progress.lost.clone()).await;
+    StageTimed { stage: Stage::publish, duration: started.elapsed() }.emit(&shared.metrics);
+    match published {
+        Ok(p) => Ok(Ok(p)),
+        Err(PublishError::Fatal { source }) => {
+            Err(KafkaError::Fenced { transactional_id: shared.transactional_id.clone(), source })
+        }
+        Err(e @ (PublishError::Permanent { .. } | PublishError::Unresolved { .. })) => {
+            Err(KafkaError::Publish { partition, source: e })
+        }
+        Err(PublishError::Retriable { reason, detail }) => {
+            PublishRetried { reason }.emit(&shared.metrics);
+            Ok(Err(BatchFailure { reason, detail }))
         }
     }
 }

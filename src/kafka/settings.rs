@@ -88,7 +88,18 @@ pub struct RunSettings {
     /// following its output (`--standby-replicas`; 0: none). See
     /// `crate::pipeline::standby`.
     pub standby_replicas: u32,
+    /// At least once with a rollups topic: how long a published batch's
+    /// rollups may wait to be published with later batches'
+    /// (`--rollups-interval`; zero: each batch publishes its own). One
+    /// record then carries every change to an hour in the interval. The
+    /// input offsets of those batches commit with their rollups, so a
+    /// crash replays them and their rollups go out again. Exactly once,
+    /// each transaction carries its own batch's rollups, whatever this is.
+    pub rollups_interval: Duration,
 }
+
+/// The longest `--rollups-interval`: a crash replays up to this much input.
+pub const MAX_ROLLUPS_INTERVAL: Duration = Duration::from_secs(60);
 
 impl RunSettings {
     /// Settings with dedupd's defaults for everything but the essentials.
@@ -112,6 +123,7 @@ impl RunSettings {
             partitioner: Partitioner::Dedupd,
             on_misrouted: OnMisrouted::Count,
             standby_replicas: 0,
+            rollups_interval: Duration::from_secs(1),
         }
     }
 
@@ -130,7 +142,7 @@ impl RunSettings {
         format!(
             "brokers={} group={} instance_id={} delivery={:?} input={} output={} conflicts={} rejected={} \
              rollups={} periods={} batch_max_records={} batch_max_wait={} operation_timeout={} revoke_timeout={} stall_timeout={} \
-             on_output_gap={:?} partitioner={} on_misrouted={} standby_replicas={} metrics_addr={} kafka_properties=[{}]",
+             on_output_gap={:?} partitioner={} on_misrouted={} standby_replicas={} rollups_interval={} metrics_addr={} kafka_properties=[{}]",
             self.brokers,
             self.group,
             self.instance_id.as_deref().unwrap_or("-"),
@@ -150,6 +162,7 @@ impl RunSettings {
             self.partitioner,
             self.on_misrouted.as_str(),
             self.standby_replicas,
+            d(self.rollups_interval),
             self.metrics_addr.map_or_else(|| "-".to_owned(), |a| a.to_string()),
             props.join(", "),
         )

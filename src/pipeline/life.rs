@@ -43,6 +43,12 @@ pub struct LifeSettings {
     /// At-least-once: how often an unconfirmed input offset commit is sent
     /// again while the partition is idle.
     pub commit_retry_ms: i64,
+    /// At-least-once with a rollups topic: how long the rollups of applied
+    /// batches may be held back so that one record carries many batches'
+    /// changes to an hour (`--rollups-interval`). `None`: every batch
+    /// publishes its own, as exactly-once always does (they ride its
+    /// transaction, issue #12).
+    pub hold_rollups_ms: Option<i64>,
     /// Deliberate bugs (test builds only).
     pub mutations: Mutations,
 }
@@ -61,6 +67,7 @@ impl LifeSettings {
             publish_backoff_ms: 100,
             publish_backoff_max_ms: 5_000,
             commit_retry_ms: 1_000,
+            hold_rollups_ms: None,
             mutations: Mutations::NONE,
         }
     }
@@ -96,9 +103,15 @@ pub enum Step {
     /// build its records. Answer: [`Event::Classified`].
     Classify,
     /// Publish the classified batch. With `offsets_in_transaction` the input
-    /// offset `next_input` commits in the same transaction. Answer:
-    /// [`Event::Published`] or [`Event::PublishFailed`].
-    Publish { next_input: i64, offsets_in_transaction: bool },
+    /// offset `next_input` commits in the same transaction. With
+    /// `flush_rollups` the batch's rollups go with it, and so do those held
+    /// back from earlier batches; without, its rollups join the held ones.
+    /// Answer: [`Event::Published`] or [`Event::PublishFailed`].
+    Publish { next_input: i64, offsets_in_transaction: bool, flush_rollups: bool },
+    /// Publish the rollups held back from applied batches, alone (see
+    /// [`LifeSettings::hold_rollups_ms`]). Answer: [`Event::Published`] or
+    /// [`Event::PublishFailed`].
+    PublishRollups,
     /// Apply the batch's accepted events to local state. Answer:
     /// [`Event::Applied`].
     Apply,
@@ -226,8 +239,19 @@ enum Phase {
     Publishing {
         next_input: i64,
         applied: bool,
+        flush_rollups: bool,
     },
     Applying {
+        next_input: i64,
+        flush_rollups: bool,
+    },
+    /// Publishing held rollups alone; `next_input` commits once they are
+    /// acknowledged.
+    FlushingRollups {
+        next_input: i64,
+    },
+    /// A publish of held rollups failed; tried again after a wait.
+    FlushBackingOff {
         next_input: i64,
     },
     Committing {
@@ -238,6 +262,14 @@ enum Phase {
     },
     Released,
     Stopped,
+}
+
+/// Applied batches whose rollups are held back: the input offset after the
+/// last of them, and when the first was applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Held {
+    next_input: i64,
+    since_ms: i64,
 }
 
 /// One input partition's life. See the module doc.
@@ -253,6 +285,13 @@ pub struct PartitionLife {
     /// At-least-once: the input offset published and applied but not yet
     /// confirmed committed, and when its commit was last sent.
     uncommitted: Option<(i64, i64)>,
+    /// At-least-once, rollups held back ([`LifeSettings::hold_rollups_ms`]):
+    /// batches published and applied whose rollups are not published yet.
+    /// Their input offsets are not committed until a publish carries their
+    /// rollups: a crash before that replays them, and a replay publishes
+    /// its hour's total again (see `crate::ledger::Replays`), so the
+    /// rollups topic never stays short of the output.
+    held: Option<Held>,
     publish_backoff_ms: i64,
     /// Input batches published and applied.
     batches: u64,
@@ -267,6 +306,7 @@ impl PartitionLife {
             revoking: false,
             lost: false,
             uncommitted: None,
+            held: None,
             publish_backoff_ms: settings.publish_backoff_ms,
             batches: 0,
         };
@@ -335,7 +375,34 @@ impl PartitionLife {
         if lost && !self.mutated(Mutation::RevokeFinishesLostBatch) {
             self.lost = true;
         }
-        self.interruptible(false).then(|| self.release())
+        self.interruptible(false).then(|| self.wind_up())
+    }
+
+    /// Ends the partition's life: a partition let go in good order
+    /// publishes its held rollups first (its input offsets then commit), a
+    /// lost one leaves them to the next owner's replays.
+    fn wind_up(&mut self) -> Step {
+        match self.held {
+            Some(h) if !self.lost => self.flush_held(h.next_input),
+            _ => self.release(),
+        }
+    }
+
+    fn flush_held(&mut self, next_input: i64) -> Step {
+        self.phase = Phase::FlushingRollups { next_input };
+        Step::PublishRollups
+    }
+
+    /// Whether the batch about to be published carries the rollups: always,
+    /// but at least once with a hold, where they wait until the oldest held
+    /// batch is `hold_rollups_ms` old or the partition is being let go.
+    fn flushes_rollups(&self, now_ms: i64) -> bool {
+        match (self.settings.delivery, self.settings.hold_rollups_ms) {
+            (DeliveryMode::AtLeastOnce, Some(hold_ms)) => {
+                self.revoking || self.held.is_some_and(|h| now_ms - h.since_ms >= hold_ms)
+            }
+            _ => true,
+        }
     }
 
     /// Whether a revoke now (`lost`: of a lost assignment) interrupts the
@@ -348,12 +415,16 @@ impl PartitionLife {
             // Nothing in flight but the retried batch, which a lost
             // partition abandons and a revoked one finishes.
             Phase::Repairing(_) | Phase::BackingOff { .. } => lost,
+            // Held rollups waiting to be published again: a revoke tries
+            // once more, a lost partition leaves them to replays.
+            Phase::FlushBackingOff { .. } => true,
             // An unpublished batch is abandoned: the next owner consumes
             // it from the committed offset.
             Phase::Collecting => true,
             Phase::Classifying { .. }
             | Phase::BeforePublish { .. }
             | Phase::Publishing { .. }
+            | Phase::FlushingRollups { .. }
             | Phase::Applying { .. }
             | Phase::Committing { .. } => false,
             Phase::Released | Phase::Stopped => false,
@@ -379,31 +450,40 @@ impl PartitionLife {
             (Phase::Collecting, Event::Idle { committed }) => self.idle(committed, now_ms),
             (Phase::Collecting, Event::CommitSent) => Step::Collect,
             (Phase::Classifying { next_input }, Event::Classified) => self.classified(next_input, now_ms),
-            (Phase::BeforePublish { next_input }, Event::CommitSent) => {
-                self.phase = Phase::Publishing { next_input, applied: false };
-                Step::Publish { next_input, offsets_in_transaction: false }
-            }
+            (Phase::BeforePublish { next_input }, Event::CommitSent) => self.publish(next_input, false, false, now_ms),
             (Phase::BeforePublish { next_input }, Event::Applied) => {
-                self.phase = Phase::Publishing { next_input, applied: true };
-                Step::Publish { next_input, offsets_in_transaction: self.offsets_in_transaction() }
+                self.publish(next_input, true, self.offsets_in_transaction(), now_ms)
             }
-            (Phase::Publishing { next_input, applied }, Event::Published) => {
+            (Phase::Publishing { next_input, applied, flush_rollups }, Event::Published) => {
                 self.publish_backoff_ms = self.settings.publish_backoff_ms;
                 if applied {
-                    self.batch_done(next_input, now_ms)
+                    self.batch_done(next_input, flush_rollups, now_ms)
                 } else {
-                    self.phase = Phase::Applying { next_input };
+                    self.phase = Phase::Applying { next_input, flush_rollups };
                     Step::Apply
                 }
             }
+            (Phase::FlushingRollups { next_input }, Event::Published) => {
+                self.publish_backoff_ms = self.settings.publish_backoff_ms;
+                self.held = None;
+                self.phase = Phase::Committing { next_input };
+                Step::CommitInput { next_input }
+            }
+            (Phase::FlushingRollups { next_input }, Event::PublishFailed(_)) => {
+                // Let go now: the next owner replays the held batches.
+                if self.revoking {
+                    return self.release();
+                }
+                self.phase = Phase::FlushBackingOff { next_input };
+                Step::Wait { until_ms: now_ms + self.back_off() }
+            }
+            (Phase::FlushBackingOff { next_input }, Event::Waited) => self.flush_held(next_input),
             (Phase::Publishing { next_input, .. }, Event::PublishFailed(_)) => {
                 if self.lost {
                     return self.release();
                 }
-                let wait = self.publish_backoff_ms;
-                self.publish_backoff_ms = (wait * 2).min(self.settings.publish_backoff_max_ms);
                 self.phase = Phase::BackingOff { next_input };
-                Step::Wait { until_ms: now_ms + wait }
+                Step::Wait { until_ms: now_ms + self.back_off() }
             }
             (Phase::BackingOff { next_input }, Event::Waited) => {
                 if self.lost {
@@ -413,7 +493,9 @@ impl PartitionLife {
                 // the retry sees those records as replays, not new events.
                 self.start_repair(RepairFor::Retry { next_input }, false, now_ms)
             }
-            (Phase::Applying { next_input }, Event::Applied) => self.batch_done(next_input, now_ms),
+            (Phase::Applying { next_input, flush_rollups }, Event::Applied) => {
+                self.batch_done(next_input, flush_rollups, now_ms)
+            }
             (Phase::Committing { next_input }, Event::CommitSent) => {
                 self.uncommitted = Some((next_input, now_ms));
                 self.next_batch()
@@ -427,11 +509,24 @@ impl PartitionLife {
         }
     }
 
+    /// The wait before a failed publish is tried again; doubles each time.
+    fn back_off(&mut self) -> i64 {
+        let wait = self.publish_backoff_ms;
+        self.publish_backoff_ms = (wait * 2).min(self.settings.publish_backoff_max_ms);
+        wait
+    }
+
+    fn publish(&mut self, next_input: i64, applied: bool, offsets_in_transaction: bool, now_ms: i64) -> Step {
+        let flush_rollups = self.flushes_rollups(now_ms);
+        self.phase = Phase::Publishing { next_input, applied, flush_rollups };
+        Step::Publish { next_input, offsets_in_transaction, flush_rollups }
+    }
+
     fn offsets_in_transaction(&self) -> bool {
         self.settings.delivery == DeliveryMode::ExactlyOnce && !self.mutated(Mutation::OffsetsOutsideTransaction)
     }
 
-    fn classified(&mut self, next_input: i64, _now_ms: i64) -> Step {
+    fn classified(&mut self, next_input: i64, now_ms: i64) -> Step {
         // Lost before anything of the batch is in flight: abandon it.
         if self.lost {
             return self.release();
@@ -448,14 +543,21 @@ impl PartitionLife {
             self.phase = Phase::BeforePublish { next_input };
             return Step::Apply;
         }
-        self.phase = Phase::Publishing { next_input, applied: false };
-        Step::Publish { next_input, offsets_in_transaction: self.offsets_in_transaction() }
+        let offsets_in_transaction = self.offsets_in_transaction();
+        self.publish(next_input, false, offsets_in_transaction, now_ms)
     }
 
-    /// The batch is published and applied.
-    fn batch_done(&mut self, next_input: i64, _now_ms: i64) -> Step {
+    /// The batch is published and applied (its rollups with it when
+    /// `flushed_rollups`).
+    fn batch_done(&mut self, next_input: i64, flushed_rollups: bool, now_ms: i64) -> Step {
         self.batches += 1;
         if self.settings.delivery == DeliveryMode::AtLeastOnce && !self.mutated(Mutation::CommitBeforeAcknowledged) {
+            if !flushed_rollups {
+                let since_ms = self.held.map_or(now_ms, |h| h.since_ms);
+                self.held = Some(Held { next_input, since_ms });
+                return self.next_batch();
+            }
+            self.held = None;
             self.phase = Phase::Committing { next_input };
             return Step::CommitInput { next_input };
         }
@@ -464,13 +566,18 @@ impl PartitionLife {
 
     fn next_batch(&mut self) -> Step {
         if self.revoking {
-            return self.release();
+            return self.wind_up();
         }
         self.phase = Phase::Collecting;
         Step::Collect
     }
 
     fn idle(&mut self, committed: Option<i64>, now_ms: i64) -> Step {
+        if let Some(h) = self.held {
+            if self.settings.hold_rollups_ms.is_some_and(|hold_ms| now_ms - h.since_ms >= hold_ms) {
+                return self.flush_held(h.next_input);
+            }
+        }
         if let Some((next, sent_ms)) = self.uncommitted {
             if committed >= Some(next) {
                 self.uncommitted = None;
@@ -617,7 +724,11 @@ mod tests {
     /// Drives a life through a clean repair of output 0..`end` from
     /// checkpoint `checkpoint`; returns the life at its first Collect.
     fn repaired(delivery: DeliveryMode, checkpoint: Option<i64>, end: i64) -> PartitionLife {
-        let (mut life, step) = PartitionLife::assigned(settings(delivery), 0);
+        repaired_with(settings(delivery), checkpoint, end)
+    }
+
+    fn repaired_with(settings: LifeSettings, checkpoint: Option<i64>, end: i64) -> PartitionLife {
+        let (mut life, step) = PartitionLife::assigned(settings, 0);
         assert_eq!(step, Step::Load { assign: true });
         assert_eq!(life.on(Event::Loaded { checkpoint, furthest: checkpoint }, 1), Step::ProbeOutputEnd);
         assert_eq!(life.on(Event::OutputEnd { high_watermark: end }, 2), Step::ProbeStableEnd);
@@ -642,7 +753,10 @@ mod tests {
     fn exactly_once_publishes_offsets_in_the_transaction_then_applies() {
         let mut life = repaired(DeliveryMode::ExactlyOnce, Some(9), 10);
         assert_eq!(life.on(Event::Collected { next_input: 100 }, 10), Step::Classify);
-        assert_eq!(life.on(Event::Classified, 11), Step::Publish { next_input: 100, offsets_in_transaction: true });
+        assert_eq!(
+            life.on(Event::Classified, 11),
+            Step::Publish { next_input: 100, offsets_in_transaction: true, flush_rollups: true }
+        );
         assert_eq!(life.on(Event::Published, 12), Step::Apply);
         assert_eq!(life.on(Event::Applied, 13), Step::Collect);
         assert_eq!(life.batches(), 1);
@@ -652,7 +766,10 @@ mod tests {
     fn at_least_once_commits_input_only_after_publish_and_apply() {
         let mut life = repaired(DeliveryMode::AtLeastOnce, None, 0);
         life.on(Event::Collected { next_input: 7 }, 10);
-        assert_eq!(life.on(Event::Classified, 11), Step::Publish { next_input: 7, offsets_in_transaction: false });
+        assert_eq!(
+            life.on(Event::Classified, 11),
+            Step::Publish { next_input: 7, offsets_in_transaction: false, flush_rollups: true }
+        );
         assert_eq!(life.on(Event::Published, 12), Step::Apply);
         assert_eq!(life.on(Event::Applied, 13), Step::CommitInput { next_input: 7 });
         assert_eq!(life.on(Event::CommitSent, 14), Step::Collect);
@@ -663,6 +780,91 @@ mod tests {
         assert_eq!(life.on(Event::CommitSent, 1_101), Step::Collect);
         assert_eq!(life.on(Event::Idle { committed: Some(7) }, 5_000), Step::Collect);
         assert_eq!(life.on(Event::Idle { committed: Some(3) }, 9_000), Step::Collect, "confirmed once is enough");
+    }
+
+    /// At least once with rollups held back for 1 s.
+    fn holding(delivery: DeliveryMode) -> PartitionLife {
+        repaired_with(LifeSettings { hold_rollups_ms: Some(1_000), ..settings(delivery) }, None, 0)
+    }
+
+    /// Runs one batch ending at `next_input` through classify, publish and
+    /// apply at `now_ms`; returns whether its publish carried the rollups
+    /// and the step after the apply.
+    fn one_batch(life: &mut PartitionLife, next_input: i64, now_ms: i64) -> (bool, Step) {
+        assert_eq!(life.on(Event::Collected { next_input }, now_ms), Step::Classify);
+        let Step::Publish { flush_rollups, .. } = life.on(Event::Classified, now_ms) else { panic!("no publish") };
+        assert_eq!(life.on(Event::Published, now_ms), Step::Apply);
+        (flush_rollups, life.on(Event::Applied, now_ms))
+    }
+
+    #[test]
+    fn held_rollups_go_out_with_the_first_batch_past_the_interval_and_only_then_commit_input() {
+        let mut life = holding(DeliveryMode::AtLeastOnce);
+        // Held from the first batch's apply: no commit, straight on.
+        assert_eq!(one_batch(&mut life, 10, 100), (false, Step::Collect));
+        assert_eq!(one_batch(&mut life, 20, 600), (false, Step::Collect));
+        assert_eq!(life.on(Event::Idle { committed: None }, 1_050), Step::Collect, "not yet a second old");
+        // The oldest held batch is a second old: this batch carries every
+        // held rollup, and the input commits through it.
+        assert_eq!(one_batch(&mut life, 30, 1_100), (true, Step::CommitInput { next_input: 30 }));
+        assert_eq!(life.on(Event::CommitSent, 1_101), Step::Collect);
+        // Held again from the next batch on.
+        assert_eq!(one_batch(&mut life, 40, 1_200), (false, Step::Collect));
+        assert_eq!(life.on(Event::Idle { committed: Some(30) }, 1_300), Step::Collect);
+    }
+
+    #[test]
+    fn an_idle_partition_publishes_its_held_rollups_alone_retrying_a_failure() {
+        let mut life = holding(DeliveryMode::AtLeastOnce);
+        assert_eq!(one_batch(&mut life, 10, 100), (false, Step::Collect));
+        assert_eq!(life.on(Event::Idle { committed: None }, 1_100), Step::PublishRollups);
+        let failure = BatchFailure { reason: "timeout", detail: "no answer".into() };
+        assert_eq!(life.on(Event::PublishFailed(failure), 1_200), Step::Wait { until_ms: 1_300 });
+        assert_eq!(life.on(Event::Waited, 1_300), Step::PublishRollups, "held rollups are never dropped");
+        assert_eq!(life.on(Event::Published, 1_350), Step::CommitInput { next_input: 10 });
+        assert_eq!(life.on(Event::CommitSent, 1_351), Step::Collect);
+        assert_eq!(life.on(Event::Idle { committed: Some(10) }, 9_000), Step::Collect, "nothing held");
+    }
+
+    #[test]
+    fn a_revoke_publishes_held_rollups_before_release_but_a_lost_partition_leaves_them_to_replays() {
+        // Revoked while collecting: the held rollups go out, then the input
+        // commits, then the partition is released.
+        let mut life = holding(DeliveryMode::AtLeastOnce);
+        assert_eq!(one_batch(&mut life, 10, 100), (false, Step::Collect));
+        assert_eq!(life.revoke(false), Some(Step::PublishRollups));
+        assert_eq!(life.on(Event::Published, 200), Step::CommitInput { next_input: 10 });
+        assert_eq!(life.on(Event::CommitSent, 201), Step::Release { commit_first: Some(10) });
+
+        // Revoked mid-batch: the batch in flight carries them.
+        let mut life = holding(DeliveryMode::AtLeastOnce);
+        assert_eq!(one_batch(&mut life, 10, 100), (false, Step::Collect));
+        life.on(Event::Collected { next_input: 20 }, 150);
+        assert_eq!(life.revoke(false), None, "a batch in classification finishes");
+        let step = life.on(Event::Classified, 160);
+        assert_eq!(step, Step::Publish { next_input: 20, offsets_in_transaction: false, flush_rollups: true });
+
+        // A failed publish of held rollups while revoking: released at once,
+        // committing only what was committed before them.
+        let mut life = holding(DeliveryMode::AtLeastOnce);
+        assert_eq!(one_batch(&mut life, 10, 0), (false, Step::Collect));
+        assert_eq!(life.revoke(false), Some(Step::PublishRollups));
+        let failure = BatchFailure { reason: "timeout", detail: "no answer".into() };
+        assert_eq!(life.on(Event::PublishFailed(failure), 100), Step::Release { commit_first: None });
+
+        // Lost: nothing of the held batches commits.
+        let mut life = holding(DeliveryMode::AtLeastOnce);
+        assert_eq!(one_batch(&mut life, 10, 100), (false, Step::Collect));
+        assert_eq!(life.revoke(true), Some(Step::Release { commit_first: None }));
+    }
+
+    #[test]
+    fn exactly_once_never_holds_rollups_back_they_ride_each_transaction() {
+        let mut life = holding(DeliveryMode::ExactlyOnce);
+        for (n, now) in [(10, 100), (20, 200), (30, 5_000)] {
+            assert_eq!(one_batch(&mut life, n, now), (true, Step::Collect));
+        }
+        assert_eq!(life.on(Event::Idle { committed: None }, 60_000), Step::Collect);
     }
 
     #[test]

@@ -958,7 +958,10 @@ fn perform(w: &mut World, worker: usize, partition: i32) {
                 Err(e) => fail(w, worker, e.to_string()),
             }
         }
-        Step::Publish { next_input, offsets_in_transaction } => {
+        // The model's workers have no rollups topic, so every batch's
+        // publish carries its (no) rollups and none are ever held back.
+        Step::PublishRollups => fail(w, worker, "the core held rollups back in a world without a rollups topic".into()),
+        Step::Publish { next_input, offsets_in_transaction, flush_rollups: _ } => {
             let s = slot(w, worker, partition);
             let records = s.prepared.as_ref().map(|p| p.records.clone()).unwrap_or_default();
             let job = Job {
