@@ -326,8 +326,8 @@ struct RunArgs {
     #[arg(long, env = "DEDUPD_ROLLUPS_TOPIC")]
     rollups_topic: Option<String>,
     /// At-least-once: how long a batch's rollups may wait to go out with
-    /// later batches' (one record per hour changed in the interval, not one
-    /// per batch); `0s`: with each batch. Input offsets commit with the
+    /// later batches' while input keeps coming (one record per hour changed
+    /// in the interval, not one per batch); `0s`: with each batch. Input offsets commit with the
     /// rollups, so a crash replays at most this much input. Exactly once,
     /// rollups ride each batch's transaction [default: 1s, at most 60s].
     #[arg(long, env = "DEDUPD_ROLLUPS_INTERVAL")]

@@ -89,7 +89,8 @@ pub struct RunSettings {
     /// `crate::pipeline::standby`.
     pub standby_replicas: u32,
     /// At least once with a rollups topic: how long a published batch's
-    /// rollups may wait to be published with later batches'
+    /// rollups may wait, while input keeps coming, to be published with
+    /// later batches'
     /// (`--rollups-interval`; zero: each batch publishes its own). One
     /// record then carries every change to an hour in the interval. The
     /// input offsets of those batches commit with their rollups, so a

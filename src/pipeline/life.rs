@@ -44,8 +44,10 @@ pub struct LifeSettings {
     /// again while the partition is idle.
     pub commit_retry_ms: i64,
     /// At-least-once with a rollups topic: how long the rollups of applied
-    /// batches may be held back so that one record carries many batches'
-    /// changes to an hour (`--rollups-interval`). `None`: every batch
+    /// batches may be held back while batches keep coming, so that one
+    /// record carries many batches' changes to an hour
+    /// (`--rollups-interval`); a partition with no input publishes them at
+    /// once. `None`: every batch
     /// publishes its own, as exactly-once always does (they ride its
     /// transaction, issue #12).
     pub hold_rollups_ms: Option<i64>,
@@ -573,10 +575,11 @@ impl PartitionLife {
     }
 
     fn idle(&mut self, committed: Option<i64>, now_ms: i64) -> Step {
+        // Held rollups wait for more batches only while batches come: a
+        // partition with no input publishes them at once, so the rollups
+        // topic does not trail a quiet output by the interval.
         if let Some(h) = self.held {
-            if self.settings.hold_rollups_ms.is_some_and(|hold_ms| now_ms - h.since_ms >= hold_ms) {
-                return self.flush_held(h.next_input);
-            }
+            return self.flush_held(h.next_input);
         }
         if let Some((next, sent_ms)) = self.uncommitted {
             if committed >= Some(next) {
@@ -803,21 +806,21 @@ mod tests {
         // Held from the first batch's apply: no commit, straight on.
         assert_eq!(one_batch(&mut life, 10, 100), (false, Step::Collect));
         assert_eq!(one_batch(&mut life, 20, 600), (false, Step::Collect));
-        assert_eq!(life.on(Event::Idle { committed: None }, 1_050), Step::Collect, "not yet a second old");
+        assert_eq!(one_batch(&mut life, 25, 1_050), (false, Step::Collect), "not yet a second old");
         // The oldest held batch is a second old: this batch carries every
         // held rollup, and the input commits through it.
         assert_eq!(one_batch(&mut life, 30, 1_100), (true, Step::CommitInput { next_input: 30 }));
         assert_eq!(life.on(Event::CommitSent, 1_101), Step::Collect);
         // Held again from the next batch on.
         assert_eq!(one_batch(&mut life, 40, 1_200), (false, Step::Collect));
-        assert_eq!(life.on(Event::Idle { committed: Some(30) }, 1_300), Step::Collect);
     }
 
     #[test]
-    fn an_idle_partition_publishes_its_held_rollups_alone_retrying_a_failure() {
+    fn an_idle_partition_publishes_its_held_rollups_alone_at_once_retrying_a_failure() {
         let mut life = holding(DeliveryMode::AtLeastOnce);
         assert_eq!(one_batch(&mut life, 10, 100), (false, Step::Collect));
-        assert_eq!(life.on(Event::Idle { committed: None }, 1_100), Step::PublishRollups);
+        // No more input: no reason to wait out the interval.
+        assert_eq!(life.on(Event::Idle { committed: None }, 350), Step::PublishRollups);
         let failure = BatchFailure { reason: "timeout", detail: "no answer".into() };
         assert_eq!(life.on(Event::PublishFailed(failure), 1_200), Step::Wait { until_ms: 1_300 });
         assert_eq!(life.on(Event::Waited, 1_300), Step::PublishRollups, "held rollups are never dropped");
