@@ -223,6 +223,8 @@ fn median_run(partitions: usize, a: &Args) -> (f64, Spent, f64, f64) {
 }
 
 fn main() {
+    // As `dedupd` does at start, so this measures what ships.
+    dedupd::process::disable_transparent_huge_pages();
     let a = args();
     println!(
         "engine: durable classify+apply, batches of {BATCH}, {} events per partition, {} thread(s), fsync {:?}, \

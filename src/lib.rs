@@ -30,6 +30,8 @@
 //! - [`kafka`]: the worker (`dedupd run`, `dedupd demo`): consumer group,
 //!   publishing, repair, warm standbys; and the router (`dedupd route`), which keys and
 //!   places raw records by identity in front of it (async).
+//! - [`process`]: process-wide settings made at start (transparent huge
+//!   pages off), shared with the benches.
 //! - [`metrics`]: the Prometheus registry and the HTTP endpoint (`/metrics`,
 //!   health, `/v1/usage`, and [`runbook`], the on-call runbook the alerts
 //!   link to, built into the binary).
@@ -50,6 +52,7 @@ pub mod ledger;
 pub mod metrics;
 pub mod offline;
 pub mod pipeline;
+pub mod process;
 pub mod runbook;
 pub mod sim;
 pub mod state;

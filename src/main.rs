@@ -637,9 +637,13 @@ fn engine_settings(tuning: &TuningArgs) -> anyhow::Result<(EngineSettings, FileC
 }
 
 fn main() -> ExitCode {
+    let small_pages = dedupd::process::disable_transparent_huge_pages();
     let cli = Cli::parse();
     // The demo prints a table for a person; per-batch logs would bury it.
     init_tracing(if matches!(cli.command, Command::Demo { .. }) { "warn" } else { "info" }, cli.log_format);
+    if !small_pages {
+        tracing::debug!("transparent huge pages stay as the system sets them (prctl refused or not Linux)");
+    }
     match run(cli) {
         Ok(code) => code,
         Err(e) => {

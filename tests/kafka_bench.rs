@@ -227,6 +227,11 @@ fn cpu_seconds(pid: &str) -> f64 {
 }
 
 async fn measure(broker: &Tansu, name: &str, pipeline: Pipeline) -> Figures {
+    // As `dedupd` does at start: the pipelines run in this process.
+    // `BENCH_KEEP_THP=1` measures with the system's setting instead.
+    if std::env::var_os("BENCH_KEEP_THP").is_none() {
+        dedupd::process::disable_transparent_huge_pages();
+    }
     let n = env_or("BENCH_EVENTS", 200_000) as usize;
     let rate = env_or("BENCH_RATE", 2_000);
     let secs = env_or("BENCH_SECONDS", 10);
