@@ -76,7 +76,7 @@ pub struct Prepared {
     pub accepted: Vec<(usize, StoredEvent)>,
     /// With a rollups topic: the new totals of the hours the batch changes,
     /// and (see [`BatchLayout::republish_replays`]) its replays' hours'
-    /// current ones, in key order. Not in `records`: they are published
+    /// current ones, each once. Not in `records`: they are published
     /// with the batch or held back to go with a later one
     /// ([`DeferredRollups`]).
     pub rollups: Vec<(HourKey, Rollup)>,
@@ -96,8 +96,8 @@ pub struct DeferredRollups {
 impl DeferredRollups {
     /// Holds a published batch's totals back; they replace older ones of
     /// the same hours (totals only grow with the output: later is newer).
-    pub fn hold(&mut self, rollups: &[(HourKey, Rollup)]) {
-        self.hours.extend(rollups.iter().cloned());
+    pub fn hold(&mut self, rollups: Vec<(HourKey, Rollup)>) {
+        self.hours.extend(rollups);
     }
 
     /// Hours held.
@@ -422,8 +422,8 @@ mod tests {
                 .collect()
         };
         let mut held = DeferredRollups::default();
-        held.hold(&[hour("a", 1, 1), hour("b", 1, 2)]);
-        held.hold(&[hour("a", 1, 5), hour("c", 2, 3)]);
+        held.hold(vec![hour("a", 1, 1), hour("b", 1, 2)]);
+        held.hold(vec![hour("a", 1, 5), hour("c", 2, 3)]);
         assert_eq!(held.len(), 3, "a's hour is held once");
         let newer = [hour("b", 1, 7), hour("a", 2, 4)];
         assert_eq!(

@@ -226,8 +226,9 @@ async fn pipeline(
                         batch.published = Some(p);
                         if flush_rollups {
                             deferred.clear();
-                        } else {
-                            deferred.hold(rollups);
+                        } else if let Some(prepared) = batch.prepared.as_mut() {
+                            // Not needed again: the apply takes the events.
+                            deferred.hold(std::mem::take(&mut prepared.rollups));
                         }
                         Event::Published
                     }

@@ -401,9 +401,13 @@ pub(crate) fn fold_into<'a>(
             counters.push(counter);
         }
     }
-    hours.sort_unstable();
+    // One entry per hour and counter, in an order fixed by the keys: by
+    // their precomputed hashes first, names only to break a tie. Ordering by
+    // the names was a string comparison per step of the sort, a thousand
+    // hours a batch (perf: 5% of a worker's CPU with rollups published).
+    hours.sort_unstable_by(|a, b| (a.counter.hash, a.hour_ms).cmp(&(b.counter.hash, b.hour_ms)).then_with(|| a.cmp(b)));
     hours.dedup();
-    counters.sort_unstable();
+    counters.sort_unstable_by(|a, b| a.hash.cmp(&b.hash).then_with(|| a.cmp(b)));
     counters.dedup();
     Ok(Folded { hours, counters, adjustments })
 }

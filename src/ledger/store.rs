@@ -265,7 +265,7 @@ pub type TenantLedger = (Vec<(HourKey, Rollup)>, Vec<Adjustment>);
 #[derive(Debug, Default)]
 pub struct Preview {
     /// The changed hours with their new rollups, and the hours of the
-    /// batch's replays with their current ones, each once, in key order.
+    /// batch's replays with their current ones, each once.
     pub rollups: Vec<(HourKey, Rollup)>,
     pub folded: Folded,
     /// The adjustments the batch's replays became when they were first
@@ -318,7 +318,7 @@ impl Preview {
         Preview { rollups, folded, republished: Vec::new() }
     }
 
-    /// The rollups to publish with their new values, in key order.
+    /// The rollups to publish with their new values, each hour once.
     pub fn rollups(&self) -> impl Iterator<Item = (&HourKey, &Rollup)> {
         self.rollups.iter().map(|(k, r)| (k, r))
     }
