@@ -329,7 +329,7 @@ struct RunArgs {
     /// later batches' while input keeps coming (one record per hour changed
     /// in the interval, not one per batch); `0s`: with each batch. Input offsets commit with the
     /// rollups, so a crash replays at most this much input. Exactly once,
-    /// rollups ride each batch's transaction [default: 1s, at most 60s].
+    /// rollups ride each batch's transaction [default: 5s, at most 60s].
     #[arg(long, env = "DEDUPD_ROLLUPS_INTERVAL")]
     rollups_interval: Option<String>,
     /// Follow the billing periods closed with `dedupd period close` here and
@@ -492,10 +492,10 @@ impl RunArgs {
         if let Some(d) = duration("rollups_interval", &self.rollups_interval, &file.rollups_interval)? {
             if d > dedupd::kafka::settings::MAX_ROLLUPS_INTERVAL {
                 anyhow::bail!(
-                    "invalid `rollups_interval` (flag --rollups-interval): {} is longer than {}: input offsets \
-                     commit with the rollups, so a crash would replay that much input",
+                    "invalid `rollups_interval` (flag --rollups-interval): {} is longer than the {}s allowed: \
+                     input offsets commit with the rollups, so a crash would replay that much input",
                     humantime::format_duration(d),
-                    humantime::format_duration(dedupd::kafka::settings::MAX_ROLLUPS_INTERVAL)
+                    dedupd::kafka::settings::MAX_ROLLUPS_INTERVAL.as_secs()
                 );
             }
             s.rollups_interval = d;

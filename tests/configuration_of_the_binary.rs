@@ -189,3 +189,28 @@ fn the_start_up_log_line_is_json_names_the_version_and_masks_secrets() {
     assert!(!start.contains(SECRET) && !start.contains(SALT), "the start-up line printed a secret: {start}");
     assert!(!start.contains('\u{1b}'), "colour codes in a log that is not a terminal: {start}");
 }
+
+/// `--rollups-interval` defaults to 5 s, reads the flag or the file, and a
+/// value past the 60 s bound is refused naming the key (a crash replays up
+/// to that much input).
+#[test]
+fn the_rollups_interval_is_resolved_and_bounded() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let args = setup(dir.path());
+    let shown = |out: &std::process::Output| String::from_utf8_lossy(&out.stdout).into_owned();
+    let default = dedupd().arg("check-config").args(&args).output().expect("check-config");
+    assert!(default.status.success(), "{default:?}");
+    assert!(shown(&default).contains("rollups_interval=5s"), "{}", shown(&default));
+    let flag = dedupd().arg("check-config").args(&args).args(["--rollups-interval", "0s"]).output().expect("run");
+    assert!(shown(&flag).contains("rollups_interval=0s"), "{}", shown(&flag));
+    let from_file = dir.path().join("interval.toml");
+    let base = std::fs::read_to_string(dir.path().join("dedupd.toml")).expect("config");
+    std::fs::write(&from_file, format!("{base}rollups_interval = \"30s\"\n")).expect("config");
+    let file = dedupd().arg("check-config").arg("--config").arg(&from_file).output().expect("check-config");
+    assert!(shown(&file).contains("rollups_interval=30s"), "{file:?}");
+
+    let refused = dedupd().arg("check-config").args(&args).args(["--rollups-interval", "2m"]).output().expect("run");
+    assert_eq!(refused.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("rollups_interval") && stderr.contains("60s"), "{stderr}");
+}

@@ -261,6 +261,10 @@ async fn measure(broker: &Tansu, name: &str, pipeline: Pipeline) -> Figures {
             settings(&broker.brokers, &format!("bench-{name}-{phase}"), &topics, DeliveryMode::AtLeastOnce);
         settings.batch.max_records = 2000;
         settings.batch.max_wait = Duration::from_millis(5);
+        if let Ok(ms) = std::env::var("BENCH_ROLLUPS_INTERVAL_MS") {
+            settings.rollups_interval =
+                Duration::from_millis(ms.parse().expect("BENCH_ROLLUPS_INTERVAL_MS: milliseconds"));
+        }
         let producer = traffic_producer(&broker.brokers);
         let expected = if phase == "throughput" { n } else { (rate * secs) as usize };
         if phase == "throughput" {

@@ -124,7 +124,7 @@ impl RunSettings {
             partitioner: Partitioner::Dedupd,
             on_misrouted: OnMisrouted::Count,
             standby_replicas: 0,
-            rollups_interval: Duration::from_secs(1),
+            rollups_interval: Duration::from_secs(5),
         }
     }
 
