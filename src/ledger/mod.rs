@@ -43,8 +43,8 @@ pub use check::{compare_rollups, unexplained_rollups, HeldRollups};
 pub use period::Period;
 pub use query::{parse_bound, GroupBy, UsageAnswer, UsageQuery, NO_DIMENSION};
 pub use rollup::{
-    hour_of, Adjustment, AdjustmentReason, CounterKey, FoldError, Folded, HourKey, Lateness, LedgerMaps, Rollup,
-    DEFAULT_LATENESS_MS, HOUR_MS,
+    hour_of, hour_order, Adjustment, AdjustmentReason, CounterKey, FoldError, Folded, HourKey, Lateness, LedgerMaps,
+    Rollup, DEFAULT_LATENESS_MS, HOUR_MS,
 };
 pub use store::{LedgerError, LedgerStore, Preview, Replays, TenantLedger, WRITE_BEHIND};
 

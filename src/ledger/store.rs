@@ -34,8 +34,8 @@ use rust_decimal::Decimal;
 use crate::event::{EventKind, UsageEvent};
 
 use super::rollup::{
-    fold_into, hour_of, Adjustment, AdjustmentReason, CounterKey, CounterRef, FoldError, Folded, HourKey, HourRef,
-    Lateness, Rollup, Tally,
+    fold_into, hour_of, hour_order, Adjustment, AdjustmentReason, CounterKey, CounterRef, FoldError, Folded, HourKey,
+    HourRef, Lateness, Rollup, Tally,
 };
 use super::Period;
 
@@ -311,7 +311,8 @@ impl Preview {
                     .iter()
                     .map(|(e, _)| HourKey { counter: Arc::new(CounterKey::of(e)), hour_ms: hour_of(e.timestamp_ms) }),
             );
-            keys.sort_unstable();
+            // The fold's order, so a retry publishes as its first attempt did.
+            keys.sort_unstable_by(hour_order);
             keys.dedup();
             keys.into_iter().filter_map(|k| hours(&k).cloned().map(|r| (k, r))).collect()
         };
