@@ -172,7 +172,10 @@ pub fn classify_batch(
     let mut summary = BatchClassified { partition, misrouted: classified.misrouted, ..Default::default() };
     let mut records = Vec::with_capacity(inputs.len());
     let mut accepted = Vec::new();
-    let mut in_batch: HashMap<IdHash, UsageEvent> = HashMap::new();
+    // An accepted event's place in `accepted`, by identity: the original of
+    // a conflict within the batch. An index, not a copy of every accepted
+    // event for the few that meet a conflict.
+    let mut in_batch: HashMap<IdHash, usize> = HashMap::new();
     // Only needed to publish their rollups again.
     let mut replays: Vec<(UsageEvent, i64)> = Vec::new();
     let mut reasons: HashMap<RejectReason, u64> = HashMap::new();
@@ -193,7 +196,7 @@ pub fn classify_batch(
                     // Filled in with the offset the broker assigns.
                     output: Position::new(partition, -1),
                 };
-                in_batch.insert(id_hash, event.clone());
+                in_batch.insert(id_hash, accepted.len());
                 accepted.push((records.len() - 1, StoredEvent { key, event }));
             }
             Outcome::Duplicate { .. } => summary.duplicate += 1,
@@ -208,15 +211,18 @@ pub fn classify_batch(
             Outcome::Conflict { event, id_hash, payload_hash, tier, first } => {
                 summary.conflict += 1;
                 *tenants.entry(event.tenant_id.clone()).or_default() += 1;
-                let original =
-                    if tier == Tier::Batch { in_batch.get(&id_hash).cloned() } else { originals.next().flatten() };
+                let from_history = if tier == Tier::Batch { None } else { originals.next().flatten() };
+                let original = match tier {
+                    Tier::Batch => in_batch.get(&id_hash).map(|&i| &accepted[i].1.event),
+                    _ => from_history.as_ref(),
+                };
                 records.push(conflict_record(
                     &event,
                     id_hash,
                     payload_hash,
                     tier,
                     &first,
-                    original.as_ref(),
+                    original,
                     input.source,
                     now_ms,
                     layout.conflicts_partitions,

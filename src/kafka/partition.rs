@@ -213,8 +213,12 @@ async fn pipeline(
                 Event::Classified
             }
             Step::Publish { next_input, offsets_in_transaction, flush_rollups } => {
-                let (mut records, rollups) = match batch.prepared.as_ref() {
-                    Some(p) => (p.records.clone(), p.rollups.as_slice()),
+                // The records are moved out, not copied (a copy was seven
+                // allocations a record): a publish is tried once per
+                // classification, and a failed one classifies the batch
+                // again after its repair (see `Life`).
+                let (mut records, rollups) = match batch.prepared.as_mut() {
+                    Some(p) => (std::mem::take(&mut p.records), p.rollups.as_slice()),
                     None => (Vec::new(), &[][..]),
                 };
                 if let (Some(n), true) = (rollups_partitions, flush_rollups) {
