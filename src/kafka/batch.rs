@@ -454,6 +454,16 @@ mod tests {
         assert_eq!(shown(held.records(&newer, 0, 2, NOW)).len(), 2, "nothing held: the batch's own");
     }
 
+    /// An engine with the ledger on and partition 0 assigned, in `dir` or
+    /// in memory.
+    fn ledger_engine(dir: Option<&std::path::Path>) -> RefCell<StateEngine> {
+        let settings = EngineSettings::default();
+        let state = LocalState::open(dir, settings.clone(), true).expect("open");
+        let e = RefCell::new(StateEngine::new(state, settings.validator()));
+        e.borrow_mut().assign_all(&[0], NOW).expect("assign");
+        e
+    }
+
     /// At least once, a publish can fail after the output topic took a
     /// batch's events and before the rollups topic took their totals (two
     /// topics, no transaction). The retry, after repair has read the events
@@ -464,10 +474,7 @@ mod tests {
     fn a_retried_batch_of_replays_publishes_their_rollups_and_adjustments_again() {
         for durable in [false, true] {
             let dir = tempfile::tempdir().expect("dir");
-            let settings = EngineSettings::default();
-            let state = LocalState::open(durable.then_some(dir.path()), settings.clone(), true).expect("open");
-            let e = RefCell::new(StateEngine::new(state, settings.validator()));
-            e.borrow_mut().assign_all(&[0], NOW).expect("assign");
+            let e = ledger_engine(durable.then_some(dir.path()));
             ingest(&e, 0, &[ev("w", "c0", "1")], 0);
             let batch = vec![ev("a", "c0", "2"), ev("b", "c1", "3"), ev_at("late", "c0", "5", NOW - 49 * 3_600_000)];
             // Input offsets apart from output offsets: an adjustment is
@@ -515,10 +522,7 @@ mod tests {
     fn a_retried_batch_publishes_its_rollups_in_the_order_of_its_first_attempt() {
         for durable in [false, true] {
             let dir = tempfile::tempdir().expect("dir");
-            let settings = EngineSettings::default();
-            let state = LocalState::open(durable.then_some(dir.path()), settings.clone(), true).expect("open");
-            let e = RefCell::new(StateEngine::new(state, settings.validator()));
-            e.borrow_mut().assign_all(&[0], NOW).expect("assign");
+            let e = ledger_engine(durable.then_some(dir.path()));
             let batch: Vec<Vec<u8>> = (0..8).map(|i| ev(&format!("e{i}"), &format!("c{i}"), "1")).collect();
             let first = ingest_at(&e, 0, &batch, 100, 1);
             let with = |f: &mut dyn FnMut(&dyn Engine)| f(&*e.borrow());
