@@ -213,10 +213,11 @@ async fn pipeline(
                 Event::Classified
             }
             Step::Publish { next_input, offsets_in_transaction, flush_rollups } => {
-                // The records are moved out, not copied (a copy was seven
-                // allocations a record): a publish is tried once per
-                // classification, and a failed one classifies the batch
-                // again after its repair (see `Life`).
+                // The records are moved out, not copied (a copy of an
+                // accepted event's record was eight allocations: key,
+                // value, the header list and its five headers): a publish
+                // is tried once per classification, and a failed one
+                // classifies the batch again after its repair (see `Life`).
                 let (mut records, rollups) = match batch.prepared.as_mut() {
                     Some(p) => (std::mem::take(&mut p.records), p.rollups.as_slice()),
                     None => (Vec::new(), &[][..]),
