@@ -7,6 +7,8 @@
 
 mod kafka_common;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use dedupd::kafka::demo::{demo, produce_traffic, DemoSettings};
@@ -47,10 +49,56 @@ fn spawn_worker_with(
     (parts, metrics): (dedupd::kafka::WorkerParts, std::sync::Arc<dedupd::metrics::Metrics>),
 ) -> Spawned {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let handle = tokio::spawn(run(settings, parts, async move {
-        let _ = rx.await;
-    }));
+    let test = std::thread::current().name().unwrap_or("a test").to_owned();
+    let life = Life::default();
+    let watched = life.0.clone();
+    let handle = tokio::spawn(async move {
+        // Dropped when the worker returns, or when its task is cancelled.
+        let _life = life;
+        run(settings, parts, async move {
+            if rx.await.is_ok() {
+                watch_the_stop(test, watched);
+            }
+        })
+        .await
+    });
     (tx, handle, metrics)
+}
+
+/// Whether a spawned worker is still running: cleared on drop.
+struct Life(Arc<AtomicBool>);
+
+impl Default for Life {
+    fn default() -> Self {
+        Life(Arc::new(AtomicBool::new(true)))
+    }
+}
+
+impl Drop for Life {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+}
+
+/// Bounds a worker's orderly stop, which the test itself cannot: a stop
+/// stuck in a blocking call would hang this suite until CI's own limit
+/// killed it without naming the test, and a timed-out test cannot end it
+/// either (its runtime waits for blocking threads when it shuts down). So
+/// a thread outside the runtime ends the whole process, saying why, if the
+/// worker has not stopped well after its revoke timeout (30 s here) and
+/// flush timeout (20 s) allow for.
+fn watch_the_stop(test: String, running: Arc<AtomicBool>) {
+    const STOP_WITHIN: Duration = Duration::from_secs(180);
+    std::thread::spawn(move || {
+        std::thread::sleep(STOP_WITHIN);
+        if running.load(Ordering::SeqCst) {
+            // Straight to the process's stderr: `eprintln!` here would go
+            // to the test's captured output, which an abort never prints.
+            let why = format!("{test}: a worker told to stop had not stopped after {STOP_WITHIN:?}; aborting\n");
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), why.as_bytes());
+            std::process::abort();
+        }
+    });
 }
 
 fn buckets_total(m: &dedupd::metrics::Metrics) -> u64 {
