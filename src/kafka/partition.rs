@@ -153,7 +153,15 @@ async fn pipeline(
                     shared.batches_abandoned.fetch_add(1, Ordering::Relaxed);
                 }
                 if let Some(next) = commit_first {
-                    last_commit(shared, partition, next).await;
+                    // Sent, not awaited: librdkafka holds the group back
+                    // until its outstanding commits are answered, both after
+                    // a revoke (the rebalance goes on only then) and in
+                    // close. The answer itself cannot reach this task: the
+                    // consumer's queue, where it arrives, is served by the
+                    // poll that is running this revoke, or by none once the
+                    // worker is stopping. Waiting for it here cost every
+                    // revoke and every stop three seconds and gained nothing.
+                    commit_input(shared, partition, next);
                 }
                 return Ok(());
             }
@@ -433,17 +441,6 @@ fn finish_batch(shared: &Shared, progress: &PartitionProgress, batch: InFlight) 
     progress.progressed(wall_ms());
     if let Some(p) = batch.prepared {
         p.summary.emit(&shared.metrics);
-    }
-}
-
-/// Last chance before the partition is released (at-least-once): send the
-/// commit and give the broker a moment to confirm it. Unconfirmed, the next
-/// owner replays the tail and recognises it as replays.
-async fn last_commit(shared: &Arc<Shared>, partition: i32, next: i64) {
-    commit_input(shared, partition, next);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
-    while shared.committed_offset(partition) < Some(next) && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
