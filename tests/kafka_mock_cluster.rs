@@ -7,7 +7,6 @@
 
 mod kafka_common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -50,11 +49,12 @@ fn spawn_worker_with(
 ) -> Spawned {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let test = std::thread::current().name().unwrap_or("a test").to_owned();
-    let life = Life::default();
-    let watched = life.0.clone();
+    // Held by the worker's task: gone when the worker returns or its task
+    // is cancelled, which is what the watch below looks for.
+    let running = Arc::new(());
+    let watched = Arc::downgrade(&running);
     let handle = tokio::spawn(async move {
-        // Dropped when the worker returns, or when its task is cancelled.
-        let _life = life;
+        let _running = running;
         run(settings, parts, async move {
             if rx.await.is_ok() {
                 watch_the_stop(test, watched);
@@ -65,21 +65,6 @@ fn spawn_worker_with(
     (tx, handle, metrics)
 }
 
-/// Whether a spawned worker is still running: cleared on drop.
-struct Life(Arc<AtomicBool>);
-
-impl Default for Life {
-    fn default() -> Self {
-        Life(Arc::new(AtomicBool::new(true)))
-    }
-}
-
-impl Drop for Life {
-    fn drop(&mut self) {
-        self.0.store(false, Ordering::SeqCst);
-    }
-}
-
 /// Bounds a worker's orderly stop, which the test itself cannot: a stop
 /// stuck in a blocking call would hang this suite until CI's own limit
 /// killed it without naming the test, and a timed-out test cannot end it
@@ -87,11 +72,11 @@ impl Drop for Life {
 /// a thread outside the runtime ends the whole process, saying why, if the
 /// worker has not stopped well after its revoke timeout (30 s here) and
 /// flush timeout (20 s) allow for.
-fn watch_the_stop(test: String, running: Arc<AtomicBool>) {
+fn watch_the_stop(test: String, running: std::sync::Weak<()>) {
     const STOP_WITHIN: Duration = Duration::from_secs(180);
     std::thread::spawn(move || {
         std::thread::sleep(STOP_WITHIN);
-        if running.load(Ordering::SeqCst) {
+        if running.upgrade().is_some() {
             // Straight to the process's stderr: `eprintln!` here would go
             // to the test's captured output, which an abort never prints.
             let why = format!("{test}: a worker told to stop had not stopped after {STOP_WITHIN:?}; aborting\n");
