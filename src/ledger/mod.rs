@@ -262,6 +262,33 @@ impl Ledger {
         }
     }
 
+    /// Tells the durable store the usage store's next segment id (see
+    /// [`LedgerStore::note_usage_segment`]).
+    pub fn note_usage_segment(&self, next_segment_id: u64) {
+        if let Ledger::Durable(store) = self {
+            store.note_usage_segment(next_segment_id);
+        }
+    }
+
+    /// Whether the durable store has written `partition` with a segment id
+    /// in this process (see [`LedgerStore::segment_recorded`]); always in
+    /// memory, which has nothing to catch up.
+    pub fn segment_recorded(&self, partition: i32) -> bool {
+        match self {
+            Ledger::Durable(store) => store.segment_recorded(partition),
+            Ledger::Memory(_) => true,
+        }
+    }
+
+    /// The usage store's next segment id at each partition's last write
+    /// (see [`LedgerStore::written_usage_segments`]); none in memory.
+    pub fn written_usage_segments(&self) -> Result<BTreeMap<i32, u64>, LedgerError> {
+        match self {
+            Ledger::Durable(store) => store.written_usage_segments(),
+            Ledger::Memory(_) => Ok(BTreeMap::new()),
+        }
+    }
+
     /// Whether folded changes have waited long enough to be written.
     pub fn write_due(&self) -> bool {
         match self {

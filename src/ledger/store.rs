@@ -4,9 +4,8 @@
 //! Folded changes are written behind, many batches at a time, with the
 //! checkpoint in the same write batch, so after any crash the ledger is
 //! exactly the fold of its partition's output up to its checkpoint. What
-//! follows is folded again on the next start: from the usage store's
-//! memtable when it still holds all of it (local state writes the ledger
-//! before every memtable flush, so after a process crash it does), else by
+//! follows is folded again on the next start: from the usage store, which
+//! holds it after a process crash (see the segment id below), else by
 //! repair from the output topic (the source of truth). Writes go through
 //! RocksDB's WAL without an fsync each.
 //!
@@ -19,10 +18,19 @@
 //! W partition tenant customer meter        -> watermark
 //! A tenant period partition offset         -> adjustment
 //! C partition                              -> checkpoint (last output offset folded)
+//! S partition                              -> the usage store's next segment id
+//!                                             when the checkpoint was written
 //! ```
+//!
+//! The segment id says where a restart finds what the ledger had folded
+//! and not written: every event the usage store took after that write is
+//! in its memtable (rebuilt from its WAL) or in a segment with that id or
+//! a later one (see `UsageStore::stored_after`). So the ledger need not
+//! write before each memtable flush, only every [`WRITE_BEHIND`].
 
+use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::time::Instant;
 
@@ -188,13 +196,13 @@ fn fingerprint(events: &[(&UsageEvent, i64)]) -> [u8; 32] {
 /// [`apply`](Self::apply) folds into an in-memory cache of hours and
 /// watermarks; [`write_pending`](Self::write_pending) writes every change
 /// since the last write, each partition's in one key-ordered write batch
-/// with its checkpoint. Local state calls it before each usage-store flush,
-/// and at the first apply or maintenance tick once [`WRITE_BEHIND`] has
-/// passed (and every query does), so a counter-hour that many batches touch
-/// is written once, not once per batch: the write was half the ledger's
-/// cost when every batch wrote. A restart folds the unwritten batches again
-/// from the usage store's memtable (see the module doc), so it still
-/// repairs only the batches in flight. Reads go to the cache first: the
+/// with its checkpoint. Local state calls it at the first apply or
+/// maintenance tick once [`WRITE_BEHIND`] has passed (and every query
+/// does), so a counter-hour that many batches touch is written once, not
+/// once per batch: the write was half the ledger's cost when every batch
+/// wrote, and still most of it when every usage-store flush wrote. A
+/// restart folds the unwritten batches again from the usage store (see
+/// the module doc), so it still repairs only the batches in flight. Reads go to the cache first: the
 /// hours a batch touches are mostly the hours the batch before touched.
 ///
 /// Each partition's cache has a lock of its own, so partitions fold side by
@@ -215,6 +223,11 @@ pub struct LedgerStore {
     cached_entries: AtomicUsize,
     /// [`CACHE_MAX_ENTRIES`], smaller in tests.
     cache_max_entries: usize,
+    /// The usage store's next segment id as last told
+    /// ([`note_usage_segment`](Self::note_usage_segment)), written with
+    /// each partition's checkpoint. Told before the folds a write covers,
+    /// so it is never past the segment of an event the write misses.
+    usage_segment: AtomicU64,
     /// Tests: the next write fails as a full disk would make RocksDB's.
     #[cfg(test)]
     fail_next_write: std::sync::atomic::AtomicBool,
@@ -245,6 +258,9 @@ struct Cache {
     checkpoint: Option<i64>,
     /// Whether anything was folded since the last write.
     dirty: bool,
+    /// Whether this process wrote the checkpoint with a segment id (see
+    /// [`LedgerStore::segment_recorded`]).
+    segment_recorded: bool,
     /// This partition's share of [`LedgerStore::cached_entries`]: its
     /// hours and watermarks at its last write.
     counted: usize,
@@ -371,6 +387,7 @@ impl LedgerStore {
             written_at: Mutex::default(),
             cached_entries: AtomicUsize::new(0),
             cache_max_entries: CACHE_MAX_ENTRIES,
+            usage_segment: AtomicU64::new(0),
             #[cfg(test)]
             fail_next_write: std::sync::atomic::AtomicBool::new(false),
         }
@@ -403,6 +420,38 @@ impl LedgerStore {
         let cache = self.cache(partition);
         let cache = lock(&cache);
         self.checkpoint_of(partition, &cache)
+    }
+
+    /// Tells the store the usage store's next segment id, read before
+    /// the folds the next writes cover (it only rises within a process).
+    pub fn note_usage_segment(&self, next_segment_id: u64) {
+        self.usage_segment.fetch_max(next_segment_id, Ordering::SeqCst);
+    }
+
+    /// Whether this process has written `partition`'s checkpoint with a
+    /// segment id yet. Until it has, a restart may find no segment id for
+    /// what the partition folded (a partition first folded since the last
+    /// write, or last written by a version that recorded none), so local
+    /// state writes at a partition's first fold.
+    pub fn segment_recorded(&self, partition: i32) -> bool {
+        lock(&self.cache(partition)).segment_recorded
+    }
+
+    /// For each partition written with one, the usage store's next segment
+    /// id at its last write: from there on, the usage store holds every
+    /// event folded after that write. Partitions last written by a version
+    /// that did not record it have none.
+    pub fn written_usage_segments(&self) -> Result<BTreeMap<i32, u64>, LedgerError> {
+        let mut marks = BTreeMap::new();
+        for item in self.db.iterator(IteratorMode::From(b"S", Direction::Forward)) {
+            let (k, v) = item.map_err(self.rocks())?;
+            if k.first() != Some(&b'S') {
+                break;
+            }
+            let (partition, segment) = decode_segment_entry(&k, &v)?;
+            marks.insert(partition, segment);
+        }
+        Ok(marks)
     }
 
     fn checkpoint_of(&self, partition: i32, cache: &Cache) -> Result<Option<i64>, LedgerError> {
@@ -632,7 +681,10 @@ impl LedgerStore {
         }
         if let Some(c) = cache.checkpoint {
             puts.add(|out| push_checkpoint_key(out, partition), |out| out.extend_from_slice(&flip(c)));
+            let segment = self.usage_segment.load(Ordering::SeqCst);
+            puts.add(|out| push_segment_key(out, partition), |out| out.extend_from_slice(&segment.to_be_bytes()));
         }
+        let recorded = cache.checkpoint.is_some();
         let batch = puts.into_batch();
         // What is pending stays pending until RocksDB has taken it: a
         // failed write (a full disk, say) must not drop folded hours and
@@ -644,6 +696,7 @@ impl LedgerStore {
             return Err(LedgerError::InjectedWriteFailure);
         }
         self.db.write(batch).map_err(self.rocks())?;
+        cache.segment_recorded |= recorded;
         cache.dirty_hours.clear();
         cache.dirty_watermarks.clear();
         cache.adjustments.clear();
@@ -885,6 +938,9 @@ impl LedgerStore {
                 Some(b'C') => {
                     read_i64(&v, "checkpoint")?;
                 }
+                Some(b'S') => {
+                    decode_segment_entry(&k, &v)?;
+                }
                 _ => return Err(LedgerError::Corrupt { what: "key", detail: format!("unknown key kind {k:?}") }),
             }
             n += 1;
@@ -973,6 +1029,11 @@ fn checkpoint_key(partition: i32) -> Vec<u8> {
     encoded(|out| push_checkpoint_key(out, partition))
 }
 
+fn push_segment_key(out: &mut Vec<u8>, partition: i32) {
+    out.push(b'S');
+    out.extend_from_slice(&flip32(partition));
+}
+
 /// A write's keys and values, encoded one after another into one buffer
 /// (a write puts tens of thousands of small entries; two allocations each
 /// were a fifth of its cost), put in key order.
@@ -1050,6 +1111,17 @@ impl<'a> Reader<'a> {
             Err(LedgerError::Corrupt { what: self.what, detail: format!("{} trailing bytes", self.bytes.len()) })
         }
     }
+}
+
+/// An `S` entry: its partition and segment id.
+fn decode_segment_entry(k: &[u8], v: &[u8]) -> Result<(i32, u64), LedgerError> {
+    let mut key = Reader { bytes: k.get(1..).unwrap_or_default(), what: "segment id key" };
+    let partition = key.i32()?;
+    key.end()?;
+    let mut value = Reader { bytes: v, what: "segment id" };
+    let segment = value.u64()?;
+    value.end()?;
+    Ok((partition, segment))
 }
 
 fn read_i64(b: &[u8], what: &'static str) -> Result<i64, LedgerError> {

@@ -19,21 +19,25 @@
 //! commit, waited for without its lock, so one fsync covers every batch
 //! written when it starts.
 //!
-//! The ledger writes behind (see [`LedgerStore`]): what it folded but had
-//! not written when a process died is folded again at open from the usage
-//! store's memtable (rebuilt from its WAL, `catch_up_ledger`). So every
-//! event must be in the ledger's writes before the memtable moves it into
-//! a segment. Each batch is folded before the usage store holds it, and
-//! the batch that fills the memtable has the ledger write first, under the
-//! usage store's lock: that write covers every event the memtable holds,
-//! whichever partition's it is. A batch the usage store already partly
-//! holds (the ledger being repaired behind it) is written at once. The
-//! state directory is locked for one process.
+//! The ledger writes behind (see [`LedgerStore`]), every few seconds:
+//! what it folded but had not written when a process died is folded again
+//! at open from the usage store (`catch_up_ledger`), which holds it in its
+//! memtable (rebuilt from its WAL) or in a segment written since the
+//! ledger's last write. Each write records the usage store's next segment
+//! id, told to the ledger before the folds it covers, and each batch is
+//! folded before the usage store holds it: so an event a write misses is
+//! in a segment with that id or a later one, and the restart reads only
+//! those. The ledger used to write before every memtable flush instead,
+//! under the usage store's lock: with a busy ledger that was the largest
+//! part of its cost (tens of thousands of hours written every 100,000
+//! events) and a stall for every partition. A batch the usage store
+//! already partly holds (the ledger being repaired behind it) is written
+//! at once. The state directory is locked for one process.
 //!
 //! The usage store's long writes run on threads of their own, off every
 //! partition's batch (`storage` says how): the batch that fills the
-//! memtable freezes it and starts its flush (after the ledger write
-//! above), and upkeep (`maintain`) starts compactions. Each thread
+//! memtable freezes it and starts its flush, and upkeep (`maintain`)
+//! starts compactions. Each thread
 //! installs its job under the usage store's lock. Close and drop join them.
 //!
 //! Sync: no tokio, no rdkafka. Methods may block on fsync.
@@ -589,27 +593,65 @@ impl LocalState {
     }
 
     /// Folds into the ledger what the usage store holds past the ledger's
-    /// checkpoint, for every partition whose missing events are all still
-    /// in the memtable: the batches the ledger had folded but not written
-    /// when the process stopped. Any other gap is left to repair from the
-    /// output topic. Returns how many events were folded.
+    /// checkpoint: the batches the ledger had folded but not written when
+    /// the process stopped. They are in the usage store's memtable (rebuilt
+    /// from its WAL) or in the segments written since the ledger's last
+    /// write, whose first id that write recorded; each of those segments is
+    /// read once. A partition last written without that record (an older
+    /// version) catches up from the memtable alone, when it holds the whole
+    /// gap. Any other gap is left to repair from the output topic. Returns
+    /// how many events were folded.
     fn catch_up_ledger(&mut self) -> Result<usize, StateError> {
         let (Some(ledger), Some(d)) = (&self.ledger, &self.durable) else {
             return Ok(0);
         };
         let usage = &mut *locked(&d.usage);
-        let mut folded = 0;
+        let written_segments = ledger.written_usage_segments()?;
+        // Ids taken after the last manifest died with the process; one the
+        // ledger recorded must still be the floor of what comes next.
+        if let Some(highest) = written_segments.values().max() {
+            usage.skip_segment_ids_to(*highest);
+        }
+        ledger.note_usage_segment(usage.next_segment_id());
+        let mut gaps = BTreeMap::new();
+        let mut from_memtable = Vec::new();
         for p in usage.partitions() {
             let written = ledger.checkpoint(p)?;
             if written >= usage.checkpoint(p) {
                 continue;
             }
-            let Some(events) = usage.unflushed_after(p, written) else {
-                continue;
-            };
+            match written_segments.get(&p) {
+                Some(_) => {
+                    gaps.insert(p, written);
+                }
+                None => from_memtable.push((p, written)),
+            }
+        }
+        let mut folded = 0;
+        let mut fold = |p: i32, events: &[&StoredEvent]| -> Result<(), StateError> {
             let accepted: Vec<(&UsageEvent, i64)> = events.iter().map(|e| (&e.event, e.key.output.offset)).collect();
             ledger.apply(p, &self.settings.lateness, &accepted)?;
             folded += accepted.len();
+            Ok(())
+        };
+        if let Some(first) = gaps.keys().filter_map(|p| written_segments.get(p)).min() {
+            for (p, events) in usage.stored_after(*first, &gaps)? {
+                // The usage store holds every event up to its checkpoint,
+                // so the last one found is there; if not, repair decides.
+                if events.last().map(|e| e.key.output.offset) != usage.checkpoint(p) {
+                    tracing::warn!(
+                        partition = p,
+                        "the usage store does not hold what the ledger missed; repair folds it"
+                    );
+                    continue;
+                }
+                fold(p, &events.iter().collect::<Vec<_>>())?;
+            }
+        }
+        for (p, written) in from_memtable {
+            if let Some(events) = usage.unflushed_after(p, written) {
+                fold(p, &events)?;
+            }
         }
         ledger.write_pending()?;
         Ok(folded)
@@ -892,24 +934,33 @@ impl LocalState {
 
     /// The ledger's part of an apply, before the usage store's.
     ///
-    /// The ledger folds and writes behind. A restart catches it up from the
-    /// usage store's memtable only (`catch_up_ledger`), so every event the
-    /// memtable moves into a segment must be written to the ledger first.
-    /// Folding each batch before the usage store holds it makes that a
-    /// matter of one write at the move (`append_usage`), whichever
-    /// partition's batch fills the memtable. One case writes now: the usage
-    /// store already holds some of the batch (the ledger is being repaired
-    /// behind it), so those events may be in a segment already.
+    /// The ledger folds and writes behind, every [`WRITE_BEHIND`]. A
+    /// restart catches it up from the usage store (`catch_up_ledger`): from
+    /// its memtable and the segments written since the ledger's last write,
+    /// which starts at the usage store's next segment id told here, before
+    /// the fold. Each batch is folded before the usage store holds it, so
+    /// an event a write misses goes to a segment at or past that id. One
+    /// case writes now: the usage store already holds some of the batch
+    /// (the ledger is being repaired behind it), so those events may be in
+    /// older segments. So does a partition's first fold in this process,
+    /// so that a restart finds a segment id for it (see
+    /// [`Ledger::segment_recorded`]).
+    ///
+    /// [`WRITE_BEHIND`]: crate::ledger::WRITE_BEHIND
     fn fold_into_ledger(&self, partition: i32, fresh: &[&StoredEvent], first: i64) -> Result<(), StateError> {
         let Some(ledger) = &self.ledger else {
             return Ok(());
         };
         // Only this partition's task appends to it: the answer holds.
-        let behind =
-            self.durable.as_ref().is_some_and(|d| locked(&d.usage).checkpoint(partition).is_some_and(|u| u >= first));
+        let behind = self.durable.as_ref().is_some_and(|d| {
+            let usage = locked(&d.usage);
+            ledger.note_usage_segment(usage.next_segment_id());
+            usage.checkpoint(partition).is_some_and(|u| u >= first)
+        });
         let accepted: Vec<(&UsageEvent, i64)> = fresh.iter().map(|e| (&e.event, e.key.output.offset)).collect();
+        let first_fold = !ledger.segment_recorded(partition);
         ledger.apply(partition, &self.settings.lateness, &accepted)?;
-        if behind || ledger.write_due() {
+        if behind || first_fold || ledger.write_due() {
             ledger.write_pending()?;
         }
         Ok(())
@@ -917,12 +968,8 @@ impl LocalState {
 
     /// The usage store's part of an apply (or, without a state directory,
     /// the partition's checkpoint in memory, moved only after the ledger's
-    /// fold succeeded). When this batch makes the memtable move into a
-    /// segment, the ledger writes first: every event in the memtable was
-    /// folded before it was appended, so that write covers them all. The
-    /// one place an apply holds both tiers' locks: the usage store's, then
-    /// each ledger partition's in turn. With `--fsync always`, returns the batch's pending fsync,
-    /// for the caller to wait on without the lock.
+    /// fold succeeded). With `--fsync always`, returns the batch's pending
+    /// fsync, for the caller to wait on without the lock.
     fn append_usage(
         &self,
         partition: i32,
@@ -934,26 +981,18 @@ impl LocalState {
             return Ok(None);
         };
         let mut usage = d.usage_with_room();
-        if usage.flush_due(&events) {
-            if let Some(ledger) = &self.ledger {
-                ledger.write_pending()?;
-            }
-        }
         let pending = usage.append_deferred(events)?.1;
         self.start_flush_if_wanted(d, &mut usage)?;
         Ok(pending)
     }
 
-    /// Starts moving a full memtable into a segment on the flush thread,
-    /// the ledger's write first (the same rule as an inline flush: every
-    /// event in the memtable was folded before it was appended, so that
-    /// write covers them all). Called with the usage store's lock held.
+    /// Starts moving a full memtable into a segment on the flush thread.
+    /// Called with the usage store's lock held. The ledger need not write
+    /// first: a restart finds what it had not written in the segment (see
+    /// `catch_up_ledger`).
     fn start_flush_if_wanted(&self, d: &Durable, usage: &mut UsageStore) -> Result<(), StateError> {
         if !usage.flush_wanted() {
             return Ok(());
-        }
-        if let Some(ledger) = &self.ledger {
-            ledger.write_pending()?;
         }
         d.start_flush(usage)
     }
@@ -1030,7 +1069,8 @@ impl LocalState {
         if let Some(d) = &self.durable {
             let mut usage = locked(&d.usage);
             if let Some(ledger) = &self.ledger {
-                if usage.flush_due(&[]) || ledger.write_due() {
+                if ledger.write_due() {
+                    ledger.note_usage_segment(usage.next_segment_id());
                     ledger.write_pending()?;
                 }
             }

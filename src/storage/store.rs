@@ -823,6 +823,58 @@ impl UsageStore {
         )
     }
 
+    /// The id the next segment will take. Every event appended from now on
+    /// reaches a segment whose id is at least this (a memtable takes its
+    /// segment's id when it is frozen, and a compaction's output takes a
+    /// new id): what a tier that writes behind (the ledger) records with
+    /// each write, so a restart knows which segments may hold what it had
+    /// not written.
+    pub fn next_segment_id(&self) -> u64 {
+        self.next_segment_id
+    }
+
+    /// Makes the next segment's id at least `id`: a tier recorded `id` as
+    /// [`next_segment_id`](Self::next_segment_id) before a crash lost ids
+    /// taken after the last manifest, and a segment written from now on
+    /// must not take an id below what it recorded.
+    pub fn skip_segment_ids_to(&mut self, id: u64) {
+        self.next_segment_id = self.next_segment_id.max(id);
+    }
+
+    /// Every stored event of each partition of `after` above its offset
+    /// there, in output order, read from the memtables and the segments
+    /// whose id is `first_segment` or more (see
+    /// [`next_segment_id`](Self::next_segment_id)); each segment is read
+    /// once for all partitions. What the ledger catches up from at open.
+    pub fn stored_after(
+        &self,
+        first_segment: u64,
+        after: &BTreeMap<i32, Option<i64>>,
+    ) -> Result<BTreeMap<i32, Vec<StoredEvent>>, StorageError> {
+        self.check_poison()?;
+        let wanted = |e: &StoredEvent| {
+            after.get(&e.key.output.partition).is_some_and(|a| a.is_none_or(|a| e.key.output.offset > a))
+        };
+        let mut found: BTreeMap<i32, Vec<StoredEvent>> = after.keys().map(|p| (*p, Vec::new())).collect();
+        let mut keep = |e: StoredEvent| {
+            if let Some(events) = found.get_mut(&e.key.output.partition) {
+                events.push(e);
+            }
+        };
+        for meta in self.manifest.segments.iter().filter(|s| s.id >= first_segment) {
+            let path = segment::segment_path(&self.seg_dir, meta.id);
+            Segment::open(self.fs.as_ref(), &path)?.read_all()?.into_iter().filter(|e| wanted(e)).for_each(&mut keep);
+        }
+        self.unflushed().flat_map(|m| m.events().iter()).filter(|e| wanted(e)).cloned().for_each(keep);
+        for events in found.values_mut() {
+            // A compaction places its output where its oldest input was, so
+            // segment order is not output order.
+            events.sort_by_key(|e| e.key.output.offset);
+            events.dedup_by_key(|e| e.key.output.offset);
+        }
+        Ok(found)
+    }
+
     /// WAL bytes written but not yet fsynced (always 0 with `FsyncPolicy::Always`
     /// once `append` returned, or `append_deferred`'s pending fsync was
     /// waited for): what a power loss could take.
@@ -1890,6 +1942,74 @@ mod tests {
             retention_ms: i64::MAX / 4,
             ..StoreOptions::default()
         }
+    }
+
+    /// What the ledger catches up from at open: every event of the asked
+    /// partitions above their offsets, from the segments at or past a
+    /// recorded id and the memtable, in output order, even after a
+    /// compaction put newer events in a segment placed before older ones.
+    /// Segments below the id are not read; ids a crash lost are not taken
+    /// again once skipped past.
+    #[test]
+    fn stored_after_reads_the_memtable_and_the_segments_from_an_id_on() {
+        use crate::storage::testutil::sample_event;
+        let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
+        let dir = tempfile::tempdir().expect("tmp");
+        let (mut store, _) =
+            UsageStore::open_on(Arc::new(RealFs), dir.path(), jobs_options(), observer.clone()).expect("open");
+        let events: Vec<StoredEvent> = (0..45u64).map(|n| sample_event(n, (n % 3) as i32, (n / 3) as i64)).collect();
+        let flush = |store: &mut UsageStore| {
+            let job = store.start_flush().expect("start").expect("a job");
+            store.finish_flush(job).expect("finish");
+        };
+        // Segment 1 (small) and 2 (large), then the id the ledger would
+        // record, then segment 3 (small) and 4 (large), and five events left
+        // in the memtable. Upkeep merges the small ones into segment 5,
+        // placed where segment 1 was: before segment 2, whose events are
+        // older than segment 3's.
+        for range in [0..5, 5..20] {
+            store.append(&events[range]).expect("append");
+            flush(&mut store);
+        }
+        let recorded = store.next_segment_id();
+        for range in [20..27, 27..40] {
+            store.append(&events[range]).expect("append");
+            flush(&mut store);
+        }
+        store.append(&events[40..]).expect("append");
+        store.opts.compaction_target_rows = 9;
+        let mut job = store.start_compaction(1).expect("plan").expect("the small segments merge");
+        job.run();
+        store.finish_compaction(job).expect("install");
+        store.opts.compaction_target_rows = 1_000;
+        let ids: Vec<u64> = store.segments().iter().map(|s| s.id).collect();
+        assert_eq!(ids, [5, 2, 4], "the merged segment takes the oldest input's place");
+        // Partition 1 above offset 6; partition 2 whole, as far as the
+        // segments read hold it: segment 2 is below the recorded id and not
+        // read, segment 5 is read whole (segment 1's events with it).
+        // Partition 0 is not asked for.
+        let after = BTreeMap::from([(1, Some(6)), (2, None)]);
+        let found = store.stored_after(recorded, &after).expect("read");
+        let of = |p: i32, above: i64, from: &[StoredEvent]| -> Vec<StoredEvent> {
+            from.iter().filter(|e| e.key.output.partition == p && e.key.output.offset > above).cloned().collect()
+        };
+        assert_eq!(found.keys().copied().collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(found[&1], of(1, 6, &events[20..]));
+        assert_eq!(found[&2], [of(2, -1, &events[..5]), of(2, -1, &events[20..])].concat());
+        // From the first segment on, partition 1 gets every event above 6.
+        let all = store.stored_after(0, &BTreeMap::from([(1, Some(6))])).expect("read");
+        let whole: Vec<StoredEvent> =
+            events.iter().filter(|e| e.key.output.partition == 1 && e.key.output.offset > 6).cloned().collect();
+        assert_eq!(all[&1], whole);
+        // Ids taken after the last manifest are lost with the process:
+        // a skip keeps the next segment at or past a recorded id.
+        let taken = store.take_segment_id();
+        drop(store);
+        let (mut store, _) = UsageStore::open_on(Arc::new(RealFs), dir.path(), jobs_options(), observer).expect("open");
+        assert!(store.next_segment_id() <= taken, "the id taken before the crash is not in the manifest");
+        store.skip_segment_ids_to(taken + 1);
+        flush(&mut store);
+        assert_eq!(store.segments().last().map(|s| s.id), Some(taken + 1));
     }
 
     /// A flush written without the store's lock: appends go on into a
