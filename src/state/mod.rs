@@ -906,7 +906,7 @@ impl LocalState {
         let (first, last) = (first.key.output.offset, last.key.output.offset);
         let fresh = &fresh[..];
         // The ledger folds the batch before the usage store holds it: see
-        // `append_usage` for why.
+        // `fold_into_ledger` for why.
         self.fold_into_ledger(partition, fresh, first)?;
         // The copies the usage store's memtable keeps, made before taking
         // its lock, and the keys the other tiers remember.
