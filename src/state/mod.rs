@@ -455,7 +455,7 @@ pub struct LocalState {
     /// The usage ledger tier; `None` when the ledger is off (and on the
     /// simulator's disk, which models the usage store and key store only).
     /// Where a call takes both, the usage store's lock comes before a
-    /// ledger partition's (`append_usage`; the read-only tools, which hold
+    /// ledger partition's (`maintain`, `catch_up_ledger`; the read-only tools, which hold
     /// the state alone, are the exception and cannot meet another thread).
     /// The durable ledger locks each partition alone (see [`LedgerStore`]).
     ledger: Option<Ledger>,
