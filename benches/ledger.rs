@@ -174,9 +174,8 @@ fn month_total(c: &mut Criterion) {
 }
 
 /// The ledger alone, on the batches of `ingest`: preview, apply, and the
-/// write behind as local state makes it (when due, and before each usage
-/// memtable flush, every 262 batches at the default size). Its time per
-/// event is what the ledger adds to `ingest`.
+/// write behind as local state makes it (when due). Its time per event is
+/// what the ledger adds to `ingest`.
 fn ledger_alone(c: &mut Criterion) {
     let mut group = c.benchmark_group("ledger_alone");
     group.sample_size(10).warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(8));
@@ -190,7 +189,6 @@ fn ledger_alone(c: &mut Criterion) {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
                 let events = batch(next, next as i64);
-                let flush_due = next % (262 * BATCH as u64) == 0;
                 next += BATCH as u64;
                 let started = Instant::now();
                 let unknown: Vec<(&UsageEvent, i64)> = events.iter().map(|e| (&e.event, -1)).collect();
@@ -198,7 +196,7 @@ fn ledger_alone(c: &mut Criterion) {
                 let accepted: Vec<(&UsageEvent, i64)> =
                     events.iter().map(|e| (&e.event, e.key.output.offset)).collect();
                 store.apply(0, &lateness, &accepted).expect("apply");
-                if flush_due || store.write_due() {
+                if store.write_due() {
                     store.write_pending().expect("write");
                 }
                 total += started.elapsed();

@@ -270,6 +270,21 @@ impl Ledger {
         }
     }
 
+    /// See [`LedgerStore::set_anchored`]; nothing to do in memory.
+    pub fn set_anchored(&self, partition: i32, anchored: bool) {
+        if let Ledger::Durable(store) = self {
+            store.set_anchored(partition, anchored);
+        }
+    }
+
+    /// See [`LedgerStore::unanchor_written`]; nothing to do in memory.
+    pub fn unanchor_written(&self, partition: i32) -> Result<(), LedgerError> {
+        match self {
+            Ledger::Durable(store) => store.unanchor_written(partition),
+            Ledger::Memory(_) => Ok(()),
+        }
+    }
+
     /// Whether the durable store has written `partition` with a segment id
     /// in this process (see [`LedgerStore::segment_recorded`]); always in
     /// memory, which has nothing to catch up.

@@ -261,6 +261,10 @@ struct Cache {
     /// Whether this process wrote the checkpoint with a segment id (see
     /// [`LedgerStore::segment_recorded`]).
     segment_recorded: bool,
+    /// Whether the usage store holds nothing of the partition past what
+    /// is folded here (see [`LedgerStore::set_anchored`]); a write records
+    /// a segment id only then.
+    unanchored: bool,
     /// This partition's share of [`LedgerStore::cached_entries`]: its
     /// hours and watermarks at its last write.
     counted: usize,
@@ -426,6 +430,27 @@ impl LedgerStore {
     /// the folds the next writes cover (it only rises within a process).
     pub fn note_usage_segment(&self, next_segment_id: u64) {
         self.usage_segment.fetch_max(next_segment_id, Ordering::SeqCst);
+    }
+
+    /// Says whether the usage store may hold events of `partition` past
+    /// what the ledger has folded (`false`: the ledger is being repaired
+    /// behind the usage store, whose older segments hold part of the gap).
+    /// Told before each fold. The segment id a write records is only a
+    /// floor for what the write misses when the usage store held nothing
+    /// past the ledger when the id was told, so an unanchored partition's
+    /// write removes its id instead, and a restart leaves its gap to the
+    /// memtable or to repair.
+    pub fn set_anchored(&self, partition: i32, anchored: bool) {
+        lock(&self.cache(partition)).unanchored = !anchored;
+    }
+
+    /// [`set_anchored`](Self::set_anchored) `false`, and the segment id
+    /// written for `partition` removed now: a restart that could not catch
+    /// it up leaves it to repair, and the next restart must not try again
+    /// from that id.
+    pub fn unanchor_written(&self, partition: i32) -> Result<(), LedgerError> {
+        self.set_anchored(partition, false);
+        self.db.delete(encoded(|out| push_segment_key(out, partition))).map_err(self.rocks())
     }
 
     /// Whether this process has written `partition`'s checkpoint with a
@@ -681,11 +706,18 @@ impl LedgerStore {
         }
         if let Some(c) = cache.checkpoint {
             puts.add(|out| push_checkpoint_key(out, partition), |out| out.extend_from_slice(&flip(c)));
-            let segment = self.usage_segment.load(Ordering::SeqCst);
-            puts.add(|out| push_segment_key(out, partition), |out| out.extend_from_slice(&segment.to_be_bytes()));
+            if !cache.unanchored {
+                let segment = self.usage_segment.load(Ordering::SeqCst);
+                puts.add(|out| push_segment_key(out, partition), |out| out.extend_from_slice(&segment.to_be_bytes()));
+            }
         }
-        let recorded = cache.checkpoint.is_some();
-        let batch = puts.into_batch();
+        let recorded = cache.checkpoint.is_some() && !cache.unanchored;
+        let mut batch = puts.into_batch();
+        if cache.unanchored {
+            // Older segments hold some of what this checkpoint does not
+            // cover: a restart must not look for it from any segment id.
+            batch.delete(encoded(|out| push_segment_key(out, partition)));
+        }
         // What is pending stays pending until RocksDB has taken it: a
         // failed write (a full disk, say) must not drop folded hours and
         // adjustments while a later write stores a checkpoint past them.

@@ -27,7 +27,9 @@
 //! id, told to the ledger before the folds it covers, and each batch is
 //! folded before the usage store holds it: so an event a write misses is
 //! in a segment with that id or a later one, and the restart reads only
-//! those. The ledger used to write before every memtable flush instead,
+//! those. (Not while the ledger is repaired behind the usage store, whose
+//! older segments then hold part of the gap: such a write records no id,
+//! and its gap is left to the memtable or to repair.) The ledger used to write before every memtable flush instead,
 //! under the usage store's lock: with a busy ledger that was the largest
 //! part of its cost (tens of thousands of hours written every 100,000
 //! events) and a stall for every partition. A batch the usage store
@@ -516,6 +518,13 @@ pub fn keystore_options(settings: &EngineSettings) -> KeyStoreOptions {
     }
 }
 
+/// The most stored events a restart reads to catch the ledger up (see
+/// `LocalState::catch_up_ledger`); past it, repair folds the gap from the
+/// output, which reads only the gap's records. A gap is normally a few
+/// seconds of batches, but a merged segment is read whole, and a partition
+/// idle for long keeps the segment id of its last write.
+const CATCH_UP_MAX_ROWS: u64 = 5_000_000;
+
 impl LocalState {
     /// State kept in memory only: lost at exit, rebuilt by repair.
     pub fn in_memory(settings: EngineSettings, detect_replays: bool) -> LocalState {
@@ -597,10 +606,13 @@ impl LocalState {
     /// the process stopped. They are in the usage store's memtable (rebuilt
     /// from its WAL) or in the segments written since the ledger's last
     /// write, whose first id that write recorded; each of those segments is
-    /// read once. A partition last written without that record (an older
-    /// version) catches up from the memtable alone, when it holds the whole
-    /// gap. Any other gap is left to repair from the output topic. Returns
-    /// how many events were folded.
+    /// read once. A partition written without that record (never written,
+    /// written by an older version, or written while the ledger was being
+    /// repaired behind the usage store) catches up from the memtable alone,
+    /// when it holds the whole gap. Any other gap is left to repair from
+    /// the output topic, and so is one whose segments would take more than
+    /// [`CATCH_UP_MAX_ROWS`] rows to read, or fail to read: repair reads
+    /// only the gap's output records. Returns how many events were folded.
     fn catch_up_ledger(&mut self) -> Result<usize, StateError> {
         let (Some(ledger), Some(d)) = (&self.ledger, &self.durable) else {
             return Ok(0);
@@ -634,23 +646,41 @@ impl LocalState {
             folded += accepted.len();
             Ok(())
         };
-        if let Some(first) = gaps.keys().filter_map(|p| written_segments.get(p)).min() {
-            for (p, events) in usage.stored_after(*first, &gaps)? {
-                // The usage store holds every event up to its checkpoint,
-                // so the last one found is there; if not, repair decides.
-                if events.last().map(|e| e.key.output.offset) != usage.checkpoint(p) {
-                    tracing::warn!(
-                        partition = p,
-                        "the usage store does not hold what the ledger missed; repair folds it"
-                    );
-                    continue;
+        if let Some(first) = gaps.keys().filter_map(|p| written_segments.get(p)).min().copied() {
+            let rows: u64 = usage.segments().iter().filter(|s| s.id >= first).map(|s| s.rows).sum::<u64>()
+                + usage.memtable_len() as u64;
+            let found = if rows > CATCH_UP_MAX_ROWS {
+                Err(format!("{rows} stored events to read, more than {CATCH_UP_MAX_ROWS}"))
+            } else {
+                usage.stored_after(first, &gaps).map_err(|e| e.to_string())
+            };
+            match found {
+                Ok(found) => {
+                    for (p, events) in found {
+                        // The segment id says where the gap is, and the
+                        // usage store holds it up to its checkpoint: if the
+                        // last event found is not that, something else
+                        // happened, and repair decides.
+                        if events.last().map(|e| e.key.output.offset) == usage.checkpoint(p) {
+                            fold(p, &events.iter().collect::<Vec<_>>())?;
+                        } else {
+                            tracing::warn!(partition = p, "the ledger's gap is not where it recorded; repair folds it");
+                            ledger.unanchor_written(p)?;
+                        }
+                    }
                 }
-                fold(p, &events.iter().collect::<Vec<_>>())?;
+                Err(why) => {
+                    tracing::warn!(%why, partitions = ?gaps.keys().collect::<Vec<_>>(), "the ledger's gap is left to repair");
+                    for p in gaps.keys() {
+                        ledger.unanchor_written(*p)?;
+                    }
+                }
             }
         }
         for (p, written) in from_memtable {
-            if let Some(events) = usage.unflushed_after(p, written) {
-                fold(p, &events)?;
+            match usage.unflushed_after(p, written) {
+                Some(events) => fold(p, &events)?,
+                None => ledger.set_anchored(p, false),
             }
         }
         ledger.write_pending()?;
@@ -936,11 +966,12 @@ impl LocalState {
     ///
     /// The ledger folds and writes behind, every [`WRITE_BEHIND`]. A
     /// restart catches it up from the usage store (`catch_up_ledger`): from
-    /// its memtable and the segments written since the ledger's last write,
-    /// which starts at the usage store's next segment id told here, before
-    /// the fold. Each batch is folded before the usage store holds it, so
-    /// an event a write misses goes to a segment at or past that id. One
-    /// case writes now: the usage store already holds some of the batch
+    /// its memtable and the segments from the id its last write recorded,
+    /// the largest of the usage store's next segment ids told so far (here,
+    /// before each fold). Each batch is folded before the usage store holds
+    /// it, so an event a write misses goes to a segment at or past that id,
+    /// as long as the partition is anchored (not behind). One case writes
+    /// now: the usage store already holds some of the batch
     /// (the ledger is being repaired behind it), so those events may be in
     /// older segments. So does a partition's first fold in this process,
     /// so that a restart finds a segment id for it (see
@@ -957,6 +988,10 @@ impl LocalState {
             ledger.note_usage_segment(usage.next_segment_id());
             usage.checkpoint(partition).is_some_and(|u| u >= first)
         });
+        // Not behind: the usage store holds nothing of the partition past
+        // what the ledger has folded (each batch is folded before it is
+        // appended), so the id just told is a floor for what comes next.
+        ledger.set_anchored(partition, !behind);
         let accepted: Vec<(&UsageEvent, i64)> = fresh.iter().map(|e| (&e.event, e.key.output.offset)).collect();
         let first_fold = !ledger.segment_recorded(partition);
         ledger.apply(partition, &self.settings.lateness, &accepted)?;
@@ -1303,6 +1338,41 @@ mod tests {
     /// process dies without closing.
     /// Reopened, every tier holds every partition's whole output, and the
     /// ledger holds exactly what the usage store's events fold to.
+    /// A ledger repaired behind the usage store (which holds the events
+    /// already, in segments and in its memtable) records no segment id
+    /// with its writes: a crash in the middle of that repair leaves the
+    /// rest of the gap to repair, rather than folding only the part in the
+    /// memtable and skipping the events in between.
+    #[test]
+    fn a_crash_while_the_ledger_is_repaired_behind_the_usage_store_folds_no_partial_gap() {
+        let settings = EngineSettings { memtable_events: 40, ..EngineSettings::default() };
+        let dir = tempfile::tempdir().expect("tempdir");
+        let events: Vec<StoredEvent> = (1..=100u64).map(|n| sample_event_at(n, 0, n as i64, NOW)).collect();
+        let open = || {
+            let mut state = LocalState::open(Some(dir.path()), settings.clone(), true).expect("open");
+            state.assign_all(&[0], NOW).expect("assign");
+            state
+        };
+        {
+            let state = open();
+            for batch in events.chunks(10) {
+                state.apply_published(0, batch, NOW).expect("apply");
+            }
+            // The process dies: the last events are in the memtable (the
+            // WAL keeps them), the others in segments.
+        }
+        std::fs::remove_dir_all(dir.path().join("ledger")).expect("lose the ledger");
+        {
+            let state = open();
+            assert_eq!(state.checkpoint(0), None, "a lost ledger is repaired from the start");
+            state.apply_published(0, &events[..10], NOW).expect("the repair's first batch");
+            assert_eq!(state.checkpoint(0), Some(10));
+            // The process dies in the middle of the repair.
+        }
+        let state = open();
+        assert_eq!(state.checkpoint(0), Some(10), "the rest of the gap is left to repair, not skipped");
+    }
+
     #[test]
     fn partitions_applying_at_once_leave_every_tier_whole_after_a_crash() {
         use rand::{Rng, SeedableRng};
