@@ -728,7 +728,9 @@ impl LedgerStore {
             return Err(LedgerError::InjectedWriteFailure);
         }
         self.db.write(batch).map_err(self.rocks())?;
-        cache.segment_recorded |= recorded;
+        // An unanchored write removed the id: the next anchored fold must
+        // write at once again (see `segment_recorded`).
+        cache.segment_recorded = recorded;
         cache.dirty_hours.clear();
         cache.dirty_watermarks.clear();
         cache.adjustments.clear();

@@ -670,9 +670,17 @@ impl LocalState {
                     }
                 }
                 Err(why) => {
-                    tracing::warn!(%why, partitions = ?gaps.keys().collect::<Vec<_>>(), "the ledger's gap is left to repair");
-                    for p in gaps.keys() {
-                        ledger.unanchor_written(*p)?;
+                    // Partitions whose gap is all in the memtable still
+                    // catch up from it (one partition's old segment id
+                    // must not send every partition to repair).
+                    for (p, written) in &gaps {
+                        match usage.unflushed_after(*p, *written) {
+                            Some(events) => fold(*p, &events)?,
+                            None => {
+                                tracing::warn!(%why, partition = *p, "the ledger's gap is left to repair");
+                                ledger.unanchor_written(*p)?;
+                            }
+                        }
                     }
                 }
             }
@@ -988,7 +996,7 @@ impl LocalState {
             ledger.note_usage_segment(usage.next_segment_id());
             usage.checkpoint(partition).is_some_and(|u| u >= first)
         });
-        // Not behind: the usage store holds nothing of the partition past
+        // Not behind: nothing the usage store holds of the partition is past
         // what the ledger has folded (each batch is folded before it is
         // appended), so the id just told is a floor for what comes next.
         ledger.set_anchored(partition, !behind);
@@ -1328,16 +1336,6 @@ mod tests {
         assert_eq!(state.checkpoint(2), Some(1));
     }
 
-    /// Partitions apply side by side (`&self`), and the usage store moves
-    /// its memtable into segments on its flush thread, started by
-    /// whichever partition's batch fills it. The ledger must still be
-    /// written before every such move, or a crash loses folded batches no
-    /// longer in the memtable. Six partitions apply at once on threads,
-    /// with a memtable of 40 events (a move every few batches) and
-    /// compactions merging segments on their own thread, until the
-    /// process dies without closing.
-    /// Reopened, every tier holds every partition's whole output, and the
-    /// ledger holds exactly what the usage store's events fold to.
     /// A ledger repaired behind the usage store (which holds the events
     /// already, in segments and in its memtable) records no segment id
     /// with its writes: a crash in the middle of that repair leaves the
@@ -1373,6 +1371,17 @@ mod tests {
         assert_eq!(state.checkpoint(0), Some(10), "the rest of the gap is left to repair, not skipped");
     }
 
+    /// Partitions apply side by side (`&self`), and the usage store moves
+    /// its memtable into segments on its flush thread, started by
+    /// whichever partition's batch fills it, while the ledger writes
+    /// behind: a crash leaves folded batches the ledger had not written in
+    /// the memtable and in segments, and the restart must find them all
+    /// (from the segment id the ledger's last write recorded). Six
+    /// partitions apply at once on threads, with a memtable of 40 events
+    /// (a move every few batches) and compactions merging segments on
+    /// their own thread, until the process dies without closing.
+    /// Reopened, every tier holds every partition's whole output, and the
+    /// ledger holds exactly what the usage store's events fold to.
     #[test]
     fn partitions_applying_at_once_leave_every_tier_whole_after_a_crash() {
         use rand::{Rng, SeedableRng};
