@@ -270,10 +270,12 @@ impl Ledger {
         }
     }
 
-    /// See [`LedgerStore::set_anchored`]; nothing to do in memory.
-    pub fn set_anchored(&self, partition: i32, anchored: bool) {
-        if let Ledger::Durable(store) = self {
-            store.set_anchored(partition, anchored);
+    /// See [`LedgerStore::set_anchored`]; in memory there is nothing to
+    /// catch up, so nothing to record (`true`).
+    pub fn set_anchored(&self, partition: i32, anchored: bool) -> bool {
+        match self {
+            Ledger::Durable(store) => store.set_anchored(partition, anchored),
+            Ledger::Memory(_) => true,
         }
     }
 
@@ -282,16 +284,6 @@ impl Ledger {
         match self {
             Ledger::Durable(store) => store.unanchor_written(partition),
             Ledger::Memory(_) => Ok(()),
-        }
-    }
-
-    /// Whether the durable store has written `partition` with a segment id
-    /// in this process (see [`LedgerStore::segment_recorded`]); always in
-    /// memory, which has nothing to catch up.
-    pub fn segment_recorded(&self, partition: i32) -> bool {
-        match self {
-            Ledger::Durable(store) => store.segment_recorded(partition),
-            Ledger::Memory(_) => true,
         }
     }
 

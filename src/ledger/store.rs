@@ -259,7 +259,7 @@ struct Cache {
     /// Whether anything was folded since the last write.
     dirty: bool,
     /// Whether this process wrote the checkpoint with a segment id (see
-    /// [`LedgerStore::segment_recorded`]).
+    /// [`LedgerStore::set_anchored`]).
     segment_recorded: bool,
     /// Whether the usage store holds nothing of the partition past what
     /// is folded here (see [`LedgerStore::set_anchored`]); a write records
@@ -440,8 +440,18 @@ impl LedgerStore {
     /// past the ledger when the id was told, so an unanchored partition's
     /// write removes its id instead, and a restart leaves its gap to the
     /// memtable or to repair.
-    pub fn set_anchored(&self, partition: i32, anchored: bool) {
-        lock(&self.cache(partition)).unanchored = !anchored;
+    ///
+    /// Returns whether this process has written the partition's checkpoint
+    /// with a segment id yet. Until it has, a restart may find no segment
+    /// id for what the partition folds (a partition first folded since the
+    /// last write, last written by a version that recorded none, or last
+    /// written unanchored), so local state writes at once. One lock for
+    /// both, taken once per batch.
+    pub fn set_anchored(&self, partition: i32, anchored: bool) -> bool {
+        let cache = self.cache(partition);
+        let mut cache = lock(&cache);
+        cache.unanchored = !anchored;
+        cache.segment_recorded
     }
 
     /// [`set_anchored`](Self::set_anchored) `false`, and the segment id
@@ -451,15 +461,6 @@ impl LedgerStore {
     pub fn unanchor_written(&self, partition: i32) -> Result<(), LedgerError> {
         self.set_anchored(partition, false);
         self.db.delete(encoded(|out| push_segment_key(out, partition))).map_err(self.rocks())
-    }
-
-    /// Whether this process has written `partition`'s checkpoint with a
-    /// segment id yet. Until it has, a restart may find no segment id for
-    /// what the partition folded (a partition first folded since the last
-    /// write, or last written by a version that recorded none), so local
-    /// state writes at a partition's first fold.
-    pub fn segment_recorded(&self, partition: i32) -> bool {
-        lock(&self.cache(partition)).segment_recorded
     }
 
     /// For each partition written with one, the usage store's next segment
@@ -729,7 +730,7 @@ impl LedgerStore {
         }
         self.db.write(batch).map_err(self.rocks())?;
         // An unanchored write removed the id: the next anchored fold must
-        // write at once again (see `segment_recorded`).
+        // write at once again (see `set_anchored`).
         cache.segment_recorded = recorded;
         cache.dirty_hours.clear();
         cache.dirty_watermarks.clear();

@@ -688,7 +688,9 @@ impl LocalState {
         for (p, written) in from_memtable {
             match usage.unflushed_after(p, written) {
                 Some(events) => fold(p, &events)?,
-                None => ledger.set_anchored(p, false),
+                None => {
+                    ledger.set_anchored(p, false);
+                }
             }
         }
         ledger.write_pending()?;
@@ -983,7 +985,7 @@ impl LocalState {
     /// (the ledger is being repaired behind it), so those events may be in
     /// older segments. So does a partition's first fold in this process,
     /// so that a restart finds a segment id for it (see
-    /// [`Ledger::segment_recorded`]).
+    /// [`Ledger::set_anchored`]).
     ///
     /// [`WRITE_BEHIND`]: crate::ledger::WRITE_BEHIND
     fn fold_into_ledger(&self, partition: i32, fresh: &[&StoredEvent], first: i64) -> Result<(), StateError> {
@@ -999,9 +1001,8 @@ impl LocalState {
         // Not behind: nothing the usage store holds of the partition is past
         // what the ledger has folded (each batch is folded before it is
         // appended), so the id just told is a floor for what comes next.
-        ledger.set_anchored(partition, !behind);
+        let first_fold = !ledger.set_anchored(partition, !behind);
         let accepted: Vec<(&UsageEvent, i64)> = fresh.iter().map(|e| (&e.event, e.key.output.offset)).collect();
-        let first_fold = !ledger.segment_recorded(partition);
         ledger.apply(partition, &self.settings.lateness, &accepted)?;
         if behind || first_fold || ledger.write_due() {
             ledger.write_pending()?;
