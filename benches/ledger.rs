@@ -7,6 +7,9 @@
 //! - `ingest_paired`: the same work, on and off in one run, batch by batch
 //!   in turn (see [`ingest_paired`]); prints both rates and their ratio.
 //!   `DEDUPD_BENCH_PAIRED_BATCHES` batches each (default 2,000).
+//! - `ledger_alone/rollup_records`: the rollups-topic records of a
+//!   batch's previewed hours, built as a worker publishes them (about one
+//!   for every five events in the worker bench).
 //! - `month_total`: one customer's month answered from a ledger holding
 //!   rollups for `DEDUPD_BENCH_LEDGER_EVENTS` events (default 100,000,000:
 //!   1,736 customers × 5 meters × 720 hours × 4 partitions, about four
@@ -202,6 +205,19 @@ fn ledger_alone(c: &mut Criterion) {
                 total += started.elapsed();
             }
             total
+        })
+    });
+    // The records a worker publishes for one batch's rollups: the hours a
+    // batch of the shape above touches, each with its folded total.
+    let events = batch(next, next as i64);
+    let unknown: Vec<(&UsageEvent, i64)> = events.iter().map(|e| (&e.event, -1)).collect();
+    let preview = store.preview(1, &lateness, &unknown, &[]).expect("preview");
+    group.throughput(Throughput::Elements(preview.rollups.len() as u64));
+    group.bench_function("rollup_records", |b| {
+        b.iter(|| {
+            let records: Vec<_> =
+                preview.rollups().map(|(k, r)| dedupd::kafka::records::rollup_record(k, r, 1, 4, NOW)).collect();
+            criterion::black_box(records)
         })
     });
     group.finish();

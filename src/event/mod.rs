@@ -22,7 +22,7 @@ mod routing;
 mod validate;
 pub mod wire;
 
-pub use canonical::{format_timestamp_ms, push_json_str, to_canonical_json, write_canonical_json};
+pub use canonical::{format_timestamp_ms, push_json_str, push_timestamp_ms, to_canonical_json, write_canonical_json};
 pub use identity::{
     id_hash, payload_hash, payload_hash_with, CanonicalPayload, IdDeriver, IdHash, PayloadHash, BINCODE_CONFIG,
     DERIVED_ID_PREFIX,
