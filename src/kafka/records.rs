@@ -140,11 +140,16 @@ pub fn accepted_record(e: &UsageEvent, id: IdHash, ph: PayloadHash, source: Posi
 /// `rollup \0 tenant \0 customer \0 meter \0 hour_ms \0 partition`. Compaction
 /// keeps its latest total; a reader sums the partitions of an hour.
 pub fn rollup_key(k: &HourKey, partition: i32) -> Vec<u8> {
-    format!(
-        "rollup\0{}\0{}\0{}\0{}\0{partition}",
-        k.counter.tenant_id, k.counter.customer_id, k.counter.meter, k.hour_ms
-    )
-    .into_bytes()
+    use std::io::Write as _;
+    let c = &k.counter;
+    let mut key = Vec::with_capacity(40 + c.tenant_id.len() + c.customer_id.len() + c.meter.len());
+    for part in [b"rollup".as_slice(), c.tenant_id.as_bytes(), c.customer_id.as_bytes(), c.meter.as_bytes()] {
+        key.extend_from_slice(part);
+        key.push(0);
+    }
+    // Writing into a `Vec` cannot fail.
+    let _ = write!(key, "{}\0{partition}", k.hour_ms);
+    key
 }
 
 /// The rollups-topic record of a counter-hour's new total on `partition`.
@@ -432,7 +437,8 @@ mod tests {
 
     /// Readers parse the rollups topic's JSON, but compaction, checks and
     /// any byte comparison downstream see its bytes: they are pinned, for a
-    /// full rollup and an empty one (every optional field null).
+    /// full rollup and an empty one (every optional field null), and so is
+    /// the key.
     #[test]
     fn a_rollup_record_is_pinned_byte_for_byte() {
         use crate::ledger::{CounterKey, HourKey, Rollup};
@@ -446,6 +452,11 @@ mod tests {
             last: Some((1_764_151_300_123, "2".parse().expect("last"))),
             latest_event_ms: 1_764_151_300_123,
         };
+        assert_eq!(
+            rollup_record(&key, &Rollup::default(), 3, 4, 0).key.expect("a key"),
+            b"rollup\0acme\0cus \"42\"\0api_calls\01764151200000\03",
+            "the key compaction keeps the latest total of"
+        );
         let value =
             |r: &Rollup| String::from_utf8(rollup_record(&key, r, 3, 4, 0).value.expect("a value")).expect("utf-8");
         assert_eq!(
