@@ -454,7 +454,7 @@ mod tests {
         };
         assert_eq!(
             rollup_record(&key, &Rollup::default(), 3, 4, 0).key.expect("a key"),
-            b"rollup\0acme\0cus \"42\"\0api_calls\01764151200000\03",
+            b"rollup\x00acme\x00cus \"42\"\x00api_calls\x001764151200000\x003",
             "the key compaction keeps the latest total of"
         );
         let value =
