@@ -12,7 +12,7 @@
 //! records, and building the records to publish, run unlocked, beside other
 //! partitions' state work.
 
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashSet};
 
 use crate::classify::{SeenKey, Tier};
 use crate::event::{IdHash, Position, RejectReason, UsageEvent};
@@ -128,12 +128,12 @@ impl DeferredRollups {
         if self.hours.is_empty() {
             return newer.iter().map(|(k, r)| record((k, r))).collect();
         }
-        let mut all: Vec<(&HourKey, &Rollup)> = newer.iter().map(|(k, r)| (k, r)).collect();
-        let mut merged: HashMap<&HourKey, &Rollup> = self.hours.iter().collect();
-        for (k, _) in &all {
-            merged.remove(*k);
-        }
-        all.extend(merged);
+        // Only the batch's hours go in a set: the held ones, many times
+        // more, are filtered against it instead of all being put in a map.
+        let newer_hours: HashSet<&HourKey> = newer.iter().map(|(k, _)| k).collect();
+        let mut all: Vec<(&HourKey, &Rollup)> = Vec::with_capacity(self.hours.len() + newer.len());
+        all.extend(newer.iter().map(|(k, r)| (k, r)));
+        all.extend(self.hours.iter().filter(|(k, _)| !newer_hours.contains(k)));
         all.sort_unstable_by(|a, b| hour_order(a.0, b.0));
         all.into_iter().map(record).collect()
     }
