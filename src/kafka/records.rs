@@ -180,23 +180,29 @@ fn rollup_value(k: &HourKey, r: &Rollup, partition: i32) -> String {
     out.push_str(r#","hour":""#);
     push_timestamp_ms(&mut out, k.hour_ms);
     out.push_str(r#"","last":"#);
-    push_optional(&mut out, r.last.map(|(_, q)| q), |out, q| {
-        let _ = write!(out, "{}", q.normalize());
-    });
+    push_optional(&mut out, r.last.map(|(_, q)| q), push_decimal);
     out.push_str(r#","last_event_time":"#);
     push_optional(&mut out, r.last.map(|(t, _)| t), push_timestamp_ms);
     out.push_str(r#","latest_event_time":"#);
     push_optional(&mut out, (r.latest_event_ms != i64::MIN).then_some(r.latest_event_ms), push_timestamp_ms);
     out.push_str(r#","max":"#);
-    push_optional(&mut out, r.max, |out, q| {
-        let _ = write!(out, "{}", q.normalize());
-    });
+    push_optional(&mut out, r.max, push_decimal);
     out.push_str(r#","meter":"#);
     push_json_string(&mut out, &k.counter.meter);
-    let _ = write!(out, r#","partition":{partition},"sum":"{}","tenant_id":"#, r.sum.normalize());
+    let _ = write!(out, r#","partition":{partition},"sum":""#);
+    push_decimal(&mut out, r.sum);
+    out.push_str(r#"","tenant_id":"#);
     push_json_string(&mut out, &k.counter.tenant_id);
     out.push_str(r#","type":"rollup"}"#);
     out
+}
+
+/// A decimal as the rollups topic writes it: normalised (`"12.5"`, never
+/// `"12.50"`).
+fn push_decimal(out: &mut String, d: rust_decimal::Decimal) {
+    use std::fmt::Write as _;
+    // `write!` into a `String` cannot fail.
+    let _ = write!(out, "{}", d.normalize());
 }
 
 /// `null`, or the value written by `push` between quotes. Timestamps and
