@@ -66,6 +66,12 @@ pub struct TuningArgs {
     /// RocksDB background flush and compaction threads [default: 2].
     #[arg(long, env = "DEDUPD_KEYSTORE_BACKGROUND_JOBS", value_name = "N")]
     pub keystore_background_jobs: Option<String>,
+    /// Threads that read parts of a large key-store lookup beside the
+    /// partition that asked (a retry storm of old events is bound by those
+    /// reads); 0 keeps each lookup on its partition's thread [default: one
+    /// per core beyond the first, at most 3].
+    #[arg(long, env = "DEDUPD_KEYSTORE_LOOKUP_THREADS", value_name = "N")]
+    pub keystore_lookup_threads: Option<String>,
     /// Keep a revoked partition's keys instead of dropping them [default: true].
     #[arg(long, env = "DEDUPD_KEEP_REVOKED_PARTITIONS", value_name = "BOOL")]
     pub keep_revoked_partitions: Option<String>,
@@ -149,6 +155,8 @@ pub struct FileConfig {
     pub keystore_write_buffer: Option<toml::Value>,
     /// See `--keystore-background-jobs`.
     pub keystore_background_jobs: Option<u64>,
+    /// See `--keystore-lookup-threads`.
+    pub keystore_lookup_threads: Option<u64>,
     /// See `--keep-revoked-partitions`.
     pub keep_revoked_partitions: Option<bool>,
     /// See `--fsync`.
@@ -253,6 +261,7 @@ pub struct EngineSettings {
     pub keystore_block_cache_bytes: u64,
     pub keystore_write_buffer_bytes: u64,
     pub keystore_background_jobs: u32,
+    pub keystore_lookup_threads: u32,
     pub keep_revoked_partitions: bool,
     pub fsync: FsyncPolicy,
     pub wal_rotate_bytes: u64,
@@ -283,6 +292,7 @@ impl Default for EngineSettings {
             keystore_block_cache_bytes: 128 << 20,
             keystore_write_buffer_bytes: 64 << 20,
             keystore_background_jobs: 2,
+            keystore_lookup_threads: u32::try_from(crate::keystore::default_lookup_helpers()).unwrap_or(0),
             keep_revoked_partitions: true,
             fsync: FsyncPolicy::Always,
             wal_rotate_bytes: 64 << 20,
@@ -491,6 +501,9 @@ impl EngineSettings {
         let keystore_background_jobs =
             pick("keystore_background_jobs", &args.keystore_background_jobs, file.keystore_background_jobs, parse_u64)?
                 .unwrap_or(u64::from(d.keystore_background_jobs));
+        let keystore_lookup_threads =
+            pick("keystore_lookup_threads", &args.keystore_lookup_threads, file.keystore_lookup_threads, parse_u64)?
+                .unwrap_or(u64::from(d.keystore_lookup_threads));
         let keep_revoked_partitions =
             pick("keep_revoked_partitions", &args.keep_revoked_partitions, file.keep_revoked_partitions, parse_bool)?
                 .unwrap_or(d.keep_revoked_partitions);
@@ -595,6 +608,8 @@ impl EngineSettings {
             keystore_write_buffer_bytes,
             keystore_background_jobs: u32::try_from(keystore_background_jobs)
                 .map_err(|_| invalid("keystore_background_jobs", "too large"))?,
+            keystore_lookup_threads: u32::try_from(keystore_lookup_threads)
+                .map_err(|_| invalid("keystore_lookup_threads", "too large"))?,
             keep_revoked_partitions,
             fsync,
             wal_rotate_bytes,
@@ -665,6 +680,9 @@ impl EngineSettings {
         }
         if self.keystore_max_bytes == Some(0) {
             return Err(invalid("keystore_max_bytes", "must be positive (leave unset for no cap)"));
+        }
+        if self.keystore_lookup_threads > 64 {
+            return Err(invalid("keystore_lookup_threads", "must be at most 64"));
         }
         if self.keystore_background_jobs == 0 {
             return Err(invalid("keystore_background_jobs", "must be at least 1"));

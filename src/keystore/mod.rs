@@ -51,6 +51,7 @@
 //! - `codec.rs`: key/value/meta encodings (the format block).
 //! - `histogram.rs`: first-seen histogram and the meta merge operator.
 //! - `horizon.rs`: the floor and the compaction filter.
+//! - `lookups.rs`: helper threads that share a large lookup with its caller.
 //! - `options.rs`: settings and the RocksDB options they become.
 //! - `store.rs`: [`KeyStore`].
 
@@ -60,6 +61,7 @@ mod contract;
 mod error;
 mod histogram;
 mod horizon;
+mod lookups;
 mod options;
 mod store;
 mod verify;
@@ -128,6 +130,6 @@ impl KeyTier for KeyStore {
         KeyStore::flush(self)
     }
 }
-pub use options::KeyStoreOptions;
+pub use options::{default_lookup_helpers, KeyStoreOptions};
 pub use store::{AgeOutReport, KeyStore};
 pub use verify::{verify, KeystoreVerifyReport};

@@ -53,6 +53,11 @@ pub struct KeyStoreOptions {
     /// Rewrites SST files older than this, so expired keys in quiet key
     /// ranges are reclaimed within this delay (RocksDB `periodic_compaction_seconds`).
     pub periodic_compaction_secs: u64,
+    /// Threads that read parts of a large batched lookup beside its caller
+    /// (see `lookups.rs`): keys found in the store cost a block read each,
+    /// and a retry storm of old events is bound by them. 0 keeps every
+    /// lookup on its caller.
+    pub lookup_helpers: usize,
 }
 
 impl Default for KeyStoreOptions {
@@ -70,8 +75,16 @@ impl Default for KeyStoreOptions {
             block_bytes: 4 << 10,
             histogram_bucket_ms: 3_600_000,
             periodic_compaction_secs: 86_400,
+            lookup_helpers: default_lookup_helpers(),
         }
     }
+}
+
+/// One helper per core beyond the caller's, at most three: a batch's
+/// lookup is rarely more than a few thousand keys, so more parts would
+/// each be too small to pay for waking a thread.
+pub fn default_lookup_helpers() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get()).saturating_sub(1).min(3)
 }
 
 impl KeyStoreOptions {
@@ -94,6 +107,9 @@ impl KeyStoreOptions {
         }
         if !(1024..=(1 << 20)).contains(&self.block_bytes) {
             return bad("keystore_block_bytes", "must be within 1 KiB..=1 MiB");
+        }
+        if self.lookup_helpers > 64 {
+            return bad("keystore_lookup_threads", "must be at most 64");
         }
         if self.max_bytes == Some(0) {
             return bad("keystore_max_bytes", "must be positive when set");

@@ -20,6 +20,7 @@ use super::codec::{
 use super::error::{hex, KeystoreError};
 use super::histogram::{cell_key, parse_cell_key, BucketStats, Histogram};
 use super::horizon::Floor;
+use super::lookups::Lookups;
 use super::options::{
     db_options, keys_cf_options, lookup, meta_cf_options, sst_writer_options, total_order, KeyStoreOptions, KEYS_CF,
     META_CF,
@@ -74,7 +75,11 @@ struct WriteState {
 /// or change the counts. Locks are std locks, held across no I/O other than
 /// the RocksDB reads and write batch of one call, never across an await.
 pub struct KeyStore {
-    db: DB,
+    db: Arc<DB>,
+    /// Threads sharing a large lookup with its caller (see `lookups.rs`).
+    /// After `db`, before `_cache`: dropping it joins the helpers, whose
+    /// reader holds the last other handle on the database.
+    lookups: Lookups,
     dir: PathBuf,
     opts: KeyStoreOptions,
     floor: Floor,
@@ -107,10 +112,20 @@ impl KeyStore {
         ];
         let db = DB::open_cf_descriptors(&db_options(&opts), dir, cfs)
             .map_err(|source| KeystoreError::Open { dir: dir.to_path_buf(), source })?;
+        let db = Arc::new(db);
+        let lookups = {
+            let (db, floor) = (Arc::clone(&db), floor.clone());
+            Lookups::start(
+                opts.lookup_helpers,
+                Box::new(move |partition, ids, out| read_keys(&db, &floor, partition, ids, out)),
+            )
+            .map_err(|source| KeystoreError::Io { path: dir.to_path_buf(), source })?
+        };
         let mut write_opts = WriteOptions::default();
         write_opts.set_sync(opts.sync_writes);
         let store = KeyStore {
             db,
+            lookups,
             dir: dir.to_path_buf(),
             floor,
             write_opts,
@@ -291,25 +306,17 @@ impl KeyStore {
         }
     }
 
-    /// One batched MultiGet for `ids`; `out` gets exactly one answer per id.
+    /// The remembered keys of `ids`, in one batched MultiGet, or in parts
+    /// read side by side on the caller and the lookup helpers when there are
+    /// many (`lookup_helpers`); `out` gets exactly one answer per id, in
+    /// their order.
     pub fn get_many(
         &self,
         partition: i32,
         ids: &[IdHash],
         out: &mut Vec<Option<SeenKey>>,
     ) -> Result<(), KeystoreError> {
-        out.clear();
-        let keys: Vec<[u8; KEY_LEN]> = ids.iter().map(|id| encode_key(partition, id)).collect();
-        let floor = self.floor.get();
-        let answers = self.db.batched_multi_get_cf_opt(self.keys_cf()?, keys.iter(), false, &lookup());
-        for (id, a) in ids.iter().zip(answers) {
-            let k = match a.map_err(KeystoreError::rocks("multi get"))? {
-                None => None,
-                Some(v) => Some(decode_value(partition, *id, &v)?).filter(|k| k.first_seen_ms > floor),
-            };
-            out.push(k);
-        }
-        Ok(())
+        self.lookups.read(partition, ids, out)
     }
 
     /// Ages keys out by the horizon and the size cap, oldest first.
@@ -636,6 +643,31 @@ impl LongHorizon for KeyStore {
     }
 }
 
+/// One batched MultiGet of `ids` into `out` (cleared first), answers above
+/// the floor only: one part of a [`KeyStore::get_many`], on whichever thread
+/// reads it.
+fn read_keys(
+    db: &DB,
+    floor: &Floor,
+    partition: i32,
+    ids: &[IdHash],
+    out: &mut Vec<Option<SeenKey>>,
+) -> Result<(), KeystoreError> {
+    out.clear();
+    let keys_cf = db.cf_handle(KEYS_CF).ok_or(KeystoreError::MissingColumnFamily { name: KEYS_CF })?;
+    let keys: Vec<[u8; KEY_LEN]> = ids.iter().map(|id| encode_key(partition, id)).collect();
+    let floor = floor.get();
+    let answers = db.batched_multi_get_cf_opt(keys_cf, keys.iter(), false, &lookup());
+    for (id, a) in ids.iter().zip(answers) {
+        let k = match a.map_err(KeystoreError::rocks("multi get"))? {
+            None => None,
+            Some(v) => Some(decode_value(partition, *id, &v)?).filter(|k| k.first_seen_ms > floor),
+        };
+        out.push(k);
+    }
+    Ok(())
+}
+
 fn be_i64(v: &[u8], what: &'static str, key: &[u8]) -> Result<i64, KeystoreError> {
     let b: [u8; 8] =
         v.try_into().map_err(|_| KeystoreError::Corrupt { what, key_hex: hex(key), detail: "not 8 bytes" })?;
@@ -670,6 +702,36 @@ mod tests {
             source: Position::new(0, offset + 1000),
             output: Position::new(0, offset),
         }
+    }
+
+    /// A lookup large enough to be read in parts (here by three helpers)
+    /// answers every id as a lookup of that id alone does, in the order
+    /// asked, known and unknown ids and ids below the floor mixed; so does
+    /// a store with no helpers.
+    #[test]
+    fn a_lookup_read_in_parts_answers_as_single_lookups_do() -> Result<(), KeystoreError> {
+        for helpers in [3, 0] {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let store = KeyStore::open(dir.path(), KeyStoreOptions { lookup_helpers: helpers, ..opts() })?;
+            let now = 100 * HOUR;
+            // Every third key is old enough to fall below the floor.
+            let written: Vec<SeenKey> =
+                (0..3000).map(|n| key(n, if n % 3 == 0 { now - 20 * HOUR } else { now }, n as i64)).collect();
+            store.apply_batch(0, &written, 2999)?;
+            store.age_out(now)?;
+            // Known ids and never-written ones, shuffled together.
+            let mut ids: Vec<IdHash> = (0..6000).map(|n| key(n, now, 0).id_hash).collect();
+            ids.sort_unstable_by_key(|id| id.0[7]);
+            let mut answers = Vec::new();
+            store.get_many(0, &ids, &mut answers)?;
+            assert_eq!(answers.len(), ids.len());
+            for (id, answer) in ids.iter().zip(&answers) {
+                assert_eq!(*answer, store.get(0, id)?, "{helpers} helpers");
+            }
+            let found = answers.iter().filter(|a| a.is_some()).count();
+            assert_eq!(found, 2000, "{helpers} helpers: the keys above the floor, and only those");
+        }
+        Ok(())
     }
 
     /// Batches of different partitions apply at the same time, beside

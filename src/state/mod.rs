@@ -513,6 +513,7 @@ pub fn keystore_options(settings: &EngineSettings) -> KeyStoreOptions {
         block_cache_bytes: usize::try_from(settings.keystore_block_cache_bytes).unwrap_or(usize::MAX),
         write_buffer_bytes: usize::try_from(settings.keystore_write_buffer_bytes).unwrap_or(usize::MAX),
         background_jobs: i32::try_from(settings.keystore_background_jobs).unwrap_or(i32::MAX),
+        lookup_helpers: usize::try_from(settings.keystore_lookup_threads).unwrap_or(usize::MAX),
         keep_revoked_partitions: settings.keep_revoked_partitions,
         ..KeyStoreOptions::default()
     }
