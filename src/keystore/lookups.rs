@@ -27,6 +27,9 @@ use super::error::KeystoreError;
 /// microseconds) costs about what the part would take to read.
 const MIN_PART: usize = 128;
 
+/// Parts a large lookup is cut into per thread (caller and helpers).
+const PARTS_PER_THREAD: usize = 2;
+
 /// Reads one part of a lookup into `out` (cleared first): the key store's
 /// batched MultiGet, shared by the caller and the helpers.
 pub(crate) type ReadPart = dyn Fn(i32, &[IdHash], &mut Vec<Option<SeenKey>>) -> Result<(), KeystoreError> + Send + Sync;
@@ -103,8 +106,11 @@ impl Lookups {
         ids: &[IdHash],
         out: &mut Vec<Option<SeenKey>>,
     ) -> Result<(), KeystoreError> {
-        let parts_wanted = (ids.len() / MIN_PART).min(self.threads.len() + 1);
-        if parts_wanted < 2 {
+        let threads = self.threads.len() + 1;
+        // Two parts per thread: a helper that wakes late, or a caller whose
+        // part ran slow, leaves the other fewer ids to wait for.
+        let parts_wanted = (ids.len() / MIN_PART).min(PARTS_PER_THREAD * threads);
+        if self.threads.is_empty() || parts_wanted < 2 {
             return (self.shared.read)(partition, ids, out);
         }
         let per_part = ids.len().div_ceil(parts_wanted);
@@ -120,56 +126,68 @@ impl Lookups {
                 })
             })
             .collect();
-        {
-            let mut queue = lock(&self.shared.queue);
-            queue.parts.extend(handed.iter().cloned());
-        }
-        for _ in &handed {
+        lock(&self.shared.queue).parts.extend(handed.iter().cloned());
+        for _ in 0..handed.len().min(self.threads.len()) {
             self.shared.queued.notify_one();
         }
-        // The caller's own part first, then each handed part in order: its
-        // answers from the helper that read it, or read here if no helper
-        // had started it. Every handed part is settled before returning,
-        // even after an error, so no helper writes into a lookup that is
-        // over.
-        let mut result = (self.shared.read)(partition, mine, out);
-        let mut scratch = Vec::new();
-        for part in &handed {
-            let answers = collect(part, &*self.shared.read, &mut scratch);
-            match (&mut result, answers) {
-                (Ok(()), Ok(answers)) => out.extend_from_slice(answers),
-                (Ok(()), Err(e)) => result = Err(e),
-                (Err(_), _) => {}
+        // The caller's own part first; then, from the last part back (the
+        // helpers take from the front), every part no helper has started;
+        // then the helpers' answers. A part a helper is still reading when
+        // this lookup fails is left to it: the part owns its ids and its
+        // answers, and nobody reads them.
+        let mut answers: Vec<Option<Vec<Option<SeenKey>>>> = vec![None; handed.len()];
+        let settled = (self.shared.read)(partition, mine, out).and_then(|()| {
+            for (part, answer) in handed.iter().zip(answers.iter_mut()).rev() {
+                if take_back(part) {
+                    let mut read = Vec::with_capacity(part.ids.len());
+                    (self.shared.read)(partition, &part.ids, &mut read)?;
+                    *answer = Some(read);
+                }
             }
+            for (part, answer) in handed.iter().zip(answers.iter_mut()) {
+                if answer.is_none() {
+                    *answer = Some(wait_for(part)?);
+                }
+            }
+            Ok(())
+        });
+        if let Err(e) = settled {
+            for part in &handed {
+                take_back(part);
+            }
+            return Err(e);
         }
-        result
+        for read in answers.into_iter().flatten() {
+            out.extend(read);
+        }
+        Ok(())
     }
 }
 
-/// The answers of a handed `part`: taken back and read with `read` into
-/// `scratch` if no helper started it, else waited for.
-fn collect<'a>(
-    part: &Part,
-    read: &ReadPart,
-    scratch: &'a mut Vec<Option<SeenKey>>,
-) -> Result<&'a [Option<SeenKey>], KeystoreError> {
+/// Takes `part` back from the helpers if none has started it.
+fn take_back(part: &Part) -> bool {
+    let mut state = lock(&part.state);
+    if matches!(*state, PartState::Queued) {
+        *state = PartState::Taken;
+        true
+    } else {
+        false
+    }
+}
+
+/// The answers of a `part` a helper started, once it has read them.
+fn wait_for(part: &Part) -> Result<Vec<Option<SeenKey>>, KeystoreError> {
     let mut state = lock(&part.state);
     loop {
         match std::mem::replace(&mut *state, PartState::Taken) {
-            PartState::Queued => {
-                drop(state);
-                read(part.partition, &part.ids, scratch)?;
-                return Ok(scratch);
-            }
+            PartState::Read(answers) => return answers,
             PartState::Reading => {
                 *state = PartState::Reading;
                 state = part.done.wait(state).unwrap_or_else(PoisonError::into_inner);
             }
-            PartState::Read(answers) => {
-                *scratch = answers?;
-                return Ok(scratch);
+            PartState::Queued | PartState::Taken => {
+                unreachable!("a part is waited for only once a helper has started it, and only once")
             }
-            PartState::Taken => unreachable!("a handed part is collected once, by its caller"),
         }
     }
 }
