@@ -248,26 +248,29 @@ impl KeyStore {
             .filter(|k| k.first_seen_ms > floor)
             .filter(|k| seen_in_batch.insert(k.id_hash))
             .collect();
-        // Key order: the batched lookup below is told its keys are sorted
-        // (`sorted_input`), and the write batch goes out in key order.
+        // Key order: the write batch goes out in key order, and each part
+        // of the lookup below reads neighbouring keys.
         let mut fresh = fresh;
         fresh.sort_unstable_by_key(|k| k.id_hash);
         let encoded: Vec<[u8; KEY_LEN]> = fresh.iter().map(|k| encode_key(partition, &k.id_hash)).collect();
-        let existing = self.db.batched_multi_get_cf(keys_cf, encoded.iter(), true);
+        // Which of them are remembered above the floor already: a lookup
+        // like a batch's classification, read in parts beside the helpers
+        // (the floor cannot move under it: age-out waits for this apply).
+        let ids: Vec<IdHash> = fresh.iter().map(|k| k.id_hash).collect();
+        let mut existing = Vec::with_capacity(ids.len());
+        self.lookups.read(partition, &ids, &mut existing)?;
 
         let mut batch = WriteBatch::default();
         let mut cells: Vec<(i64, BucketStats)> = Vec::new();
         let bucket_ms = self.opts.histogram_bucket_ms;
         let mut values: Vec<u8> = Vec::with_capacity(fresh.len() * 48);
         let mut spans = Vec::with_capacity(fresh.len());
-        for ((k, key), old) in fresh.iter().zip(&encoded).zip(existing) {
-            let old = old.map_err(KeystoreError::rocks("read before write"))?;
+        for ((k, key), remembered) in fresh.iter().zip(&encoded).zip(existing) {
             // First delivery wins, unless it is already past the floor
-            // (then this id was legitimately accepted again as new).
-            if let Some(old) = old {
-                if decode_value(partition, k.id_hash, &old)?.first_seen_ms > floor {
-                    continue;
-                }
+            // (then this id was legitimately accepted again as new: the
+            // lookup does not answer keys at or below the floor).
+            if remembered.is_some() {
+                continue;
             }
             let start = values.len();
             encode_value(partition, k, &mut values);
