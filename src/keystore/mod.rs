@@ -11,7 +11,8 @@
 //! apply_batch(p, keys, ckpt) ──► WriteBatch { put keys CF (p,id) -> value,
 //!                                              merge meta "h"(bucket,p) += n,
 //!                                              put meta "c"(p) = ckpt }
-//! lookup_many(p, ids)        ──► batched MultiGet on keys CF (bloom filters answer absent ids)
+//! lookup_many(p, ids)        ──► batched MultiGet on keys CF (bloom filters answer absent ids),
+//!                                 in parts on the caller and helper threads when large
 //! age_out(now)               ──► floor = max(now - horizon, size-cap floor); compactions drop keys <= floor
 //! ```
 //!
