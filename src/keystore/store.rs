@@ -64,7 +64,9 @@ struct WriteState {
 /// The long-horizon key store: RocksDB under `<state-dir>/keystore`.
 ///
 /// `Send + Sync`, shared by the partition tasks. Reads (`get`,
-/// `lookup_many`) take no lock. A batch's apply is a read-check-write of
+/// `lookup_many`) take none of the write locks below (a large lookup's
+/// parts pass through the lookup helpers' queue, whose lock is held only
+/// to push or pop a part). A batch's apply is a read-check-write of
 /// its partition's keys (the check is what makes the first delivery win and
 /// replays idempotent), so it must not interleave with another write to the
 /// same partition, or with a store-wide one: it holds its partition's lock
