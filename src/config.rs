@@ -681,8 +681,11 @@ impl EngineSettings {
         if self.keystore_max_bytes == Some(0) {
             return Err(invalid("keystore_max_bytes", "must be positive (leave unset for no cap)"));
         }
-        if self.keystore_lookup_threads > 64 {
-            return Err(invalid("keystore_lookup_threads", "must be at most 64"));
+        if usize::try_from(self.keystore_lookup_threads).unwrap_or(usize::MAX) > crate::keystore::MAX_LOOKUP_HELPERS {
+            return Err(invalid(
+                "keystore_lookup_threads",
+                format!("must be at most {}", crate::keystore::MAX_LOOKUP_HELPERS),
+            ));
         }
         if self.keystore_background_jobs == 0 {
             return Err(invalid("keystore_background_jobs", "must be at least 1"));
@@ -800,6 +803,12 @@ mod tests {
 
         let e = resolve(TuningArgs::default(), "hot_tll = \"1d\"").expect_err("unknown key");
         assert!(e.to_string().contains("hot_tll"), "{e}");
+
+        let e = resolve(TuningArgs::default(), "keystore_lookup_threads = 65").expect_err("too many helpers");
+        assert!(e.to_string().contains("`keystore_lookup_threads`") && e.to_string().contains("at most 64"), "{e}");
+        let s = resolve(TuningArgs { keystore_lookup_threads: Some("0".into()), ..Default::default() }, "")
+            .expect("no helpers is valid");
+        assert_eq!(s.keystore_lookup_threads, 0);
 
         let e = resolve(TuningArgs { horizon: Some("1d".into()), ..Default::default() }, "").expect_err("short");
         assert!(e.to_string().contains("`horizon`"), "{e}");

@@ -164,7 +164,9 @@ impl Lookups {
     }
 }
 
-/// Takes `part` back from the helpers if none has started it.
+/// Takes `part` back from the helpers if none has started it. It stays in
+/// the queue (taking it out would search the queue under the helpers'
+/// lock); the helper that pops it skips it.
 fn take_back(part: &Part) -> bool {
     let mut state = lock(&part.state);
     if matches!(*state, PartState::Queued) {

@@ -131,6 +131,6 @@ impl KeyTier for KeyStore {
         KeyStore::flush(self)
     }
 }
-pub use options::{default_lookup_helpers, KeyStoreOptions};
+pub use options::{default_lookup_helpers, KeyStoreOptions, MAX_LOOKUP_HELPERS};
 pub use store::{AgeOutReport, KeyStore};
 pub use verify::{verify, KeystoreVerifyReport};

@@ -80,6 +80,9 @@ impl Default for KeyStoreOptions {
     }
 }
 
+/// Most lookup helpers a store may start (`--keystore-lookup-threads`).
+pub const MAX_LOOKUP_HELPERS: usize = 64;
+
 /// One helper per core beyond the caller's, at most three: a batch's
 /// lookup is rarely more than a few thousand keys, so more parts would
 /// each be too small to pay for waking a thread.
@@ -108,8 +111,8 @@ impl KeyStoreOptions {
         if !(1024..=(1 << 20)).contains(&self.block_bytes) {
             return bad("keystore_block_bytes", "must be within 1 KiB..=1 MiB");
         }
-        if self.lookup_helpers > 64 {
-            return bad("keystore_lookup_threads", "must be at most 64");
+        if self.lookup_helpers > MAX_LOOKUP_HELPERS {
+            return bad("keystore_lookup_threads", &format!("must be at most {MAX_LOOKUP_HELPERS}"));
         }
         if self.max_bytes == Some(0) {
             return bad("keystore_max_bytes", "must be positive when set");

@@ -260,7 +260,7 @@ impl KeyStore {
         // (the floor cannot move under it: age-out waits for this apply).
         let ids: Vec<IdHash> = fresh.iter().map(|k| k.id_hash).collect();
         let mut existing = Vec::with_capacity(ids.len());
-        self.lookups.read(partition, &ids, &mut existing)?;
+        self.get_many(partition, &ids, &mut existing)?;
 
         let mut batch = WriteBatch::default();
         let mut cells: Vec<(i64, BucketStats)> = Vec::new();
