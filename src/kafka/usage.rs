@@ -151,18 +151,25 @@ pub fn read_rollups(brokers: &Brokers, topic: &str) -> Result<RollupsTopic, Kafk
         }
         Ok(())
     })?;
-    let mut rollups = Vec::new();
-    let mut adjustments = Vec::new();
-    for value in latest.values() {
-        match parse_ledger_record(value) {
-            Ok(LedgerRecord::Rollup(k, p, r)) => rollups.push((k, p, r)),
-            Ok(LedgerRecord::Adjustment(p, a)) => adjustments.push((p, a)),
-            Err(why) => {
-                return Err(KafkaError::Task { detail: format!("a record of {topic} is not a rollup: {why}") });
+    RollupsTopic::of_latest(latest.values().map(Vec::as_slice))
+        .map_err(|why| KafkaError::Task { detail: format!("a record of {topic} is not a rollup: {why}") })
+}
+
+impl RollupsTopic {
+    /// Reads back the latest value of each key of the rollups topic (as
+    /// compaction leaves it); the first value that is not a rollup or an
+    /// adjustment is the error.
+    pub fn of_latest<'a>(values: impl Iterator<Item = &'a [u8]>) -> Result<RollupsTopic, String> {
+        let mut rollups = Vec::new();
+        let mut adjustments = Vec::new();
+        for value in values {
+            match parse_ledger_record(value)? {
+                LedgerRecord::Rollup(k, p, r) => rollups.push((k, p, r)),
+                LedgerRecord::Adjustment(p, a) => adjustments.push((p, a)),
             }
         }
+        Ok(RollupsTopic { rollups, adjustments })
     }
-    Ok(RollupsTopic { rollups, adjustments })
 }
 
 /// Answers `query` from the rollups topic: every partition's share.
@@ -178,7 +185,7 @@ pub fn usage_from_topic(brokers: &Brokers, topic: &str, query: &UsageQuery) -> R
 
 /// Every partition's accepted events, in offset order, as the output topic
 /// holds them now; and one line per record that does not read back.
-type OutputEvents = BTreeMap<i32, Vec<(i64, crate::event::UsageEvent)>>;
+pub type OutputEvents = BTreeMap<i32, Vec<(i64, crate::event::UsageEvent)>>;
 
 fn read_output_events(
     brokers: &Brokers,
@@ -241,18 +248,32 @@ pub fn verify_topics(
     lateness: &Lateness,
 ) -> Result<TopicCheck, KafkaError> {
     let (by_partition, unreadable) = read_output_events(brokers, output_topic, validator)?;
-    let RollupsTopic { rollups, adjustments } = read_rollups(brokers, rollups_topic)?;
+    let rollups = read_rollups(brokers, rollups_topic)?;
+    let mut check = compare_topics(&by_partition, rollups, lateness).map_err(|detail| KafkaError::Task { detail })?;
+    check.drift.splice(0..0, unreadable);
+    Ok(check)
+}
+
+/// What [`verify_topics`] compares, once both topics are read (the
+/// simulator's final check runs it on the model broker's topics): every
+/// partition's accepted events refolded in offset order with `lateness`,
+/// against every rollup and adjustment of the rollups topic. Err: the
+/// events do not fold (a quantity out of range).
+pub fn compare_topics(
+    by_partition: &OutputEvents,
+    rollups: RollupsTopic,
+    lateness: &Lateness,
+) -> Result<TopicCheck, String> {
     const SIDES: (&str, &str) = ("rollups topic", "output topic's events");
+    let RollupsTopic { rollups, adjustments } = rollups;
     let mut stored: HeldRollups = rollups.into_iter().map(|(k, p, r)| ((k, p), r)).collect();
     let mut stored_adjustments: BTreeMap<(i32, String, String), Adjustment> =
         adjustments.into_iter().map(|(p, a)| ((p, a.counter.tenant_id.clone(), a.event_id.clone()), a)).collect();
-    let mut check = TopicCheck { drift: unreadable, ..TopicCheck::default() };
-    for (p, events) in by_partition {
+    let mut check = TopicCheck::default();
+    for (&p, events) in by_partition {
         check.events += events.len() as u64;
         let mut maps = LedgerMaps::default();
-        let folded = maps
-            .fold(lateness, events.iter().map(|(o, e)| (e, *o)))
-            .map_err(|e| KafkaError::Task { detail: e.to_string() })?;
+        let folded = maps.fold(lateness, events.iter().map(|(o, e)| (e, *o))).map_err(|e| e.to_string())?;
         check.hours += compare_rollups(p, maps.hours, &mut stored, SIDES, &mut check.drift);
         for want in folded.adjustments {
             check.adjustments += 1;
