@@ -399,12 +399,14 @@ impl PartitionLife {
     /// but at least once with a hold, where they wait until the oldest held
     /// batch is `hold_rollups_ms` old or the partition is being let go.
     fn flushes_rollups(&self, now_ms: i64) -> bool {
-        match (self.settings.delivery, self.settings.hold_rollups_ms) {
-            (DeliveryMode::AtLeastOnce, Some(hold_ms)) => {
-                self.revoking || self.held.is_some_and(|h| now_ms - h.since_ms >= hold_ms)
+        let hold_ms = match (self.settings.delivery, self.settings.hold_rollups_ms) {
+            (DeliveryMode::AtLeastOnce, Some(hold_ms)) => hold_ms,
+            (DeliveryMode::ExactlyOnce, hold) if self.mutated(Mutation::RollupsAfterTheirTransaction) => {
+                hold.unwrap_or(1_000)
             }
-            _ => true,
-        }
+            _ => return true,
+        };
+        self.revoking || self.held.is_some_and(|h| now_ms - h.since_ms >= hold_ms)
     }
 
     /// Whether a revoke now (`lost`: of a lost assignment) interrupts the
@@ -553,13 +555,18 @@ impl PartitionLife {
     /// `flushed_rollups`).
     fn batch_done(&mut self, next_input: i64, flushed_rollups: bool, now_ms: i64) -> Step {
         self.batches += 1;
-        if self.settings.delivery == DeliveryMode::AtLeastOnce && !self.mutated(Mutation::CommitBeforeAcknowledged) {
-            if !flushed_rollups {
-                let since_ms = self.held.map_or(now_ms, |h| h.since_ms);
-                self.held = Some(Held { next_input, since_ms });
-                return self.next_batch();
-            }
+        if flushed_rollups {
             self.held = None;
+        } else {
+            let since_ms = self.held.map_or(now_ms, |h| h.since_ms);
+            self.held = Some(Held { next_input, since_ms });
+        }
+        // At least once, the input offsets commit only once the batch's
+        // rollups are out too (exactly once, they went in its transaction).
+        let commit = self.settings.delivery == DeliveryMode::AtLeastOnce
+            && !self.mutated(Mutation::CommitBeforeAcknowledged)
+            && (flushed_rollups || self.mutated(Mutation::CommitWithRollupsHeld));
+        if commit {
             self.phase = Phase::Committing { next_input };
             return Step::CommitInput { next_input };
         }

@@ -43,11 +43,22 @@ pub enum Mutation {
     /// the file, although each append was acknowledged as durable (events
     /// lost from local state, or a store that cannot open).
     WalCreatedWithoutDirFsync,
+    /// At-least-once with rollups held back: a batch's input offsets are
+    /// committed as soon as it is published and applied, while its rollups
+    /// still wait in memory. A crash before they go out loses them for good
+    /// (nothing replays the batch), and the rollups topic stays short of
+    /// the output (billing's totals miss usage).
+    CommitWithRollupsHeld,
+    /// Exactly-once: a batch's rollups are held back and published in a
+    /// later transaction of their own (as at-least-once batches them)
+    /// instead of in the transaction of their events. A crash between the
+    /// two loses them: the events' transaction committed the input offsets.
+    RollupsAfterTheirTransaction,
 }
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 8] = [
+    pub const ALL: [Mutation; 10] = [
         Mutation::OffsetsOutsideTransaction,
         Mutation::CommitBeforeAcknowledged,
         Mutation::ApplyBeforePublish,
@@ -56,6 +67,8 @@ impl Mutation {
         Mutation::RevokeFinishesLostBatch,
         Mutation::CommitTimeoutNotResumed,
         Mutation::WalCreatedWithoutDirFsync,
+        Mutation::CommitWithRollupsHeld,
+        Mutation::RollupsAfterTheirTransaction,
     ];
 
     fn bit(self) -> u16 {
