@@ -703,7 +703,11 @@ impl LocalState {
     /// the same code as [`open`](Self::open)'s. The usage store's flush and
     /// compaction jobs (with `write_in_background`) wait for
     /// [`run_store_jobs`](Self::run_store_jobs) instead of running on
-    /// threads, so the simulator's schedule places them.
+    /// threads, so the simulator's schedule places them. The usage ledger,
+    /// when `settings.ledger` is on, is kept in memory (the simulated disk
+    /// does not model RocksDB): it has no checkpoint at start, so each
+    /// process's repair refolds it from the start of the output, which is
+    /// what the rollups it publishes must agree with.
     pub fn open_on(
         fs: Arc<dyn FileSystem>,
         dir: &Path,
@@ -714,7 +718,6 @@ impl LocalState {
     ) -> Result<LocalState, StateError> {
         let (usage, recovery) = UsageStore::open_on(fs, &dir.join("usage"), store, Arc::new(NoopObserver))?;
         let mut state = LocalState::in_memory(settings, detect_replays);
-        state.ledger = None;
         state.durable = Some(Durable::new(dir, usage, keys, recovery, None, JobThread::deferred));
         Ok(state)
     }

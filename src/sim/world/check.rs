@@ -7,10 +7,11 @@ use rdkafka::message::{Header, OwnedHeaders};
 
 use crate::event::Position;
 use crate::kafka::records::{parse_output, H_SOURCE_OFFSET, H_SOURCE_PARTITION};
+use crate::kafka::usage::{compare_topics, OutputEvents, RollupsTopic, TopicCheck};
 use crate::pipeline::DeliveryMode;
 use crate::sim::broker::log::{read_committed_records, Isolation, Record, TopicPartition};
 use crate::sim::net::Network;
-use crate::sim::world::{Planned, World, CONFLICTS, OUTPUT, REJECTED};
+use crate::sim::world::{Planned, World, CONFLICTS, OUTPUT, REJECTED, ROLLUPS};
 use crate::state::StoredEvent;
 
 /// A broken guarantee.
@@ -31,6 +32,8 @@ pub enum Violation {
     StateDiffers { worker: usize, partition: i32, detail: String },
     #[error("side topic {topic}: {detail}")]
     SideTopic { topic: &'static str, detail: String },
+    #[error("the rollups topic is not the ledger of the output (billing's totals are wrong): {detail}")]
+    RollupsDiffer { detail: String },
     #[error("output record {partition}@{offset} does not read back: {detail}")]
     ForeignOutput { partition: i32, offset: i64, detail: String },
     #[error("input not processed by {deadline_ms} ms although faults stopped (a stall): {detail}")]
@@ -185,5 +188,51 @@ pub fn final_checks(w: &World) -> Vec<Violation> {
             v.push(Violation::SideTopic { topic, detail: format!("expected sources {want:?}, found {got:?}") });
         }
     }
+    if w.faults.rollups.published() {
+        if let Err(detail) = rollups_topic(w) {
+            v.push(Violation::RollupsDiffer { detail });
+        }
+    }
     v
+}
+
+/// The rollups topic against the output, as `dedupd usage verify` checks
+/// them: the latest record of each key (what compaction keeps) must be the
+/// output's events refolded, partition by partition in offset order, with
+/// dedupd's default lateness, and every late event must have its
+/// adjustment. Exactly once, each adjustment is published once: the
+/// records of an aborted transaction are never read, and nothing is
+/// published again. Ok: what was compared.
+pub fn rollups_topic(w: &World) -> Result<TopicCheck, String> {
+    let mut events = OutputEvents::new();
+    for (p, o, e) in output_events(&w.net, OUTPUT) {
+        events.entry(p).or_default().push((o, e.event));
+    }
+    let mut latest: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+    let mut adjustment_copies: BTreeMap<Vec<u8>, usize> = BTreeMap::new();
+    for (p, o, r) in output_records(&w.net, ROLLUPS) {
+        let (Some(key), Some(value)) = (r.key, r.value) else {
+            return Err(format!("record {p}@{o} has no key or no value"));
+        };
+        if key.starts_with(b"adjustment") {
+            *adjustment_copies.entry(key.clone()).or_default() += 1;
+        }
+        latest.insert(key, value);
+    }
+    let topic = RollupsTopic::of_latest(latest.values().map(Vec::as_slice))?;
+    let check = compare_topics(&events, topic, &crate::ledger::Lateness::default())?;
+    if !check.drift.is_empty() {
+        return Err(check.drift.join("; "));
+    }
+    if w.config.delivery == DeliveryMode::ExactlyOnce {
+        let again: Vec<String> = adjustment_copies
+            .iter()
+            .filter(|(_, n)| **n > 1)
+            .map(|(k, n)| format!("{} ×{n}", String::from_utf8_lossy(k)))
+            .collect();
+        if !again.is_empty() {
+            return Err(format!("adjustments published more than once: {again:?}"));
+        }
+    }
+    Ok(check)
 }

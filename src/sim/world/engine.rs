@@ -1,6 +1,7 @@
 //! Local state for simulated workers: dedupd's own [`LocalState`] (the
 //! classifier, the WAL/segment usage store and its recovery, the key-store
-//! tier) over the simulated disk and the key-store model of
+//! tier, and the usage ledger in memory when the schedule publishes
+//! rollups) over the simulated disk and the key-store model of
 //! [`crate::sim::disk`].
 //!
 //! A worker's disk and key store outlive its process. A crash either kills
@@ -35,11 +36,19 @@ pub struct SimState {
 impl SimState {
     /// `sync_every_apply`: `--fsync always`; otherwise the WAL is synced only
     /// when a file is sealed, the memtable is flushed or the store closes
-    /// (an interval longer than the schedule).
-    pub fn new(worker: usize, rng: &mut SimRng, sync_every_apply: bool, mutations: Mutations) -> SimState {
+    /// (an interval longer than the schedule). `ledger`: the usage ledger
+    /// is kept (in memory, see [`LocalState::open_on`]).
+    pub fn new(
+        worker: usize,
+        rng: &mut SimRng,
+        sync_every_apply: bool,
+        ledger: bool,
+        mutations: Mutations,
+    ) -> SimState {
         let dir = Path::new("/sim").join(format!("w{worker}"));
         let settings = EngineSettings {
             keep_revoked_partitions: false,
+            ledger,
             fsync: if sync_every_apply {
                 FsyncPolicy::Always
             } else {

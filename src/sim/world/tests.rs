@@ -7,7 +7,7 @@
 //! `SIM_SEED=<seed> SIM_SCHEDULES=1 cargo test --lib sim::world`.
 
 use crate::pipeline::{DeliveryMode, Mutation, Mutations};
-use crate::sim::world::{Membership, ScheduleConfig, World};
+use crate::sim::world::{Membership, Rollups, ScheduleConfig, World};
 
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -26,9 +26,17 @@ fn run_all(delivery: DeliveryMode) {
     let mut members = (0usize, 0usize, 0usize, 0usize);
     let mut disk = crate::sim::disk::DiskCounts::default();
     let mut jobs = (0usize, 0usize, 0usize);
+    let mut ledger = (0usize, 0usize, 0usize);
+    let mut zombies = (0usize, 0usize);
     let mut schedules = 0;
     for seed in seeds() {
-        let config = ScheduleConfig { seed, delivery, mutations: Mutations::NONE, membership: Membership::Drawn };
+        let config = ScheduleConfig {
+            seed,
+            delivery,
+            mutations: Mutations::NONE,
+            membership: Membership::Drawn,
+            rollups: Rollups::Drawn,
+        };
         match World::new(config).run() {
             Ok(r) => {
                 schedules += 1;
@@ -45,6 +53,14 @@ fn run_all(delivery: DeliveryMode) {
                 jobs.0 += r.store_job_steps;
                 jobs.1 += r.ends_with_a_store_job_out;
                 jobs.2 += r.ends_with_a_segment_not_installed;
+                ledger.0 += usize::from(r.rollup_hours > 0);
+                ledger.1 += r.rollup_hours;
+                ledger.2 += r.adjustments;
+                zombies.0 += usize::from(r.zombie_publishes > 0);
+                if !r.excused.is_empty() {
+                    zombies.1 += 1;
+                    eprintln!("{delivery}: seed {seed} passed with at-least-once's zombie limitation: {:?}", r.excused);
+                }
             }
             Err(failure) => panic!("{failure}"),
         }
@@ -54,7 +70,9 @@ fn run_all(delivery: DeliveryMode) {
          assignments, {} failed publishes; {} with static members, {} with a second process on a worker's \
          instance id ({} overlapping it), {} fenced exits; disks: {} power losses taking {} unsynced bytes and {} \
          directory changes, {} write errors, {} fsync errors, {} full-disk errors; {} usage store job steps run \
-         after an apply, {} process ends with one out ({} with its segment written, not installed)",
+         after an apply, {} process ends with one out ({} with its segment written, not installed); {} publishing \
+         rollups, {} counter-hours and {} late events' adjustments checked against the output; {} with a zombie's \
+         publish, {} of them with an event published twice by it",
         totals.0,
         totals.1,
         totals.2,
@@ -72,8 +90,24 @@ fn run_all(delivery: DeliveryMode) {
         disk.full_disk_errors,
         jobs.0,
         jobs.1,
-        jobs.2
+        jobs.2,
+        ledger.0,
+        ledger.1,
+        ledger.2,
+        zombies.0,
+        zombies.1
     );
+    // At-least-once's one known way to publish twice (nothing fences a
+    // zombie) stays rare: about one schedule in 3,000 when measured, at
+    // most one in 1,000 here. Exactly-once has no such excuse.
+    match delivery {
+        DeliveryMode::ExactlyOnce => assert_eq!(zombies.1, 0),
+        DeliveryMode::AtLeastOnce => assert!(
+            zombies.1 * 1_000 <= schedules.max(1_000),
+            "{} of {schedules} schedules published twice through a zombie",
+            zombies.1
+        ),
+    }
     // The schedules place the store's background jobs, crashes included
     // (unless the run is too short to have any).
     if schedules >= 1_000 {
@@ -81,6 +115,8 @@ fn run_all(delivery: DeliveryMode) {
             jobs.0 > 0 && jobs.1 > 0 && jobs.2 > 0,
             "no usage store job was run after an apply, or lost with its process, or lost written: {jobs:?}"
         );
+        // And the rollups check compared something, late events included.
+        assert!(ledger.1 > 0 && ledger.2 > 0, "no rollup or no adjustment was checked: {ledger:?}");
     }
 }
 
@@ -98,8 +134,13 @@ fn at_least_once_schedules_keep_every_guarantee() {
 /// the first failing seed.
 fn caught(mutation: Mutation, delivery: DeliveryMode) -> Option<(u64, String)> {
     for seed in seeds() {
-        let config =
-            ScheduleConfig { seed, delivery, mutations: Mutations::only(mutation), membership: Membership::Drawn };
+        let config = ScheduleConfig {
+            seed,
+            delivery,
+            mutations: Mutations::only(mutation),
+            membership: Membership::Drawn,
+            rollups: Rollups::Drawn,
+        };
         if let Err(f) = World::new(config).run() {
             return Some((seed, f.violations.first().map(|v| v.to_string()).unwrap_or_default()));
         }
@@ -155,12 +196,23 @@ fn a_wal_file_created_without_a_directory_fsync_is_caught() {
 }
 
 #[test]
+fn a_commit_of_input_whose_rollups_are_held_is_caught() {
+    assert_caught(Mutation::CommitWithRollupsHeld, DeliveryMode::AtLeastOnce);
+}
+
+#[test]
+fn rollups_published_after_their_events_transaction_are_caught() {
+    assert_caught(Mutation::RollupsAfterTheirTransaction, DeliveryMode::ExactlyOnce);
+}
+
+#[test]
 fn a_seed_replays_exactly() {
     let config = ScheduleConfig {
         seed: 42,
         delivery: DeliveryMode::ExactlyOnce,
         mutations: Mutations::NONE,
         membership: Membership::Drawn,
+        rollups: Rollups::Published { hold_ms: None },
     };
     let a = World::new(config);
     let b = World::new(config);
@@ -173,7 +225,14 @@ fn a_seed_replays_exactly() {
 /// pin the one they were found with) and fails with its violations and
 /// trace; the trace of a schedule that passed otherwise.
 fn assert_exactly_once(seed: u64, membership: Membership) -> Vec<String> {
-    let config = ScheduleConfig { seed, delivery: DeliveryMode::ExactlyOnce, mutations: Mutations::NONE, membership };
+    // Found before the ledger was modelled, and pinned without it.
+    let config = ScheduleConfig {
+        seed,
+        delivery: DeliveryMode::ExactlyOnce,
+        mutations: Mutations::NONE,
+        membership,
+        rollups: Rollups::Off,
+    };
     match World::new(config).run_with_trace() {
         Ok((_, trace)) => trace,
         Err(failure) => panic!("{failure}"),
@@ -278,6 +337,7 @@ fn a_second_process_with_a_live_workers_instance_id_is_fenced_out_and_nothing_is
         delivery: DeliveryMode::ExactlyOnce,
         mutations: Mutations::NONE,
         membership: Membership::Duplicate { of: 0, at_ms: 10_000 },
+        rollups: Rollups::Off,
     };
     let (report, trace) = match World::new(config).run_with_trace() {
         Ok(done) => done,

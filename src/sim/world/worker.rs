@@ -9,7 +9,7 @@ use rdkafka::types::RDKafkaErrorCode;
 
 use crate::config::EngineSettings;
 use crate::event::Position;
-use crate::kafka::batch::{classify_batch, BatchInput, BatchLayout, Prepared};
+use crate::kafka::batch::{classify_batch, BatchInput, BatchLayout, DeferredRollups, Prepared};
 use crate::kafka::engine::{Engine, StateEngine};
 use crate::kafka::records::{parse_output, Destination, OutRecord};
 use crate::pipeline::{
@@ -25,7 +25,9 @@ use crate::sim::error::ErrorCode;
 use crate::sim::net::{Delivery, Outcome};
 use crate::sim::world::check::{self, Violation};
 use crate::sim::world::engine::{held_by_state, SimState};
-use crate::sim::world::{Faults, World, CONFLICTS, EPOCH_MS, GROUP, INPUT, OUTPUT, REJECTED, ROLLUPS};
+use crate::sim::world::{
+    Faults, Rollups, World, CONFLICTS, EPOCH_MS, GROUP, INPUT, OUTPUT, REJECTED, ROLLUPS, ROLLUPS_PARTITIONS,
+};
 
 const SESSION_MS: i64 = 6_000;
 const HEARTBEAT_MS: i64 = 500;
@@ -128,9 +130,24 @@ struct Slot {
     batch: Vec<(i64, Record)>,
     prepared: Option<Prepared>,
     published: Option<Vec<(i32, i64)>>,
+    /// Rollups of applied batches held back (at least once with a hold), as
+    /// `kafka::partition`'s driver keeps them: lost with the process or the
+    /// partition, whose input offsets then were not committed.
+    deferred: DeferredRollups,
+    /// What the publish in flight does to `deferred` once it succeeds.
+    rollups_after: RollupsAfter,
     /// The end of the assignment repair's read, for the state check.
     repair_end: Option<i64>,
     assignment_checked: bool,
+}
+
+/// What a publish that succeeds does to a slot's held rollups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RollupsAfter {
+    /// It carried them all: forget them.
+    Clear,
+    /// It carried none: hold the batch's too.
+    Hold,
 }
 
 /// A publish handed to the producer.
@@ -776,6 +793,9 @@ fn assign_slot(w: &mut World, worker: usize, partition: i32) {
     let mut settings = LifeSettings::new(partition, w.config.delivery);
     settings.settle_timeout_ms = 60_000;
     settings.mutations = w.config.mutations;
+    if let Rollups::Published { hold_ms } = w.faults.rollups {
+        settings.hold_rollups_ms = hold_ms.map(i64::from);
+    }
     let (life, step) = PartitionLife::assigned(settings, w.now_ms);
     wk.slots.insert(
         partition,
@@ -787,6 +807,8 @@ fn assign_slot(w: &mut World, worker: usize, partition: i32) {
             batch: Vec::new(),
             prepared: None,
             published: None,
+            deferred: DeferredRollups::default(),
+            rollups_after: RollupsAfter::Clear,
             repair_end: None,
             assignment_checked: false,
         },
@@ -943,8 +965,8 @@ fn perform(w: &mut World, worker: usize, partition: i32) {
                 conflicts_partitions: 1,
                 rejected_partitions: 1,
                 max_rejected_raw_bytes: 1 << 16,
-                rollups_partitions: None,
-                republish_replays: false,
+                rollups_partitions: w.faults.rollups.published().then_some(ROLLUPS_PARTITIONS as usize),
+                republish_replays: w.config.delivery == DeliveryMode::AtLeastOnce,
             };
             let engine = wk.engine.as_ref().expect("engine");
             let with = |f: &mut dyn FnMut(&dyn Engine)| f(engine);
@@ -958,12 +980,27 @@ fn perform(w: &mut World, worker: usize, partition: i32) {
                 Err(e) => fail(w, worker, e.to_string()),
             }
         }
-        // The model's workers have no rollups topic, so every batch's
-        // publish carries its (no) rollups and none are ever held back.
-        Step::PublishRollups => fail(w, worker, "the core held rollups back in a world without a rollups topic".into()),
-        Step::Publish { next_input, offsets_in_transaction, flush_rollups: _ } => {
+        // As `kafka::partition` does: held rollups go out alone, in a
+        // publish (a transaction, exactly once) of their own.
+        Step::PublishRollups => {
+            let now = EPOCH_MS + w.now_ms;
             let s = slot(w, worker, partition);
-            let records = s.prepared.as_ref().map(|p| p.records.clone()).unwrap_or_default();
+            let records = s.deferred.records(&[], partition, ROLLUPS_PARTITIONS as usize, now);
+            s.rollups_after = RollupsAfter::Clear;
+            let job = Job { partition, generation: s.generation, records, offsets: None };
+            w.workers[worker].producer.queue.push_back(job);
+            producer_next(w, worker);
+        }
+        Step::Publish { next_input, offsets_in_transaction, flush_rollups } => {
+            let now = EPOCH_MS + w.now_ms;
+            let published = w.faults.rollups.published();
+            let s = slot(w, worker, partition);
+            let mut records = s.prepared.as_ref().map(|p| p.records.clone()).unwrap_or_default();
+            if published && flush_rollups {
+                let rollups = s.prepared.as_ref().map_or(&[][..], |p| p.rollups.as_slice());
+                records.extend(s.deferred.records(rollups, partition, ROLLUPS_PARTITIONS as usize, now));
+            }
+            s.rollups_after = if flush_rollups { RollupsAfter::Clear } else { RollupsAfter::Hold };
             let job = Job {
                 partition,
                 generation: s.generation,
@@ -1278,6 +1315,9 @@ fn producer_request(w: &mut World, worker: usize, request: Request, what: Produc
 
 fn produce_next_group(w: &mut World, worker: usize) {
     let eos = w.config.delivery == DeliveryMode::ExactlyOnce;
+    if !eos {
+        note_zombie_publish(w, worker);
+    }
     let wk = &mut w.workers[worker];
     let pid = wk.producer.pid.expect("pid");
     let run = wk.producer.run.as_ref().expect("run");
@@ -1310,6 +1350,30 @@ fn produce_next_group(w: &mut World, worker: usize) {
         Request::Produce { partition: tp.clone(), batch },
         ProducerRequest::Produce { tp, indexes },
     );
+}
+
+/// At least once: whether this publish comes from a zombie, a member whose
+/// input partition the coordinator has already given to another member
+/// that completed its SyncGroup, while this one does not know it yet (its
+/// session lost or a rebalance missed during an outage). Nothing can fence
+/// an idempotent producer, so what it publishes may be published again by
+/// the new owner: the limitation of at-least-once the README states. The
+/// schedule records it (see [`crate::sim::world::World::run`]).
+fn note_zombie_publish(w: &mut World, worker: usize) {
+    let Some(run) = w.workers[worker].producer.run.as_ref() else { return };
+    let partition = run.job.partition;
+    let me = &w.workers[worker].member.id;
+    let owners = w
+        .net
+        .broker()
+        .group_coordinator()
+        .group(GROUP)
+        .map(|g| g.synced_owners().remove(&TopicPartition::new(INPUT, partition)).unwrap_or_default())
+        .unwrap_or_default();
+    if !owners.is_empty() && !owners.contains(me) {
+        w.report.zombie_publishes += 1;
+        w.log(format!("w{worker} publishes for p{partition} as a zombie: the group gave it to {owners:?}"));
+    }
 }
 
 fn txn_offsets(w: &mut World, worker: usize) {
@@ -1352,7 +1416,15 @@ fn finish_run(w: &mut World, worker: usize, result: Result<(), BatchFailure>) {
     match result {
         Ok(()) => {
             if live {
-                slot(w, worker, partition).published = Some(run.positions);
+                let s = slot(w, worker, partition);
+                s.published = Some(run.positions);
+                match s.rollups_after {
+                    RollupsAfter::Clear => s.deferred.clear(),
+                    RollupsAfter::Hold => {
+                        let rollups = s.prepared.as_mut().map(|p| std::mem::take(&mut p.rollups));
+                        s.deferred.hold(rollups.unwrap_or_default());
+                    }
+                }
                 advance(w, worker, partition, Event::Published);
             }
             producer_next(w, worker);
