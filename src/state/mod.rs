@@ -34,7 +34,9 @@
 //! part of its cost (tens of thousands of hours written every 100,000
 //! events) and a stall for every partition. A batch the usage store
 //! already partly holds (the ledger being repaired behind it) is written
-//! at once. The state directory is locked for one process.
+//! at once, and so is one with an event the usage store's retention may
+//! drop before the next write (`NEAR_RETENTION_MS`). The state directory
+//! is locked for one process.
 //!
 //! The usage store's long writes run on threads of their own, off every
 //! partition's batch (`storage` says how): the batch that fills the
@@ -526,6 +528,19 @@ pub fn keystore_options(settings: &EngineSettings) -> KeyStoreOptions {
 /// idle for long keeps the segment id of its last write.
 const CATCH_UP_MAX_ROWS: u64 = 5_000_000;
 
+/// How close to the usage store's retention cutoff (first seen more than
+/// `--retention` ago) a folded event may be before the ledger writes at
+/// once. Catching the ledger up at a restart reads its gap from the usage
+/// store and checks only that the gap ends at the store's checkpoint: a
+/// compaction that dropped the gap's oldest events (a repair of output
+/// near the end of retention, folded, then dropped before the write behind
+/// came) would leave them folded by no one. Written at once, they are
+/// behind the ledger's checkpoint before any compaction can see them past
+/// retention. An hour is far more than the write behind's seconds and any
+/// step of the clock between an apply and the next compaction; such events
+/// are rare (only repairs meet them), so the extra writes cost nothing.
+const NEAR_RETENTION_MS: i64 = 3_600_000;
+
 impl LocalState {
     /// State kept in memory only: lost at exit, rebuilt by repair.
     pub fn in_memory(settings: EngineSettings, detect_replays: bool) -> LocalState {
@@ -951,7 +966,7 @@ impl LocalState {
         let fresh = &fresh[..];
         // The ledger folds the batch before the usage store holds it: see
         // `fold_into_ledger` for why.
-        self.fold_into_ledger(partition, fresh, first)?;
+        self.fold_into_ledger(partition, fresh, first, now_ms)?;
         // The copies the usage store's memtable keeps, made before taking
         // its lock, and the keys the other tiers remember.
         let copies: Vec<StoredEvent> = fresh.iter().map(|e| (*e).clone()).collect();
@@ -989,10 +1004,18 @@ impl LocalState {
     /// (the ledger is being repaired behind it), so those events may be in
     /// older segments. So does a partition's first fold in this process,
     /// so that a restart finds a segment id for it (see
-    /// [`Ledger::set_anchored`]).
+    /// [`Ledger::set_anchored`]). And so does a batch holding an event the
+    /// usage store's retention may drop before the next write (see
+    /// [`NEAR_RETENTION_MS`]).
     ///
     /// [`WRITE_BEHIND`]: crate::ledger::WRITE_BEHIND
-    fn fold_into_ledger(&self, partition: i32, fresh: &[&StoredEvent], first: i64) -> Result<(), StateError> {
+    fn fold_into_ledger(
+        &self,
+        partition: i32,
+        fresh: &[&StoredEvent],
+        first: i64,
+        now_ms: i64,
+    ) -> Result<(), StateError> {
         let Some(ledger) = &self.ledger else {
             return Ok(());
         };
@@ -1008,7 +1031,9 @@ impl LocalState {
         let first_fold = !ledger.set_anchored(partition, !behind);
         let accepted: Vec<(&UsageEvent, i64)> = fresh.iter().map(|e| (&e.event, e.key.output.offset)).collect();
         ledger.apply(partition, &self.settings.lateness, &accepted)?;
-        if behind || first_fold || ledger.write_due() {
+        let cutoff_soon = now_ms.saturating_sub(self.settings.retention_ms()).saturating_add(NEAR_RETENTION_MS);
+        let near_retention = self.durable.is_some() && fresh.iter().any(|e| e.key.first_seen_ms <= cutoff_soon);
+        if behind || first_fold || near_retention || ledger.write_due() {
             ledger.write_pending()?;
         }
         Ok(())
@@ -1374,6 +1399,59 @@ mod tests {
         }
         let state = open();
         assert_eq!(state.checkpoint(0), Some(10), "the rest of the gap is left to repair, not skipped");
+    }
+
+    /// A repair's batch holds events first seen just inside the usage
+    /// store's retention; a compaction a minute later drops them, and the
+    /// process dies before the ledger's write behind came. The ledger wrote
+    /// them at their fold, so the next start's catch-up (which reads the
+    /// gap from the usage store) does not skip them: the ledger still
+    /// counts every event it folded.
+    #[test]
+    fn events_folded_near_the_retention_cutoff_are_written_before_a_compaction_drops_them() {
+        let settings = EngineSettings { memtable_events: 4, ..EngineSettings::default() };
+        let retention_ms = settings.retention_ms();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let open = || {
+            let mut state = LocalState::open(Some(dir.path()), settings.clone(), true).expect("open");
+            state.assign_all(&[0], NOW).expect("assign");
+            state
+        };
+        let settle = |state: &LocalState| {
+            let d = state.durable.as_ref().expect("durable");
+            while !(d.flusher.idle() && d.compactor.idle()) {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        };
+        let fresh = |n: u64| sample_event_at(n, 0, n as i64, NOW);
+        let old = |n: u64| sample_event_at(n, 0, n as i64, NOW - retention_ms + 60_000);
+        {
+            let mut state = open();
+            // The first fold writes at once; four events fill the memtable.
+            state.apply_published(0, &[fresh(1), fresh(2), fresh(3), fresh(4)], NOW).expect("apply");
+            settle(&state);
+            // The repair's batch: a segment of its own.
+            state.apply_published(0, &[old(5), old(6), old(7), old(8)], NOW).expect("apply");
+            settle(&state);
+            state.apply_published(0, &[fresh(9)], NOW).expect("apply");
+            // Two minutes on, those four are past retention: their segment
+            // goes.
+            state.maintain(NOW + 120_000).expect("upkeep");
+            settle(&state);
+            let mut stored = 0;
+            state.for_each_stored(0, |_| stored += 1).expect("stored");
+            assert_eq!(stored, 5, "the compaction dropped the four events past retention");
+            // The process dies: no close.
+        }
+        let state = open();
+        let mut folded = 0;
+        let ledger = state.ledger().expect("ledger");
+        for tenant in 0..5 {
+            ledger
+                .rollups(&format!("tenant_{tenant}"), None, |_, _, r| folded += r.count + r.corrections)
+                .expect("rollups");
+        }
+        assert_eq!(folded, 9, "every event folded before the crash is still counted");
     }
 
     /// Partitions apply side by side (`&self`), and the usage store moves
