@@ -555,15 +555,16 @@ impl PartitionLife {
     /// `flushed_rollups`).
     fn batch_done(&mut self, next_input: i64, flushed_rollups: bool, now_ms: i64) -> Step {
         self.batches += 1;
+        let at_least_once = self.settings.delivery == DeliveryMode::AtLeastOnce;
         if flushed_rollups {
             self.held = None;
-        } else {
+        } else if !(at_least_once && self.mutated(Mutation::CommitBeforeAcknowledged)) {
             let since_ms = self.held.map_or(now_ms, |h| h.since_ms);
             self.held = Some(Held { next_input, since_ms });
         }
         // At least once, the input offsets commit only once the batch's
         // rollups are out too (exactly once, they went in its transaction).
-        let commit = self.settings.delivery == DeliveryMode::AtLeastOnce
+        let commit = at_least_once
             && !self.mutated(Mutation::CommitBeforeAcknowledged)
             && (flushed_rollups || self.mutated(Mutation::CommitWithRollupsHeld));
         if commit {

@@ -53,6 +53,8 @@ pub enum Mutation {
     /// later transaction of their own (as at-least-once batches them)
     /// instead of in the transaction of their events. A crash between the
     /// two loses them: the events' transaction committed the input offsets.
+    /// (After that publish the input offsets are also committed again by a
+    /// plain commit, as at least once; that changes nothing.)
     RollupsAfterTheirTransaction,
 }
 

@@ -174,6 +174,9 @@ struct Run {
     /// retried answer, [`RETRY_FOR_MS`] later, as librdkafka gives up on its
     /// own retries at the call's timeout.
     retry_until_ms: Option<i64>,
+    /// At least once: a publish of the run was sent by a zombie (see
+    /// `note_zombie_publish`); the output records it places are recorded.
+    zombie: bool,
     retries: u32,
 }
 
@@ -1285,6 +1288,7 @@ fn producer_next(w: &mut World, worker: usize) {
         repeat: None,
         retry_until_ms: None,
         retries: 0,
+        zombie: false,
     });
     if w.config.delivery == DeliveryMode::ExactlyOnce {
         add_partitions(w, worker);
@@ -1358,7 +1362,8 @@ fn produce_next_group(w: &mut World, worker: usize) {
 /// session lost or a rebalance missed during an outage). Nothing can fence
 /// an idempotent producer, so what it publishes may be published again by
 /// the new owner: the limitation of at-least-once the README states. The
-/// schedule records it (see [`crate::sim::world::World::run`]).
+/// schedule records it, and where its output records land (see
+/// [`crate::sim::world::World::run`]).
 fn note_zombie_publish(w: &mut World, worker: usize) {
     let Some(run) = w.workers[worker].producer.run.as_ref() else { return };
     let partition = run.job.partition;
@@ -1371,6 +1376,9 @@ fn note_zombie_publish(w: &mut World, worker: usize) {
         .map(|g| g.synced_owners().remove(&TopicPartition::new(INPUT, partition)).unwrap_or_default())
         .unwrap_or_default();
     if !owners.is_empty() && !owners.contains(me) {
+        if let Some(run) = w.workers[worker].producer.run.as_mut() {
+            run.zombie = true;
+        }
         w.report.zombie_publishes += 1;
         w.log(format!("w{worker} publishes for p{partition} as a zombie: the group gave it to {owners:?}"));
     }
@@ -1529,6 +1537,9 @@ fn on_producer_response(w: &mut World, worker: usize, what: ProducerRequest, res
                 run.positions[i] = (tp.partition, appended.base_offset + k as i64);
             }
             run.next_group += 1;
+            if run.zombie && tp.topic == OUTPUT {
+                w.zombie_output.extend((0..i64::from(n)).map(|k| (tp.partition, appended.base_offset + k)));
+            }
             produce_next_group(w, worker);
         }
         (ProducerRequest::AddOffsets, _) => txn_offset_commit(w, worker),
