@@ -365,4 +365,3 @@ fn a_second_process_with_a_live_workers_instance_id_is_fenced_out_and_nothing_is
     assert_eq!(fenced.len(), 1, "{fenced:?}");
     assert!(!trace.iter().any(|l| l.contains("w2 stops") || l.contains("w2 exits")));
 }
-
