@@ -1015,7 +1015,11 @@ impl UsageStore {
                 continue;
             }
             let hit = match self.segment_index(meta)? {
-                Some(index) => self.find_in_groups(meta, &index, partition, &[(*id, first_seen_ms)])?.pop().flatten(),
+                Some(index) => {
+                    let asked = [(*id, first_seen_ms)];
+                    let reads = self.group_reads(meta, &index, &asked, [0]);
+                    read_groups(self.fs.as_ref(), partition, &asked, &reads)?.pop().map(|(_, hit)| hit)
+                }
                 None => self.find_in_segment(meta, Some(partition), id)?,
             };
             if hit.is_some() {
@@ -1030,7 +1034,8 @@ impl UsageStore {
     /// holding some of them is read once (a positioned read of one group,
     /// its columns decompressed once), however many of them it holds; in a
     /// version-1 segment its sidecar and the file are read once. Answers in
-    /// the order asked.
+    /// the order asked. Many groups to read (a conflict storm's batch) are
+    /// read on several threads (see [`read_groups_shared`]).
     pub fn get_first_seen_many(
         &self,
         partition: i32,
@@ -1052,20 +1057,33 @@ impl UsageStore {
                 None => elsewhere.push(i),
             }
         }
+        // Every group of an indexed segment that may hold one of them, read
+        // (on several threads when there are many) before anything else.
+        let mut reads = Vec::new();
+        let mut in_groups = Vec::new();
+        let mut unindexed = Vec::new();
         for (s, asked) in by_segment {
             let meta = &self.manifest.segments[s];
-            if let Some(index) = self.segment_index(meta)? {
-                let these: Vec<(IdHash, i64)> = asked.iter().map(|&i| wanted[i]).collect();
-                for (&i, hit) in asked.iter().zip(self.find_in_groups(meta, &index, partition, &these)?) {
-                    found[i] = match hit {
-                        Some(hit) => Some(hit),
-                        // Not in its first candidate: every candidate and
-                        // the memtable, as the one-at-a-time path does.
-                        None => self.get_first_seen(partition, &wanted[i].0, wanted[i].1)?,
-                    };
+            match self.segment_index(meta)? {
+                Some(index) => {
+                    reads.extend(self.group_reads(meta, &index, wanted, asked.iter().copied()));
+                    in_groups.extend(asked);
                 }
-                continue;
+                None => unindexed.push((s, asked)),
             }
+        }
+        for (i, hit) in read_groups_shared(self.fs.as_ref(), partition, wanted, &reads)? {
+            found[i].get_or_insert(hit);
+        }
+        // Not in its first candidate: every candidate and the memtable, as
+        // the one-at-a-time path does.
+        for i in in_groups {
+            if found[i].is_none() {
+                found[i] = self.get_first_seen(partition, &wanted[i].0, wanted[i].1)?;
+            }
+        }
+        for (s, asked) in unindexed {
+            let meta = &self.manifest.segments[s];
             let ids: HashSet<IdHash> = asked.iter().map(|&i| wanted[i].0).collect();
             let rows = self.rows_in_segment(meta, partition, &ids)?;
             if !rows.is_empty() {
@@ -1302,38 +1320,27 @@ impl UsageStore {
         Ok(index)
     }
 
-    /// Looks each of `asked` (ids of `partition` with their first-seen
-    /// times) up in the groups of a version-2 segment whose first-seen
-    /// range holds it, reading each such group once. Returns what it found;
-    /// an id absent from its groups is left `None`.
-    fn find_in_groups(
+    /// The groups of a version-2 segment to read to look `asked[i]` up, for
+    /// each `i` of `which`: each group whose first-seen range holds one of
+    /// them, once, in group order, with the ones it may hold.
+    fn group_reads(
         &self,
         meta: &SegmentMeta,
-        index: &SegmentIndex,
-        partition: i32,
+        index: &Arc<SegmentIndex>,
         asked: &[(IdHash, i64)],
-    ) -> Result<Vec<Option<StoredEvent>>, StorageError> {
-        let mut found = vec![None; asked.len()];
+        which: impl IntoIterator<Item = usize>,
+    ) -> Vec<GroupRead> {
         let mut by_group: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-        for (i, (_, first_seen_ms)) in asked.iter().enumerate() {
-            for g in index.groups_holding(*first_seen_ms) {
+        for i in which {
+            for g in index.groups_holding(asked[i].1) {
                 by_group.entry(g).or_default().push(i);
             }
         }
         let path = segment::segment_path(&self.seg_dir, meta.id);
-        for (g, ids) in by_group {
-            let group: &GroupEntry = &index.groups[g];
-            let image = segment::read_group(self.fs.as_ref(), &path, group, ids.len() > 1)?;
-            for i in ids {
-                if found[i].is_some() {
-                    continue;
-                }
-                if let Some(row) = image.find_row(partition, &asked[i].0, asked[i].1)? {
-                    found[i] = Some(image.read_row(row)?);
-                }
-            }
-        }
-        Ok(found)
+        by_group
+            .into_iter()
+            .map(|(group, asked)| GroupRead { path: path.clone(), index: Arc::clone(index), group, asked })
+            .collect()
     }
 
     /// Between batches: fsync when the interval is due, flush a full memtable,
@@ -1547,6 +1554,105 @@ impl UsageStore {
     }
 }
 
+/// One group of a version-2 segment a lookup reads, and which of the
+/// lookup's events (indexes into what it asked) it may hold. Owns what the
+/// read needs, so another thread can do it without the store.
+struct GroupRead {
+    path: PathBuf,
+    index: Arc<SegmentIndex>,
+    group: usize,
+    asked: Vec<usize>,
+}
+
+/// Reads each group of `reads` (one positioned read, its columns
+/// decompressed once) and finds in it the events of `asked` it may hold:
+/// (index into `asked`, event), in the order of `reads`. An event two groups
+/// may hold is looked for only until one has it.
+fn read_groups(
+    fs: &dyn FileSystem,
+    partition: i32,
+    asked: &[(IdHash, i64)],
+    reads: &[GroupRead],
+) -> Result<Vec<(usize, StoredEvent)>, StorageError> {
+    let mut hits = Vec::new();
+    let mut found = HashSet::new();
+    for r in reads {
+        let group: &GroupEntry = &r.index.groups[r.group];
+        let image = segment::read_group(fs, &r.path, group, r.asked.len() > 1)?;
+        for &i in &r.asked {
+            if found.contains(&i) {
+                continue;
+            }
+            if let Some(row) = image.find_row(partition, &asked[i].0, asked[i].1)? {
+                hits.push((i, image.read_row(row)?));
+                found.insert(i);
+            }
+        }
+    }
+    Ok(hits)
+}
+
+/// Fewest group reads worth a second thread: a read is tens of
+/// microseconds (mostly decompression), a thread's start a few.
+const GROUP_READS_TO_SHARE: usize = 8;
+/// Most threads one lookup's reads are spread over.
+const MOST_GROUP_READERS: usize = 4;
+
+/// [`read_groups`] spread over this thread and up to three scoped threads,
+/// when there are at least [`GROUP_READS_TO_SHARE`] reads per thread (one
+/// per core): a conflict storm's batch reads a group per original, and on
+/// its own thread that was most of the time the storm added to a batch.
+/// The caller holds the usage store's lock throughout, as for one thread.
+/// A thread that cannot be started leaves its share to this one; a panic
+/// in one is raised again here, as it would have been on one thread.
+/// Results keep the order of `reads`.
+fn read_groups_shared(
+    fs: &dyn FileSystem,
+    partition: i32,
+    asked: &[(IdHash, i64)],
+    reads: &[GroupRead],
+) -> Result<Vec<(usize, StoredEvent)>, StorageError> {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    let threads = cores.min(MOST_GROUP_READERS).min(reads.len() / GROUP_READS_TO_SHARE);
+    read_groups_on(threads, fs, partition, asked, reads)
+}
+
+/// [`read_groups`] on `threads` threads (this one included; 0 or 1: this
+/// one alone), each taking an equal run of `reads`.
+fn read_groups_on(
+    threads: usize,
+    fs: &dyn FileSystem,
+    partition: i32,
+    asked: &[(IdHash, i64)],
+    reads: &[GroupRead],
+) -> Result<Vec<(usize, StoredEvent)>, StorageError> {
+    if threads <= 1 || reads.len() <= 1 {
+        return read_groups(fs, partition, asked, reads);
+    }
+    let share = reads.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let mut parts = reads.chunks(share);
+        let mine = parts.next().unwrap_or_default();
+        let others: Vec<_> = parts
+            .map(|part| {
+                let started = std::thread::Builder::new()
+                    .name("dedupd-originals".into())
+                    .spawn_scoped(scope, move || read_groups(fs, partition, asked, part));
+                (part, started)
+            })
+            .collect();
+        let mut hits = read_groups(fs, partition, asked, mine)?;
+        for (part, started) in others {
+            let theirs = match started {
+                Ok(handle) => handle.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                Err(_) => read_groups(fs, partition, asked, part),
+            };
+            hits.extend(theirs?);
+        }
+        Ok(hits)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1757,6 +1863,49 @@ mod tests {
         assert_eq!(every_event(&store), events);
         drop(store);
         assert_verifies(dir.path());
+    }
+
+    /// A batch's originals over many groups, read on one to four threads:
+    /// the same events in the same order, each found once, the absent ones
+    /// and the other partition's not at all; and the store's own lookup
+    /// (which spreads them over this machine's cores) answers as one at a
+    /// time does.
+    #[test]
+    fn originals_read_on_several_threads_are_those_one_thread_finds() {
+        use crate::storage::testutil::sample_event_at;
+        let dir = tempfile::tempdir().expect("tmp");
+        let opts = StoreOptions {
+            memtable_max_events: usize::MAX,
+            compaction_min_segments: usize::MAX,
+            retention_ms: i64::MAX / 4,
+            ..StoreOptions::default()
+        };
+        let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
+        let (mut store, _) = UsageStore::open_on(Arc::new(RealFs), dir.path(), opts, observer).expect("open");
+        let t0 = 1_700_000_000_000;
+        let events: Vec<StoredEvent> = (0..6_000u64).map(|n| sample_event_at(n, 0, n as i64, t0 + n as i64)).collect();
+        store.append(&events).expect("append");
+        store.flush().expect("flush");
+        // Every seventeenth event, two unknown ids inside the segment's
+        // range, one event asked twice.
+        let mut wanted: Vec<(IdHash, i64)> =
+            events.iter().step_by(17).map(|e| (e.key.id_hash, e.key.first_seen_ms)).collect();
+        wanted.push((IdHash([9; 16]), t0 + 100));
+        wanted.push((IdHash([8; 16]), t0 + 5_900));
+        wanted.push(wanted[3]);
+        let meta = store.segments()[0];
+        let index = store.segment_index(&meta).expect("index").expect("a version-2 segment");
+        let reads = store.group_reads(&meta, &index, &wanted, 0..wanted.len());
+        assert!(reads.len() >= 20, "the originals span {} groups", reads.len());
+        let one = read_groups_on(1, &RealFs, 0, &wanted, &reads).expect("read");
+        assert_eq!(one.len(), wanted.len() - 2, "every known original once");
+        for threads in 2..=4 {
+            assert_eq!(read_groups_on(threads, &RealFs, 0, &wanted, &reads).expect("read"), one, "{threads} threads");
+        }
+        assert!(read_groups_on(3, &RealFs, 1, &wanted, &reads).expect("read").is_empty());
+        let one_at_a_time: Vec<Option<StoredEvent>> =
+            wanted.iter().map(|(id, t)| store.get_first_seen(0, id, *t).expect("lookup")).collect();
+        assert_eq!(store.get_first_seen_many(0, &wanted).expect("lookup"), one_at_a_time);
     }
 
     /// Every stored event, oldest first.
