@@ -1822,21 +1822,9 @@ mod tests {
     /// sidecar and the whole file, as before) until compaction rewrites it.
     #[test]
     fn an_original_in_a_large_segment_reads_one_group_and_version_1_files_still_answer() {
-        use crate::storage::testutil::sample_event_at;
         let dir = tempfile::tempdir().expect("tmp");
         let fs = Arc::new(CountingFs::default());
-        let opts = StoreOptions {
-            memtable_max_events: usize::MAX,
-            compaction_min_segments: usize::MAX,
-            retention_ms: i64::MAX / 4,
-            ..StoreOptions::default()
-        };
-        let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
-        let (mut store, _) = UsageStore::open_on(fs.clone(), dir.path(), opts.clone(), observer.clone()).expect("open");
-        let t0 = 1_700_000_000_000;
-        let events: Vec<StoredEvent> = (0..5_000u64).map(|n| sample_event_at(n, 0, n as i64, t0 + n as i64)).collect();
-        store.append(&events).expect("append");
-        store.flush().expect("flush");
+        let (store, events) = one_large_segment(fs.clone(), dir.path(), 5_000);
         let meta = store.segments()[0];
         let file_len = std::fs::metadata(segment::segment_path(&store.seg_dir, meta.id)).expect("stat").len() as usize;
         let bytes = |f: &dyn Fn() -> Vec<Option<StoredEvent>>| {
@@ -1856,7 +1844,8 @@ mod tests {
         let (v1, _, _) = segment::encode_image(&refs).expect("encode");
         drop(store);
         std::fs::write(segment::segment_path(&dir.path().join("segments"), meta.id), v1).expect("write v1");
-        let (store, _) = UsageStore::open_on(fs.clone(), dir.path(), opts, observer).expect("open");
+        let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
+        let (store, _) = UsageStore::open_on(fs.clone(), dir.path(), one_segment_options(), observer).expect("open");
         assert_eq!(store.get_first_seen_many(0, &wanted).expect("lookup"), found);
         let e = &events[17];
         assert_eq!(store.get_first_seen(0, &e.key.id_hash, e.key.first_seen_ms).expect("lookup").as_ref(), Some(e));
@@ -1872,20 +1861,9 @@ mod tests {
     /// time does.
     #[test]
     fn originals_read_on_several_threads_are_those_one_thread_finds() {
-        use crate::storage::testutil::sample_event_at;
         let dir = tempfile::tempdir().expect("tmp");
-        let opts = StoreOptions {
-            memtable_max_events: usize::MAX,
-            compaction_min_segments: usize::MAX,
-            retention_ms: i64::MAX / 4,
-            ..StoreOptions::default()
-        };
-        let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
-        let (mut store, _) = UsageStore::open_on(Arc::new(RealFs), dir.path(), opts, observer).expect("open");
-        let t0 = 1_700_000_000_000;
-        let events: Vec<StoredEvent> = (0..6_000u64).map(|n| sample_event_at(n, 0, n as i64, t0 + n as i64)).collect();
-        store.append(&events).expect("append");
-        store.flush().expect("flush");
+        let (store, events) = one_large_segment(Arc::new(RealFs), dir.path(), 6_000);
+        let t0 = events[0].key.first_seen_ms;
         // Every seventeenth event, two unknown ids inside the segment's
         // range, one event asked twice.
         let mut wanted: Vec<(IdHash, i64)> =
@@ -1906,6 +1884,31 @@ mod tests {
         let one_at_a_time: Vec<Option<StoredEvent>> =
             wanted.iter().map(|(id, t)| store.get_first_seen(0, id, *t).expect("lookup")).collect();
         assert_eq!(store.get_first_seen_many(0, &wanted).expect("lookup"), one_at_a_time);
+    }
+
+    /// Options under which what is appended stays in the memtable until a
+    /// flush is asked for, and segments are never merged or aged out.
+    fn one_segment_options() -> StoreOptions {
+        StoreOptions {
+            memtable_max_events: usize::MAX,
+            compaction_min_segments: usize::MAX,
+            retention_ms: i64::MAX / 4,
+            ..StoreOptions::default()
+        }
+    }
+
+    /// A store on `fs` in `dir` whose one segment holds sample events
+    /// `0..n` of partition 0, event `k` at output offset `k`, first seen
+    /// `k` ms after 1_700_000_000_000.
+    fn one_large_segment(fs: Arc<dyn FileSystem>, dir: &Path, n: u64) -> (UsageStore, Vec<StoredEvent>) {
+        use crate::storage::testutil::sample_event_at;
+        let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
+        let (mut store, _) = UsageStore::open_on(fs, dir, one_segment_options(), observer).expect("open");
+        let t0 = 1_700_000_000_000;
+        let events: Vec<StoredEvent> = (0..n).map(|k| sample_event_at(k, 0, k as i64, t0 + k as i64)).collect();
+        store.append(&events).expect("append");
+        store.flush().expect("flush");
+        (store, events)
     }
 
     /// Every stored event, oldest first.
