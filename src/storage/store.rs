@@ -1567,7 +1567,9 @@ struct GroupRead {
 /// Reads each group of `reads` (one positioned read, its columns
 /// decompressed once) and finds in it the events of `asked` it may hold:
 /// (index into `asked`, event), in the order of `reads`. An event two groups
-/// may hold is looked for only until one has it.
+/// may hold is looked for only until one of them has it; when `reads` is
+/// split over threads, each part looks for it, and the caller keeps the
+/// first hit in the order of `reads`, as one thread would have.
 fn read_groups(
     fs: &dyn FileSystem,
     partition: i32,
@@ -1593,7 +1595,8 @@ fn read_groups(
 }
 
 /// Fewest group reads worth a second thread: a read is tens of
-/// microseconds (mostly decompression), a thread's start a few.
+/// microseconds (mostly decompression); a thread's start, with the zstd
+/// decompression context it then makes for itself, is less than one read.
 const GROUP_READS_TO_SHARE: usize = 8;
 /// Most threads one lookup's reads are spread over.
 const MOST_GROUP_READERS: usize = 4;
@@ -1612,9 +1615,19 @@ fn read_groups_shared(
     asked: &[(IdHash, i64)],
     reads: &[GroupRead],
 ) -> Result<Vec<(usize, StoredEvent)>, StorageError> {
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-    let threads = cores.min(MOST_GROUP_READERS).min(reads.len() / GROUP_READS_TO_SHARE);
+    let wanted = reads.len() / GROUP_READS_TO_SHARE;
+    let threads = if wanted > 1 { wanted.min(reader_cores()) } else { 1 };
     read_groups_on(threads, fs, partition, asked, reads)
+}
+
+/// The cores a lookup's reads may use, at most [`MOST_GROUP_READERS`].
+/// Asked of the system once: `available_parallelism` reads the affinity
+/// mask and cgroup files, too slow to ask per lookup.
+fn reader_cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| {
+        std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get).min(MOST_GROUP_READERS)
+    })
 }
 
 /// [`read_groups`] on `threads` threads (this one included; 0 or 1: this
@@ -1641,13 +1654,30 @@ fn read_groups_on(
                 (part, started)
             })
             .collect();
-        let mut hits = read_groups(fs, partition, asked, mine)?;
+        // Every part is read and every thread joined before any error is
+        // returned, so a panic in one is raised with its own message (an
+        // unjoined one would surface as the scope's generic panic), and the
+        // first error in the order of `reads` is the answer, as on one thread.
+        let mut results = vec![read_groups(fs, partition, asked, mine)];
+        let mut panicked = None;
         for (part, started) in others {
-            let theirs = match started {
-                Ok(handle) => handle.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+            results.push(match started {
+                Ok(handle) => match handle.join() {
+                    Ok(result) => result,
+                    Err(panic) => {
+                        panicked.get_or_insert(panic);
+                        Ok(Vec::new())
+                    }
+                },
                 Err(_) => read_groups(fs, partition, asked, part),
-            };
-            hits.extend(theirs?);
+            });
+        }
+        if let Some(panic) = panicked {
+            std::panic::resume_unwind(panic);
+        }
+        let mut hits = Vec::new();
+        for result in results {
+            hits.extend(result?);
         }
         Ok(hits)
     })
@@ -1663,12 +1693,19 @@ mod tests {
         is_send::<UsageStore>();
     }
 
+    fn locked<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+        m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// The real filesystem, counting reads (whole files and ranges) and
-    /// the bytes they return.
+    /// the bytes they return; a range read at `fail_at` fails, one at
+    /// `panic_at` panics.
     #[derive(Debug, Default)]
     struct CountingFs {
         reads: std::sync::atomic::AtomicUsize,
         bytes: std::sync::atomic::AtomicUsize,
+        fail_at: std::sync::Mutex<Option<u64>>,
+        panic_at: std::sync::Mutex<Option<u64>>,
     }
 
     impl FileSystem for CountingFs {
@@ -1694,6 +1731,12 @@ mod tests {
             Ok(bytes)
         }
         fn read_range(&self, path: &Path, offset: u64, len: usize) -> std::io::Result<Vec<u8>> {
+            if *locked(&self.panic_at) == Some(offset) {
+                panic!("the read at {offset} panics on purpose");
+            }
+            if *locked(&self.fail_at) == Some(offset) {
+                return Err(std::io::Error::other("the read fails on purpose"));
+            }
             self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             self.bytes.fetch_add(len, std::sync::atomic::Ordering::SeqCst);
             RealFs.read_range(path, offset, len)
@@ -1865,7 +1908,9 @@ mod tests {
         let (store, events) = one_large_segment(Arc::new(RealFs), dir.path(), 6_000);
         let t0 = events[0].key.first_seen_ms;
         // Every seventeenth event, two unknown ids inside the segment's
-        // range, one event asked twice.
+        // range, one event asked twice. First-seen times are distinct and
+        // groups do not overlap, so each event is in one group and every
+        // split finds it once: the results must be equal as lists.
         let mut wanted: Vec<(IdHash, i64)> =
             events.iter().step_by(17).map(|e| (e.key.id_hash, e.key.first_seen_ms)).collect();
         wanted.push((IdHash([9; 16]), t0 + 100));
@@ -1884,6 +1929,36 @@ mod tests {
         let one_at_a_time: Vec<Option<StoredEvent>> =
             wanted.iter().map(|(id, t)| store.get_first_seen(0, id, *t).expect("lookup")).collect();
         assert_eq!(store.get_first_seen_many(0, &wanted).expect("lookup"), one_at_a_time);
+    }
+
+    /// One part of a lookup's reads fails while another thread's panics:
+    /// every reader is joined before the error is looked at, so the panic
+    /// comes back with its own message (not as the scope's "a scoped thread
+    /// panicked"); without the panic, the first error is the answer.
+    #[test]
+    fn a_reader_threads_panic_comes_back_with_its_message_even_beside_an_error() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let fs = Arc::new(CountingFs::default());
+        let (store, events) = one_large_segment(fs.clone(), dir.path(), 6_000);
+        let wanted: Vec<(IdHash, i64)> =
+            events.iter().step_by(17).map(|e| (e.key.id_hash, e.key.first_seen_ms)).collect();
+        let meta = store.segments()[0];
+        let index = store.segment_index(&meta).expect("index").expect("a version-2 segment");
+        let reads = store.group_reads(&meta, &index, &wanted, 0..wanted.len());
+        let offset = |r: &GroupRead| r.index.groups[r.group].offset;
+        *locked(&fs.fail_at) = reads.first().map(offset);
+        *locked(&fs.panic_at) = reads.last().map(offset);
+        let on_two = || read_groups_on(2, fs.as_ref(), 0, &wanted, &reads);
+        let payload = std::panic::catch_unwind(std::panic::AssertUnwindSafe(on_two)).expect_err("a panic");
+        let message = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+            .unwrap_or_default();
+        assert!(message.contains("panics on purpose"), "{message}");
+        *locked(&fs.panic_at) = None;
+        let err = on_two().expect_err("the failed read");
+        assert!(err.to_string().contains("fails on purpose"), "{err}");
     }
 
     /// Options under which what is appended stays in the memtable until a
