@@ -1031,9 +1031,13 @@ impl LocalState {
         let first_fold = !ledger.set_anchored(partition, !behind);
         let accepted: Vec<(&UsageEvent, i64)> = fresh.iter().map(|e| (&e.event, e.key.output.offset)).collect();
         ledger.apply(partition, &self.settings.lateness, &accepted)?;
-        let cutoff_soon = now_ms.saturating_sub(self.settings.retention_ms()).saturating_add(NEAR_RETENTION_MS);
-        let near_retention = self.durable.is_some() && fresh.iter().any(|e| e.key.first_seen_ms <= cutoff_soon);
-        if behind || first_fold || near_retention || ledger.write_due() {
+        // Asked last: a scan of the batch, needed only when nothing else
+        // writes now.
+        let near_retention = || {
+            let cutoff_soon = now_ms.saturating_sub(self.settings.retention_ms()).saturating_add(NEAR_RETENTION_MS);
+            self.durable.is_some() && fresh.iter().any(|e| e.key.first_seen_ms <= cutoff_soon)
+        };
+        if behind || first_fold || ledger.write_due() || near_retention() {
             ledger.write_pending()?;
         }
         Ok(())

@@ -1035,7 +1035,7 @@ impl UsageStore {
     /// its columns decompressed once), however many of them it holds; in a
     /// version-1 segment its sidecar and the file are read once. Answers in
     /// the order asked. Many groups to read (a conflict storm's batch) are
-    /// read on several threads (see [`read_groups_shared`]).
+    /// read on several threads (see `read_groups_on`).
     pub fn get_first_seen_many(
         &self,
         partition: i32,
@@ -1072,7 +1072,7 @@ impl UsageStore {
                 None => unindexed.push((s, asked)),
             }
         }
-        for (i, hit) in read_groups_shared(self.fs.as_ref(), partition, wanted, &reads)? {
+        for (i, hit) in read_groups_on(group_readers(reads.len()), self.fs.as_ref(), partition, wanted, &reads)? {
             found[i].get_or_insert(hit);
         }
         // Not in its first candidate: every candidate and the memtable, as
@@ -1601,23 +1601,17 @@ const GROUP_READS_TO_SHARE: usize = 8;
 /// Most threads one lookup's reads are spread over.
 const MOST_GROUP_READERS: usize = 4;
 
-/// [`read_groups`] spread over this thread and up to three scoped threads,
-/// when there are at least [`GROUP_READS_TO_SHARE`] reads per thread (one
-/// per core): a conflict storm's batch reads a group per original, and on
-/// its own thread that was most of the time the storm added to a batch.
-/// The caller holds the usage store's lock throughout, as for one thread.
-/// A thread that cannot be started leaves its share to this one; a panic
-/// in one is raised again here, as it would have been on one thread.
-/// Results keep the order of `reads`.
-fn read_groups_shared(
-    fs: &dyn FileSystem,
-    partition: i32,
-    asked: &[(IdHash, i64)],
-    reads: &[GroupRead],
-) -> Result<Vec<(usize, StoredEvent)>, StorageError> {
-    let wanted = reads.len() / GROUP_READS_TO_SHARE;
-    let threads = if wanted > 1 { wanted.min(reader_cores()) } else { 1 };
-    read_groups_on(threads, fs, partition, asked, reads)
+/// How many threads a lookup's `reads` group reads are spread over (this
+/// one included): one per [`GROUP_READS_TO_SHARE`] reads, at most one per
+/// core. A conflict storm's batch reads a group per original, and on its
+/// own thread that was most of the time the storm added to a batch.
+fn group_readers(reads: usize) -> usize {
+    let wanted = reads / GROUP_READS_TO_SHARE;
+    if wanted > 1 {
+        wanted.min(reader_cores())
+    } else {
+        1
+    }
 }
 
 /// The cores a lookup's reads may use, at most [`MOST_GROUP_READERS`].
@@ -1631,7 +1625,11 @@ fn reader_cores() -> usize {
 }
 
 /// [`read_groups`] on `threads` threads (this one included; 0 or 1: this
-/// one alone), each taking an equal run of `reads`.
+/// one alone), each taking an equal run of `reads`; the others are scoped
+/// threads. The caller holds the usage store's lock throughout, as for one
+/// thread. A thread that cannot be started leaves its share to this one; a
+/// panic in one is raised again here, as it would have been on one thread.
+/// Results keep the order of `reads`.
 fn read_groups_on(
     threads: usize,
     fs: &dyn FileSystem,
