@@ -1579,6 +1579,13 @@ fn read_groups(
     let mut hits = Vec::new();
     let mut found = HashSet::new();
     for r in reads {
+        // A batch's events share one first-seen time, so its run spans
+        // several groups and each of its originals has several candidates:
+        // once every event a group was asked for is found, the rest of the
+        // run is not read (most of a conflict storm's reads, before).
+        if r.asked.iter().all(|i| found.contains(i)) {
+            continue;
+        }
         let group: &GroupEntry = &r.index.groups[r.group];
         let image = segment::read_group(fs, &r.path, group, r.asked.len() > 1)?;
         for &i in &r.asked {
@@ -1927,6 +1934,42 @@ mod tests {
         let one_at_a_time: Vec<Option<StoredEvent>> =
             wanted.iter().map(|(id, t)| store.get_first_seen(0, id, *t).expect("lookup")).collect();
         assert_eq!(store.get_first_seen_many(0, &wanted).expect("lookup"), one_at_a_time);
+    }
+
+    /// A batch's thousand events share one first-seen time and span four
+    /// groups: an original is looked for group by group and the groups
+    /// after the one holding it are not read.
+    #[test]
+    fn an_original_found_in_one_group_of_its_batch_leaves_the_others_unread() {
+        use crate::storage::testutil::sample_event_at;
+        let dir = tempfile::tempdir().expect("tmp");
+        let fs = Arc::new(CountingFs::default());
+        let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
+        let (mut store, _) =
+            UsageStore::open_on(fs.clone(), dir.path(), one_segment_options(), observer).expect("open");
+        let t0 = 1_700_000_000_000;
+        let events: Vec<StoredEvent> = (0..1_000).map(|k| sample_event_at(k, 0, k as i64, t0)).collect();
+        store.append(&events).expect("append");
+        store.flush().expect("flush");
+        let meta = store.segments()[0];
+        let index = store.segment_index(&meta).expect("index").expect("a version-2 segment");
+        assert_eq!(index.groups_holding(t0).len(), 4);
+        let group_reads = |k: usize| {
+            let before = fs.reads.load(std::sync::atomic::Ordering::SeqCst);
+            let found = store.get_first_seen_many(0, &[(events[k].key.id_hash, t0)]).expect("lookup");
+            assert_eq!(found, vec![Some(events[k].clone())], "event {k}");
+            fs.reads.load(std::sync::atomic::Ordering::SeqCst) - before
+        };
+        assert_eq!(group_reads(10), 1, "the first group holds it");
+        assert_eq!(group_reads(300), 2);
+        assert_eq!(group_reads(990), 4, "the last group holds it");
+        // Two originals in the first and third groups: three groups read,
+        // the fourth not.
+        let before = fs.reads.load(std::sync::atomic::Ordering::SeqCst);
+        let wanted = [(events[600].key.id_hash, t0), (events[5].key.id_hash, t0)];
+        let found = store.get_first_seen_many(0, &wanted).expect("lookup");
+        assert_eq!(found, vec![Some(events[600].clone()), Some(events[5].clone())]);
+        assert_eq!(fs.reads.load(std::sync::atomic::Ordering::SeqCst) - before, 3);
     }
 
     /// One part of a lookup's reads fails while another thread's panics:
