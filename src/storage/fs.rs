@@ -35,6 +35,26 @@ pub trait FileSyncer: Send + Sync {
     fn sync_data(&self) -> io::Result<()>;
 }
 
+/// One file opened for several positioned reads (see
+/// [`FileSystem::open_ranges`]).
+pub trait RangeReader {
+    /// `len` bytes from `offset`, as [`FileSystem::read_range`] reads them.
+    fn read_range(&self, offset: u64, len: usize) -> io::Result<Vec<u8>>;
+}
+
+/// The default [`RangeReader`]: each read goes through the filesystem by
+/// path, as a single [`FileSystem::read_range`] would.
+struct RangesByPath<'a, F: ?Sized> {
+    fs: &'a F,
+    path: PathBuf,
+}
+
+impl<F: FileSystem + ?Sized> RangeReader for RangesByPath<'_, F> {
+    fn read_range(&self, offset: u64, len: usize) -> io::Result<Vec<u8>> {
+        self.fs.read_range(&self.path, offset, len)
+    }
+}
+
 /// The filesystem operations of the usage store.
 pub trait FileSystem: Send + Sync + std::fmt::Debug {
     /// Creates `dir` and missing parents. Not durable until the parent's
@@ -56,6 +76,13 @@ pub trait FileSystem: Send + Sync + std::fmt::Debug {
             Some(end) if end <= bytes.len() => Ok(bytes[start..end].to_vec()),
             _ => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "range beyond the end of the file")),
         }
+    }
+    /// `path` for several [`read_range`](FileSystem::read_range)s, as a
+    /// lookup reads a few groups of one segment. The default reads by path
+    /// each time; [`RealFs`] opens the file once (an open and a close cost
+    /// as much as copying a group out of the page cache).
+    fn open_ranges(&self, path: &Path) -> io::Result<Box<dyn RangeReader + '_>> {
+        Ok(Box::new(RangesByPath { fs: self, path: path.to_path_buf() }))
     }
     /// Creates or truncates `path` and writes `bytes`; not synced.
     fn write_file(&self, path: &Path, bytes: &[u8]) -> io::Result<()>;
@@ -103,6 +130,18 @@ impl FileSyncer for RealSyncer {
     }
 }
 
+/// A file of [`RealFs`] open for positioned reads.
+struct OpenFile(File);
+
+impl RangeReader for OpenFile {
+    fn read_range(&self, offset: u64, len: usize) -> io::Result<Vec<u8>> {
+        use std::os::unix::fs::FileExt;
+        let mut buf = vec![0u8; len];
+        self.0.read_exact_at(&mut buf, offset)?;
+        Ok(buf)
+    }
+}
+
 impl FileSystem for RealFs {
     fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
         std::fs::create_dir_all(dir)
@@ -129,10 +168,11 @@ impl FileSystem for RealFs {
     }
 
     fn read_range(&self, path: &Path, offset: u64, len: usize) -> io::Result<Vec<u8>> {
-        use std::os::unix::fs::FileExt;
-        let mut buf = vec![0u8; len];
-        std::fs::File::open(path)?.read_exact_at(&mut buf, offset)?;
-        Ok(buf)
+        OpenFile(File::open(path)?).read_range(offset, len)
+    }
+
+    fn open_ranges(&self, path: &Path) -> io::Result<Box<dyn RangeReader + '_>> {
+        Ok(Box::new(OpenFile(File::open(path)?)))
     }
 
     fn write_file(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {

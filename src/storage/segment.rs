@@ -64,7 +64,7 @@ use super::codec::{
     correction_ref, kind_from_code, put_opt_str, put_str, put_varint, unzigzag, zigzag, DecodeError, Reader,
 };
 use super::error::IoContext;
-use super::fs::FileSystem;
+use super::fs::{FileSystem, RangeReader};
 use super::{StorageError, StoredEvent};
 use crate::classify::SeenKey;
 use crate::event::{EventKind, IdHash, PayloadHash, Position, UsageEvent};
@@ -1094,12 +1094,12 @@ pub(crate) fn read_index(fs: &dyn FileSystem, path: &Path) -> Result<Option<Segm
 /// decompresses for the next lookup in the same group (and indexing them
 /// when `several` rows will be read).
 pub(crate) fn read_group(
-    fs: &dyn FileSystem,
+    file: &dyn RangeReader,
     path: &Path,
     group: &GroupEntry,
     several: bool,
 ) -> Result<SegmentFile, StorageError> {
-    let bytes = fs.read_range(path, group.offset, group.len as usize).at(path)?;
+    let bytes = file.read_range(group.offset, group.len as usize).at(path)?;
     let image = SegmentFile::from_image(path, bytes, group.offset)?;
     let image = if several { image.keeping_columns() } else { image.keeping_raw_columns() };
     image.matches(group)?;
@@ -1270,13 +1270,15 @@ mod tests {
         let target = &events[GROUP_ROWS + 100];
         let g = index.groups.iter().position(|g| g.holds_first_seen(target.key.first_seen_ms)).expect("a group");
         assert_eq!(g, 1);
-        let group = read_group(&RealFs, &path, &index.groups[g], false).expect("group");
+        let group = read_group(RealFs.open_ranges(&path).expect("open").as_ref(), &path, &index.groups[g], false)
+            .expect("group");
         let row = group
             .find_row(target.key.output.partition, &target.key.id_hash, target.key.first_seen_ms)
             .expect("find")
             .expect("found");
         assert_eq!(group.read_row(row).expect("row"), *target);
-        let group = read_group(&RealFs, &path, &index.groups[g], true).expect("group");
+        let group = read_group(RealFs.open_ranges(&path).expect("open").as_ref(), &path, &index.groups[g], true)
+            .expect("group");
         let row = group
             .find_row(target.key.output.partition, &target.key.id_hash, target.key.first_seen_ms)
             .expect("find")
@@ -1379,7 +1381,10 @@ mod tests {
         shifted[t + 4..t + 8].copy_from_slice(&crc.to_le_bytes());
         std::fs::write(&path, &shifted).expect("write");
         let index = read_index(&RealFs, &path).expect("the index itself is well formed").expect("version 2");
-        assert!(read_group(&RealFs, &path, &index.groups[1], false).is_err(), "group 1's range differs");
+        assert!(
+            read_group(RealFs.open_ranges(&path).expect("open").as_ref(), &path, &index.groups[1], false).is_err(),
+            "group 1's range differs"
+        );
         assert!(Segment::open(&RealFs, &path).is_err());
         // A group's image holding other rows than the index says.
         let mut other = bytes.clone();
@@ -1389,7 +1394,10 @@ mod tests {
         other[t + 4..t + 8].copy_from_slice(&crc.to_le_bytes());
         std::fs::write(&path, &other).expect("write");
         let index = read_index(&RealFs, &path).expect("the index itself adds up").expect("version 2");
-        assert!(read_group(&RealFs, &path, &index.groups[0], false).is_err(), "group 0 has 256 rows, not 257");
+        assert!(
+            read_group(RealFs.open_ranges(&path).expect("open").as_ref(), &path, &index.groups[0], false).is_err(),
+            "group 0 has 256 rows, not 257"
+        );
         assert!(Segment::open(&RealFs, &path).is_err());
     }
 

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::error::IoContext;
-use super::fs::{FileSystem, RealFs};
+use super::fs::{FileSystem, RangeReader, RealFs};
 use super::manifest::{self, Manifest};
 use super::memtable::Memtable;
 use super::segment::{self, GroupEntry, Segment, SegmentIndex, SegmentMeta, SegmentWriter};
@@ -1578,6 +1578,8 @@ fn read_groups(
 ) -> Result<Vec<(usize, StoredEvent)>, StorageError> {
     let mut hits = Vec::new();
     let mut found = HashSet::new();
+    // Reads come in segment order: one open file serves a segment's run.
+    let mut open: Option<(&Path, Box<dyn RangeReader + '_>)> = None;
     for r in reads {
         // A batch's events share one first-seen time, so its run spans
         // several groups and each of its originals has several candidates:
@@ -1587,7 +1589,12 @@ fn read_groups(
             continue;
         }
         let group: &GroupEntry = &r.index.groups[r.group];
-        let image = segment::read_group(fs, &r.path, group, r.asked.len() > 1)?;
+        let file = match open.take() {
+            Some((path, file)) if path == r.path.as_path() => file,
+            _ => fs.open_ranges(&r.path).at(&r.path)?,
+        };
+        let file = &open.insert((r.path.as_path(), file)).1;
+        let image = segment::read_group(file.as_ref(), &r.path, group, r.asked.len() > 1)?;
         for &i in &r.asked {
             if found.contains(&i) {
                 continue;
@@ -1708,6 +1715,7 @@ mod tests {
     #[derive(Debug, Default)]
     struct CountingFs {
         reads: std::sync::atomic::AtomicUsize,
+        opens: std::sync::atomic::AtomicUsize,
         bytes: std::sync::atomic::AtomicUsize,
         fail_at: std::sync::Mutex<Option<u64>>,
         panic_at: std::sync::Mutex<Option<u64>>,
@@ -1746,6 +1754,11 @@ mod tests {
             self.bytes.fetch_add(len, std::sync::atomic::Ordering::SeqCst);
             RealFs.read_range(path, offset, len)
         }
+        fn open_ranges(&self, path: &Path) -> std::io::Result<Box<dyn RangeReader + '_>> {
+            self.opens.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            RealFs.file_len(path)?;
+            Ok(Box::new(CountingRanges { fs: self, path: path.to_path_buf() }))
+        }
         fn write_file(&self, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
             RealFs.write_file(path, bytes)
         }
@@ -1769,6 +1782,18 @@ mod tests {
         }
         fn remove_file(&self, path: &Path) -> std::io::Result<()> {
             RealFs.remove_file(path)
+        }
+    }
+
+    /// A file of [`CountingFs`] opened once, each read counted as a range read.
+    struct CountingRanges<'a> {
+        fs: &'a CountingFs,
+        path: PathBuf,
+    }
+
+    impl RangeReader for CountingRanges<'_> {
+        fn read_range(&self, offset: u64, len: usize) -> std::io::Result<Vec<u8>> {
+            self.fs.read_range(&self.path, offset, len)
         }
     }
 
@@ -1962,7 +1987,13 @@ mod tests {
         };
         assert_eq!(group_reads(10), 1, "the first group holds it");
         assert_eq!(group_reads(300), 2);
+        let opened = fs.opens.load(std::sync::atomic::Ordering::SeqCst);
         assert_eq!(group_reads(990), 4, "the last group holds it");
+        assert_eq!(
+            fs.opens.load(std::sync::atomic::Ordering::SeqCst) - opened,
+            1,
+            "one open for the segment's four reads"
+        );
         // Two originals in the first and third groups: three groups read,
         // the fourth not.
         let before = fs.reads.load(std::sync::atomic::Ordering::SeqCst);
