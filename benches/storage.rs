@@ -1,5 +1,6 @@
 //! Usage store benchmarks: ingest throughput under both fsync policies
 //! (batches of 1,000), hot-cache recovery through sidecars vs segment scans,
+//! a conflict's original and a storm's batch of 100 originals,
 //! and bytes on disk per event.
 //!
 //! `DEDUPD_BENCH_EVENTS` sets the recovery store size (default 1,000,000).
@@ -174,27 +175,10 @@ fn recovery(c: &mut Criterion) {
 /// what remains of the cost grows with the segment's size (1,000 rows here).
 fn conflict_original(c: &mut Criterion) {
     let segments: u64 = std::env::var("DEDUPD_BENCH_SEGMENTS").ok().and_then(|s| s.parse().ok()).unwrap_or(200);
-    let dir = tempfile::tempdir().expect("tempdir");
-    let opts = StoreOptions {
-        fsync: FsyncPolicy::Interval(Duration::from_secs(1)),
-        memtable_max_events: BATCH,
-        compaction_min_segments: usize::MAX,
-        retention_ms: i64::MAX / 4,
-        ..StoreOptions::default()
-    };
-    let (mut store, _) = UsageStore::open(dir.path(), opts, Arc::new(NoopObserver)).expect("open");
-    let mut keys = Vec::new();
-    for s in 0..segments {
-        let events: Vec<StoredEvent> = (0..BATCH as u64)
-            .map(|i| {
-                let n = s * BATCH as u64 + i;
-                sample_event_at(n, 0, n as i64, 1_700_000_000_000 + s as i64 * 60_000 + i as i64)
-            })
-            .collect();
-        store.append(&events).expect("append");
-        store.flush().expect("flush");
-        keys.extend(events.iter().step_by(97).map(|e| e.key));
-    }
+    // Each event first seen a millisecond after the one before, a minute
+    // between segments.
+    let (_dir, store, all) = history(segments, true, |s, i| s as i64 * 60_000 + i as i64);
+    let keys: Vec<_> = all.into_iter().step_by(97).collect();
     let mut group = c.benchmark_group("conflict_original");
     group.sample_size(10).warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(5));
     group.throughput(Throughput::Elements(1));
@@ -216,5 +200,70 @@ fn conflict_original(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, ingest, recovery, conflict_original);
+/// A conflict storm's batch of originals, as the worker asks for them: 100
+/// at once, drawn evenly from a history written as a worker writes it (each
+/// batch of 1,000 shares one first-seen time, so each original has four or
+/// five candidate groups). Reported per original.
+fn storm_batch_originals(c: &mut Criterion) {
+    let segments: u64 = std::env::var("DEDUPD_BENCH_SEGMENTS").ok().and_then(|s| s.parse().ok()).unwrap_or(200);
+    let (_dir, store, keys) = history(segments, false, |s, _| s as i64 * 50);
+    let keys: Vec<_> = keys.iter().map(|k| (k.id_hash, k.first_seen_ms)).collect();
+    let mut group = c.benchmark_group("conflict_original");
+    group.sample_size(10).warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(5));
+    group.throughput(Throughput::Elements(100));
+    let mut walk = 0u64;
+    group.bench_function(format!("storm_batch_of_100_{segments}k_events"), |b| {
+        b.iter(|| {
+            let wanted: Vec<_> = (0..100)
+                .map(|_| {
+                    walk = walk.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                    keys[(walk >> 33) as usize % keys.len()]
+                })
+                .collect();
+            let found = store.get_first_seen_many(0, &wanted).expect("lookup");
+            assert!(found.iter().all(Option::is_some));
+            found
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, ingest, recovery, conflict_original, storm_batch_originals);
 criterion_main!(benches);
+
+/// A store of `segments` batches of 1,000 sample events (event `i` of batch
+/// `s` first seen `first_seen(s, i)` ms after 1_700_000_000_000), flushed
+/// after each batch or once at the end, and every event's key in order.
+fn history(
+    segments: u64,
+    flush_each_batch: bool,
+    first_seen: impl Fn(u64, u64) -> i64,
+) -> (tempfile::TempDir, UsageStore, Vec<dedupd::classify::SeenKey>) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let opts = StoreOptions {
+        fsync: FsyncPolicy::Interval(Duration::from_secs(1)),
+        memtable_max_events: usize::MAX,
+        compaction_min_segments: usize::MAX,
+        retention_ms: i64::MAX / 4,
+        ..StoreOptions::default()
+    };
+    let (mut store, _) = UsageStore::open(dir.path(), opts, Arc::new(NoopObserver)).expect("open");
+    let mut keys = Vec::new();
+    for s in 0..segments {
+        let events: Vec<StoredEvent> = (0..BATCH as u64)
+            .map(|i| {
+                let n = s * BATCH as u64 + i;
+                sample_event_at(n, 0, n as i64, 1_700_000_000_000 + first_seen(s, i))
+            })
+            .collect();
+        store.append(&events).expect("append");
+        if flush_each_batch {
+            store.flush().expect("flush");
+        }
+        keys.extend(events.iter().map(|e| e.key));
+    }
+    if !flush_each_batch {
+        store.flush().expect("flush");
+    }
+    (dir, store, keys)
+}
