@@ -403,6 +403,11 @@ struct Kept {
     /// Per column: delta columns' values, string columns' entry start
     /// offsets, the dimension count column's prefix sums.
     index: Vec<Option<std::rc::Rc<Vec<i64>>>>,
+    /// Per column: whether one row has been read by walking it. The index
+    /// is built for the second row, not the first: a group asked for
+    /// several originals often holds one of them (the others' candidates
+    /// are groups of the same batch), and then walking was cheaper.
+    walked: Vec<bool>,
 }
 
 impl SegmentFile {
@@ -492,7 +497,12 @@ impl SegmentFile {
     /// for whole-segment passes.
     pub(crate) fn keeping_columns(mut self) -> SegmentFile {
         let n = self.columns.len();
-        self.kept = Some(std::cell::RefCell::new(Kept { indexed: true, raw: vec![None; n], index: vec![None; n] }));
+        self.kept = Some(std::cell::RefCell::new(Kept {
+            indexed: true,
+            raw: vec![None; n],
+            index: vec![None; n],
+            walked: vec![false; n],
+        }));
         self
     }
 
@@ -500,7 +510,12 @@ impl SegmentFile {
     /// index of it: for reading one row (and finding it first).
     pub(crate) fn keeping_raw_columns(mut self) -> SegmentFile {
         let n = self.columns.len();
-        self.kept = Some(std::cell::RefCell::new(Kept { indexed: false, raw: vec![None; n], index: vec![None; n] }));
+        self.kept = Some(std::cell::RefCell::new(Kept {
+            indexed: false,
+            raw: vec![None; n],
+            index: vec![None; n],
+            walked: vec![false; n],
+        }));
         self
     }
 
@@ -562,6 +577,9 @@ impl SegmentFile {
         let Some(kept) = self.kept.as_ref().filter(|k| k.borrow().indexed) else { return Ok(None) };
         if let Some(index) = &kept.borrow().index[id as usize] {
             return Ok(Some(index.clone()));
+        }
+        if !std::mem::replace(&mut kept.borrow_mut().walked[id as usize], true) {
+            return Ok(None);
         }
         let raw = self.column(id)?;
         let mut r = Reader::new(&raw);
