@@ -403,10 +403,12 @@ struct Kept {
     /// Per column: delta columns' values, string columns' entry start
     /// offsets, the dimension count column's prefix sums.
     index: Vec<Option<std::rc::Rc<Vec<i64>>>>,
-    /// Per column: whether one row has been read by walking it. The index
-    /// is built for the second row, not the first: a group asked for
-    /// several originals often holds one of them (the others' candidates
-    /// are groups of the same batch), and then walking was cheaper.
+    /// Per column: whether it has been walked once. The index is built on
+    /// the second use, not the first: a group asked for several originals
+    /// often holds one of them (the others' candidates are groups of the
+    /// same batch), and then walking was cheaper. (A row found by
+    /// `find_row` uses its partition and first-seen columns twice, so
+    /// those two are indexed for the first row anyway.)
     walked: Vec<bool>,
 }
 
@@ -567,8 +569,9 @@ impl SegmentFile {
         Ok(std::rc::Rc::new(self.decompress(id)?))
     }
 
-    /// The kept index of column `id` (built on first use by `build`), or
-    /// `None` when this file keeps nothing: the caller walks the column.
+    /// The kept index of column `id` (built by `build` on the column's
+    /// second use, see [`Kept::walked`]), or `None` when this file builds
+    /// no indexes or this is the column's first use: the caller walks it.
     fn kept_index(
         &self,
         id: u8,

@@ -1564,12 +1564,11 @@ struct GroupRead {
     asked: Vec<usize>,
 }
 
-/// Reads each group of `reads` (one positioned read, its columns
-/// decompressed once) and finds in it the events of `asked` it may hold:
-/// (index into `asked`, event), in the order of `reads`. An event two groups
-/// may hold is looked for only until one of them has it; when `reads` is
-/// split over threads, each part looks for it, and the caller keeps the
-/// first hit in the order of `reads`, as one thread would have.
+/// Reads the groups of `reads` in order (one positioned read each, its
+/// columns decompressed once) and finds in each the events of `asked` it
+/// may hold: (index into `asked`, event), in the order of `reads`. An event
+/// several groups may hold is looked for only until one of them has it, and
+/// a group whose events are all found is not read at all.
 fn read_groups(
     fs: &dyn FileSystem,
     partition: i32,
@@ -1638,12 +1637,39 @@ fn reader_cores() -> usize {
     })
 }
 
-/// [`read_groups`] on `threads` threads (this one included; 0 or 1: this
-/// one alone), each taking an equal run of `reads`; the others are scoped
-/// threads. The caller holds the usage store's lock throughout, as for one
-/// thread. A thread that cannot be started leaves its share to this one; a
-/// panic in one is raised again here, as it would have been on one thread.
-/// Results keep the order of `reads`.
+/// `reads` cut into at most `threads` runs of about equal length, each cut
+/// only where no event is asked of groups on both sides. A part then reads
+/// exactly the groups one thread would have read for its events (one found
+/// early leaves its later candidates unread in the same part), so which
+/// groups are read, and so which errors are met, never depends on the
+/// number of threads. One run when no such cut exists.
+fn parts_of(reads: &[GroupRead], threads: usize) -> Vec<&[GroupRead]> {
+    let mut last_asked: HashMap<usize, usize> = HashMap::new();
+    for (k, r) in reads.iter().enumerate() {
+        for &i in &r.asked {
+            last_asked.insert(i, k);
+        }
+    }
+    let share = reads.len().div_ceil(threads.max(1));
+    let mut parts = Vec::new();
+    let (mut start, mut reach) = (0, 0);
+    for (k, r) in reads.iter().enumerate() {
+        reach = r.asked.iter().fold(reach, |reach, i| reach.max(last_asked[i]));
+        if reach == k && k + 1 - start >= share && k + 1 < reads.len() && parts.len() + 1 < threads {
+            parts.push(&reads[start..=k]);
+            start = k + 1;
+        }
+    }
+    parts.push(&reads[start..]);
+    parts
+}
+
+/// [`read_groups`] on up to `threads` threads (this one included; 0 or 1:
+/// this one alone), each taking one of [`parts_of`] `reads`; the others are
+/// scoped threads. The caller holds the usage store's lock throughout, as
+/// for one thread. A thread that cannot be started leaves its part to this
+/// one; a panic in one is raised again here. Results keep the order of
+/// `reads`, and hits and the first error are those of one thread.
 fn read_groups_on(
     threads: usize,
     fs: &dyn FileSystem,
@@ -1651,12 +1677,12 @@ fn read_groups_on(
     asked: &[(IdHash, i64)],
     reads: &[GroupRead],
 ) -> Result<Vec<(usize, StoredEvent)>, StorageError> {
-    if threads <= 1 || reads.len() <= 1 {
+    let parts = parts_of(reads, threads);
+    if parts.len() <= 1 {
         return read_groups(fs, partition, asked, reads);
     }
-    let share = reads.len().div_ceil(threads);
     std::thread::scope(|scope| {
-        let mut parts = reads.chunks(share);
+        let mut parts = parts.into_iter();
         let mine = parts.next().unwrap_or_default();
         let others: Vec<_> = parts
             .map(|part| {
@@ -2001,6 +2027,52 @@ mod tests {
         let found = store.get_first_seen_many(0, &wanted).expect("lookup");
         assert_eq!(found, vec![Some(events[600].clone()), Some(events[5].clone())]);
         assert_eq!(fs.reads.load(std::sync::atomic::Ordering::SeqCst) - before, 3);
+    }
+
+    /// Ten batches of a thousand events, each its own segment of four
+    /// groups, two originals asked of each (in its first and third group):
+    /// whichever read fails, one to four threads give the answer one thread
+    /// gives. A fourth group left unread on one thread (both originals found
+    /// before it) is not read on several either, so its failure is no error
+    /// on any number of threads, and a split never cuts a batch's run.
+    #[test]
+    fn which_read_fails_matters_the_same_on_any_number_of_threads() {
+        use crate::storage::testutil::sample_event_at;
+        let dir = tempfile::tempdir().expect("tmp");
+        let fs = Arc::new(CountingFs::default());
+        let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
+        let (mut store, _) =
+            UsageStore::open_on(fs.clone(), dir.path(), one_segment_options(), observer).expect("open");
+        let t0 = 1_700_000_000_000;
+        let mut wanted = Vec::new();
+        for b in 0..10u64 {
+            let events: Vec<StoredEvent> =
+                (0..1_000).map(|k| sample_event_at(b * 1_000 + k, 0, (b * 1_000 + k) as i64, t0 + b as i64)).collect();
+            store.append(&events).expect("append");
+            store.flush().expect("flush");
+            wanted.extend([10, 600].map(|k| (events[k].key.id_hash, events[k].key.first_seen_ms)));
+        }
+        let mut reads = Vec::new();
+        for (s, meta) in store.segments().iter().enumerate() {
+            let index = store.segment_index(meta).expect("index").expect("a version-2 segment");
+            reads.extend(store.group_reads(meta, &index, &wanted, [2 * s, 2 * s + 1]));
+        }
+        assert_eq!(reads.len(), 40);
+        for (k, part) in parts_of(&reads, 4).iter().enumerate() {
+            assert!(part.len() % 4 == 0 && !part.is_empty(), "part {k} cuts a batch's run: {} reads", part.len());
+        }
+        let answer = |threads: usize| match read_groups_on(threads, fs.as_ref(), 0, &wanted, &reads) {
+            Ok(hits) => Ok(hits.into_iter().map(|(i, _)| i).collect::<Vec<_>>()),
+            Err(e) => Err(e.to_string()),
+        };
+        for failing in &reads {
+            *locked(&fs.fail_at) = Some(failing.index.groups[failing.group].offset);
+            let on_one = answer(1);
+            assert_eq!(on_one.is_ok(), failing.group == 3, "group {} of a batch", failing.group);
+            for threads in 2..=4 {
+                assert_eq!(answer(threads), on_one, "{threads} threads, group {} failing", failing.group);
+            }
+        }
     }
 
     /// One part of a lookup's reads fails while another thread's panics:
