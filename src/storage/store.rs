@@ -1992,16 +1992,11 @@ mod tests {
     /// after the one holding it are not read.
     #[test]
     fn an_original_found_in_one_group_of_its_batch_leaves_the_others_unread() {
-        use crate::storage::testutil::sample_event_at;
         let dir = tempfile::tempdir().expect("tmp");
         let fs = Arc::new(CountingFs::default());
-        let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
-        let (mut store, _) =
-            UsageStore::open_on(fs.clone(), dir.path(), one_segment_options(), observer).expect("open");
-        let t0 = 1_700_000_000_000;
-        let events: Vec<StoredEvent> = (0..1_000).map(|k| sample_event_at(k, 0, k as i64, t0)).collect();
-        store.append(&events).expect("append");
-        store.flush().expect("flush");
+        let (store, mut batches) = batches_of_a_thousand(fs.clone(), dir.path(), 1);
+        let events = batches.remove(0);
+        let t0 = events[0].key.first_seen_ms;
         let meta = store.segments()[0];
         let index = store.segment_index(&meta).expect("index").expect("a version-2 segment");
         assert_eq!(index.groups_holding(t0).len(), 4);
@@ -2037,21 +2032,13 @@ mod tests {
     /// on any number of threads, and a split never cuts a batch's run.
     #[test]
     fn which_read_fails_matters_the_same_on_any_number_of_threads() {
-        use crate::storage::testutil::sample_event_at;
         let dir = tempfile::tempdir().expect("tmp");
         let fs = Arc::new(CountingFs::default());
-        let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
-        let (mut store, _) =
-            UsageStore::open_on(fs.clone(), dir.path(), one_segment_options(), observer).expect("open");
-        let t0 = 1_700_000_000_000;
-        let mut wanted = Vec::new();
-        for b in 0..10u64 {
-            let events: Vec<StoredEvent> =
-                (0..1_000).map(|k| sample_event_at(b * 1_000 + k, 0, (b * 1_000 + k) as i64, t0 + b as i64)).collect();
-            store.append(&events).expect("append");
-            store.flush().expect("flush");
-            wanted.extend([10, 600].map(|k| (events[k].key.id_hash, events[k].key.first_seen_ms)));
-        }
+        let (store, batches) = batches_of_a_thousand(fs.clone(), dir.path(), 10);
+        let wanted: Vec<(IdHash, i64)> = batches
+            .iter()
+            .flat_map(|events| [10, 600].map(|k| (events[k].key.id_hash, events[k].key.first_seen_ms)))
+            .collect();
         let mut reads = Vec::new();
         for (s, meta) in store.segments().iter().enumerate() {
             let index = store.segment_index(meta).expect("index").expect("a version-2 segment");
@@ -2103,6 +2090,28 @@ mod tests {
         *locked(&fs.panic_at) = None;
         let err = on_two().expect_err("the failed read");
         assert!(err.to_string().contains("fails on purpose"), "{err}");
+    }
+
+    /// A store on `fs` in `dir` of `batches` segments, each one batch of a
+    /// thousand sample events of partition 0 sharing a first-seen time
+    /// (`1_700_000_000_000 + b` for batch `b`), as a worker's batch is
+    /// stored; and each batch's events.
+    fn batches_of_a_thousand(fs: Arc<dyn FileSystem>, dir: &Path, batches: u64) -> (UsageStore, Vec<Vec<StoredEvent>>) {
+        use crate::storage::testutil::sample_event_at;
+        let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
+        let (mut store, _) = UsageStore::open_on(fs, dir, one_segment_options(), observer).expect("open");
+        let t0 = 1_700_000_000_000;
+        let batches = (0..batches)
+            .map(|b| {
+                let events: Vec<StoredEvent> = (0..1_000)
+                    .map(|k| sample_event_at(b * 1_000 + k, 0, (b * 1_000 + k) as i64, t0 + b as i64))
+                    .collect();
+                store.append(&events).expect("append");
+                store.flush().expect("flush");
+                events
+            })
+            .collect();
+        (store, batches)
     }
 
     /// Options under which what is appended stays in the memtable until a
