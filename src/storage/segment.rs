@@ -1263,6 +1263,11 @@ mod tests {
         (0..n).map(|i| sample_event(i, (i % 3) as i32, i as i64)).collect()
     }
 
+    /// [`read_group`] of the segment at `path` on the real filesystem.
+    fn read_group_of(path: &Path, group: &GroupEntry, several: bool) -> Result<SegmentFile, StorageError> {
+        read_group(RealFs.open_ranges(path).expect("open").as_ref(), path, group, several)
+    }
+
     #[test]
     fn a_segment_of_several_groups_reads_back_whole_and_row_by_row() {
         let events = rows(GROUP_ROWS as u64 * 3 + 7);
@@ -1291,15 +1296,13 @@ mod tests {
         let target = &events[GROUP_ROWS + 100];
         let g = index.groups.iter().position(|g| g.holds_first_seen(target.key.first_seen_ms)).expect("a group");
         assert_eq!(g, 1);
-        let group = read_group(RealFs.open_ranges(&path).expect("open").as_ref(), &path, &index.groups[g], false)
-            .expect("group");
+        let group = read_group_of(&path, &index.groups[g], false).expect("group");
         let row = group
             .find_row(target.key.output.partition, &target.key.id_hash, target.key.first_seen_ms)
             .expect("find")
             .expect("found");
         assert_eq!(group.read_row(row).expect("row"), *target);
-        let group = read_group(RealFs.open_ranges(&path).expect("open").as_ref(), &path, &index.groups[g], true)
-            .expect("group");
+        let group = read_group_of(&path, &index.groups[g], true).expect("group");
         let row = group
             .find_row(target.key.output.partition, &target.key.id_hash, target.key.first_seen_ms)
             .expect("find")
@@ -1402,10 +1405,7 @@ mod tests {
         shifted[t + 4..t + 8].copy_from_slice(&crc.to_le_bytes());
         std::fs::write(&path, &shifted).expect("write");
         let index = read_index(&RealFs, &path).expect("the index itself is well formed").expect("version 2");
-        assert!(
-            read_group(RealFs.open_ranges(&path).expect("open").as_ref(), &path, &index.groups[1], false).is_err(),
-            "group 1's range differs"
-        );
+        assert!(read_group_of(&path, &index.groups[1], false).is_err(), "group 1's range differs");
         assert!(Segment::open(&RealFs, &path).is_err());
         // A group's image holding other rows than the index says.
         let mut other = bytes.clone();
@@ -1415,10 +1415,7 @@ mod tests {
         other[t + 4..t + 8].copy_from_slice(&crc.to_le_bytes());
         std::fs::write(&path, &other).expect("write");
         let index = read_index(&RealFs, &path).expect("the index itself adds up").expect("version 2");
-        assert!(
-            read_group(RealFs.open_ranges(&path).expect("open").as_ref(), &path, &index.groups[0], false).is_err(),
-            "group 0 has 256 rows, not 257"
-        );
+        assert!(read_group_of(&path, &index.groups[0], false).is_err(), "group 0 has 256 rows, not 257");
         assert!(Segment::open(&RealFs, &path).is_err());
     }
 

@@ -1336,10 +1336,10 @@ impl UsageStore {
                 by_group.entry(g).or_default().push(i);
             }
         }
-        let path = segment::segment_path(&self.seg_dir, meta.id);
+        let path: Arc<Path> = segment::segment_path(&self.seg_dir, meta.id).into();
         by_group
             .into_iter()
-            .map(|(group, asked)| GroupRead { path: path.clone(), index: Arc::clone(index), group, asked })
+            .map(|(group, asked)| GroupRead { path: Arc::clone(&path), index: Arc::clone(index), group, asked })
             .collect()
     }
 
@@ -1558,7 +1558,8 @@ impl UsageStore {
 /// lookup's events (indexes into what it asked) it may hold. Owns what the
 /// read needs, so another thread can do it without the store.
 struct GroupRead {
-    path: PathBuf,
+    /// Shared by the segment's reads: a storm plans hundreds a batch.
+    path: Arc<Path>,
     index: Arc<SegmentIndex>,
     group: usize,
     asked: Vec<usize>,
@@ -1589,10 +1590,10 @@ fn read_groups(
         }
         let group: &GroupEntry = &r.index.groups[r.group];
         let file = match open.take() {
-            Some((path, file)) if path == r.path.as_path() => file,
+            Some((path, file)) if path == &*r.path => file,
             _ => fs.open_ranges(&r.path).at(&r.path)?,
         };
-        let file = &open.insert((r.path.as_path(), file)).1;
+        let file = &open.insert((&*r.path, file)).1;
         let image = segment::read_group(file.as_ref(), &r.path, group, r.asked.len() > 1)?;
         for &i in &r.asked {
             if found.contains(&i) {
@@ -1616,7 +1617,7 @@ const MOST_GROUP_READERS: usize = 4;
 
 /// How many threads a lookup's `reads` group reads are spread over (this
 /// one included): one per [`GROUP_READS_TO_SHARE`] reads, at most one per
-/// core. A conflict storm's batch reads a group per original, and on its
+/// core. A conflict storm's batch reads a few groups per original, and on its
 /// own thread that was most of the time the storm added to a batch.
 fn group_readers(reads: usize) -> usize {
     let wanted = reads / GROUP_READS_TO_SHARE;
