@@ -178,6 +178,59 @@ fn conflicts_file_names_both_hashes_and_the_fields_that_differ() {
 }
 
 #[test]
+fn conflicts_with_earlier_batches_and_runs_name_the_fields_that_differ() {
+    // The originals here come from the usage store, not from the batch:
+    // from an earlier run's state and from earlier batches of this run.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("state");
+    let output = dir.path().join("out.ndjson");
+    let conflicts = dir.path().join("conflicts.ndjson");
+    let run = |lines: &[String]| {
+        let input = dir.path().join("in.ndjson");
+        std::fs::write(&input, lines.join("\n") + "\n").expect("write");
+        let out = dedupd()
+            .args(["dedupe", "--batch-records", "2", "--input"])
+            .arg(&input)
+            .arg("--output")
+            .arg(&output)
+            .arg("--state-dir")
+            .arg(&state)
+            .arg("--conflicts")
+            .arg(&conflicts)
+            .output()
+            .expect("run");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        last_line(&out.stderr)
+    };
+    let first: Vec<String> = (0..4).map(|i| event(&format!("h{i}"), "1")).collect();
+    assert_eq!(run(&first)["accepted"], 4);
+    let other_meter = |id: &str| event(id, "1").replace("api_calls", "storage_gb");
+    let second = vec![
+        event("h0", "5"),  // batch 1: an earlier run's original
+        event("n0", "1"),  //          new
+        other_meter("h1"), // batch 2: an earlier run's original
+        event("h2", "1"),  //          a duplicate
+        event("n0", "7"),  // batch 3: this run's first batch's original
+        other_meter("h3"), //          an earlier run's original
+    ];
+    assert_eq!(run(&second), serde_json::json!({"accepted": 1, "duplicates": 1, "conflicts": 4, "rejected": 0}));
+    let text = std::fs::read_to_string(&conflicts).expect("conflicts file");
+    let reported: Vec<(String, serde_json::Value)> = text
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("JSON line");
+            (v["event_id"].as_str().expect("event_id").to_owned(), v["differs"].clone())
+        })
+        .collect();
+    let quantity = serde_json::json!(["quantity"]);
+    let meter = serde_json::json!(["meter"]);
+    assert_eq!(
+        reported,
+        [("h0".into(), quantity.clone()), ("h1".into(), meter.clone()), ("n0".into(), quantity), ("h3".into(), meter)]
+    );
+}
+
+#[test]
 fn bad_configuration_fails_before_any_io_and_names_the_key() {
     let dir = tempfile::tempdir().expect("tempdir");
     let output = dir.path().join("never-created.ndjson");
