@@ -124,7 +124,9 @@ fn base_strategy() -> impl Strategy<Value = Base> {
     )
 }
 
-fn run(input: &str, batch_records: usize) -> (Summary, Vec<u8>) {
+/// One `dedupd dedupe` of `input`; `with_state` gives it a state directory
+/// of its own (batches are then validated a batch ahead on another thread).
+fn run(input: &str, batch_records: usize, with_state: bool) -> (Summary, Vec<u8>) {
     let dir = tempfile::tempdir().expect("tempdir");
     let in_path = dir.path().join("in.ndjson");
     let out_path = dir.path().join("out.ndjson");
@@ -132,7 +134,7 @@ fn run(input: &str, batch_records: usize) -> (Summary, Vec<u8>) {
     let opts = DedupeOptions {
         input: Stdio::File(in_path),
         output: Stdio::File(out_path.clone()),
-        state_dir: None,
+        state_dir: with_state.then(|| dir.path().join("state")),
         rejected: None,
         conflicts: None,
         batch_records,
@@ -149,6 +151,7 @@ proptest! {
         bases in prop::collection::vec(base_strategy(), 1..30),
         picks in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), prop::option::weighted(0.15, 1..3u8), prop::option::weighted(0.08, 0..6u8)), 1..120),
         batch_records in 1..40usize,
+        with_state in any::<bool>(),
     ) {
         let deliveries: Vec<Delivery> = picks
             .iter()
@@ -166,10 +169,10 @@ proptest! {
             .collect::<Vec<_>>()
             .join("\n")
             + "\n";
-        let (summary, output) = run(&input, batch_records);
+        let (summary, output) = run(&input, batch_records, with_state);
         prop_assert_eq!(summary, model(&bases, &deliveries));
         prop_assert_eq!(output.iter().filter(|&&b| b == b'\n').count() as u64, summary.accepted);
-        let (again, output_again) = run(&input, batch_records);
+        let (again, output_again) = run(&input, batch_records, with_state);
         prop_assert_eq!(again, summary);
         prop_assert_eq!(output_again, output);
     }
