@@ -14,6 +14,10 @@
 //!
 //! Side files (`--rejected`, `--conflicts`) are reports, not sources of truth:
 //! after a crash a rerun may write a report line again.
+//!
+//! With `--state-dir`, batches are decoded, validated and hashed one batch
+//! ahead on a thread of their own (`Validation`), beside the batch whose
+//! output and state are being written (see `docs/ARCHITECTURE.md`).
 
 mod demo;
 mod lines;
