@@ -231,6 +231,44 @@ fn conflicts_with_earlier_batches_and_runs_name_the_fields_that_differ() {
 }
 
 #[test]
+fn through_a_pipe_each_batch_comes_out_before_the_next_is_written() {
+    // A producer that waits for a batch's output before it sends the next
+    // must not wait forever: without a state directory, `dedupe` must not
+    // read ahead of the batch it is writing.
+    let mut child = dedupd()
+        .args(["dedupe", "--batch-records", "1", "--input", "-", "--output", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn dedupd");
+    let mut stdin = child.stdin.take().expect("stdin");
+    let stdout = child.stdout.take().expect("stdout");
+    let (lines, answers) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout).lines() {
+            if lines.send(line.expect("read stdout")).is_err() {
+                break;
+            }
+        }
+    });
+    for id in ["p1", "p2", "p3"] {
+        writeln!(stdin, "{}", event(id, "1")).expect("write stdin");
+        stdin.flush().expect("flush stdin");
+        // Generous: a wait, not a timing; without the answer this would
+        // hang, and a hung test says less than a failed one.
+        let line = answers.recv_timeout(std::time::Duration::from_secs(60));
+        let line = line.unwrap_or_else(|_| panic!("no output for {id} while its batch's input was all written"));
+        let v: serde_json::Value = serde_json::from_str(&line).expect("JSON line");
+        assert_eq!(v["event_id"], id);
+    }
+    drop(stdin);
+    assert!(child.wait().expect("wait").success());
+    reader.join().expect("reader");
+}
+
+#[test]
 fn bad_configuration_fails_before_any_io_and_names_the_key() {
     let dir = tempfile::tempdir().expect("tempdir");
     let output = dir.path().join("never-created.ndjson");

@@ -1,7 +1,9 @@
 //! Property test: `dedupd dedupe` (the library entry point, in memory)
 //! against a trivial model, a map from (tenant, event_id) to the first
 //! payload. Deliveries are retried with other spellings, mutated, shared
-//! across tenants and mixed with invalid lines.
+//! across tenants and mixed with invalid lines. A second run, in memory or
+//! with a state directory of its own (where batches are validated a batch
+//! ahead on another thread), must give the same counts and output bytes.
 
 use std::collections::HashMap;
 
@@ -169,7 +171,7 @@ proptest! {
             .collect::<Vec<_>>()
             .join("\n")
             + "\n";
-        let (summary, output) = run(&input, batch_records, with_state);
+        let (summary, output) = run(&input, batch_records, false);
         prop_assert_eq!(summary, model(&bases, &deliveries));
         prop_assert_eq!(output.iter().filter(|&&b| b == b'\n').count() as u64, summary.accepted);
         let (again, output_again) = run(&input, batch_records, with_state);

@@ -222,32 +222,31 @@ pub fn run_dedupe_with_progress(
     // batch ahead: batch N+1's while this thread classifies, writes and
     // applies batch N, much of which is waiting for its two fsyncs. Without
     // one nothing waits, and two threads took 1.6x the CPU for the same
-    // time on this 2-core machine, so they are validated here. The lines
-    // are read on this thread either way, so the other never blocks on
-    // input: when this one returns, early or not, the channel closes and
-    // that thread ends.
+    // time on this 2-core machine, so they are validated here, and the
+    // next batch is read only once this one is done, as a pipe's consumer
+    // expects. The lines are read on this thread either way, so the other
+    // never blocks on input: when this one returns, early or not, the
+    // channel closes and that thread ends.
     std::thread::scope(|scope| -> Result<(), OfflineError> {
         let mut validation = if opts.state_dir.is_some() {
             Validation::ahead(scope, &validator)?
         } else {
             Validation::Here { validator: &validator, waiting: None }
         };
-        let first = reading.batch(&mut input, &input_name, clock)?;
-        if !first.lines.is_empty() {
-            validation.submit(first);
-        }
-        while let Some((batch, checked)) = validation.take() {
-            // The next batch is submitted before this one is classified. A
-            // read error waits until this batch is done, as it would have
-            // without the thread.
-            let mut read_error = None;
-            match reading.batch(&mut input, &input_name, clock) {
-                Ok(next) if next.lines.is_empty() => {}
-                Ok(next) => validation.submit(next),
-                Err(e) => read_error = Some(e),
+        let mut read_next = |validation: &mut Validation<'_, '_>| -> Result<(), OfflineError> {
+            let next = reading.batch(&mut input, &input_name, clock)?;
+            if !next.lines.is_empty() {
+                validation.submit(next);
             }
+            Ok(())
+        };
+        read_next(&mut validation)?;
+        while let Some((batch, checked)) = validation.take() {
+            // Ahead, the next batch goes to be validated before this one is
+            // classified; a read error waits until this batch is done, as
+            // it does when the next batch is read after it.
+            let read_ahead = validation.is_ahead().then(|| read_next(&mut validation));
             let (first_offset, now_ms) = (batch.first_offset, batch.now_ms);
-            let records = batch.records();
             let mut outcomes = state.classify_validated(OFFLINE_PARTITION, checked, now_ms)?.outcomes;
             // A record longer than the limit was read only in part; its
             // reason must say so whatever the part looks like.
@@ -276,7 +275,7 @@ pub fn run_dedupe_with_progress(
                         id_hash: *id_hash,
                         payload_hash: *payload_hash,
                         first_seen_ms: now_ms,
-                        source: records[i].source,
+                        source: Position::new(OFFLINE_PARTITION, first_offset + i as i64),
                         output: Position::new(OFFLINE_PARTITION, output.next_offset),
                     };
                     output.next_offset += 1;
@@ -350,8 +349,9 @@ pub fn run_dedupe_with_progress(
             state.apply_published(OFFLINE_PARTITION, &published, now_ms)?;
             state.maintain(now_ms)?;
             progress(&Progress { records: batch.records_end, bytes: batch.bytes_end, summary });
-            if let Some(e) = read_error {
-                return Err(e);
+            match read_ahead {
+                Some(read) => read?,
+                None => read_next(&mut validation)?,
             }
         }
         Ok(())
@@ -466,8 +466,9 @@ impl<'scope, 'v: 'scope> Validation<'scope, 'v> {
         scope: &'scope std::thread::Scope<'scope, 'env>,
         validator: &'v Validator,
     ) -> Result<Self, OfflineError> {
-        // One batch waits to be validated while one is: the lines in
-        // memory stay within three batches.
+        // One batch at a time is submitted and not taken back: the lines in
+        // memory are at most two batches' (the one being written, the one
+        // being validated), beside the next batch's decoded events.
         let (to_validate, validating) = sync_channel::<ReadBatch>(1);
         let (to_classify, validated) = sync_channel::<(ReadBatch, Validated)>(1);
         let worker = std::thread::Builder::new()
@@ -487,12 +488,22 @@ impl<'scope, 'v: 'scope> Validation<'scope, 'v> {
             })?;
         Ok(Validation::Ahead { to_validate, validated, in_flight: false, worker: Some(worker) })
     }
+}
 
-    /// Hands over the next batch. At most one is waiting to be taken.
+impl Validation<'_, '_> {
+    fn is_ahead(&self) -> bool {
+        matches!(self, Validation::Ahead { .. })
+    }
+
+    /// Hands over the next batch, once the one before was taken.
     fn submit(&mut self, batch: ReadBatch) {
         match self {
-            Validation::Here { waiting, .. } => *waiting = Some(batch),
+            Validation::Here { waiting, .. } => {
+                debug_assert!(waiting.is_none(), "a batch submitted before the last one was taken");
+                *waiting = Some(batch);
+            }
             Validation::Ahead { to_validate, in_flight, worker, .. } => {
+                debug_assert!(!*in_flight, "a batch submitted before the last one was taken");
                 if to_validate.send(batch).is_err() {
                     raise_validator_panic(worker.take());
                 }
