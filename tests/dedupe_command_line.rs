@@ -233,39 +233,61 @@ fn conflicts_with_earlier_batches_and_runs_name_the_fields_that_differ() {
 #[test]
 fn through_a_pipe_each_batch_comes_out_before_the_next_is_written() {
     // A producer that waits for a batch's output before it sends the next
-    // must not wait forever: without a state directory, `dedupe` must not
-    // read ahead of the batch it is writing.
-    let mut child = dedupd()
-        .args(["dedupe", "--batch-records", "1", "--input", "-", "--output", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn dedupd");
-    let mut stdin = child.stdin.take().expect("stdin");
-    let stdout = child.stdout.take().expect("stdout");
-    let (lines, answers) = std::sync::mpsc::channel();
-    let reader = std::thread::spawn(move || {
-        use std::io::BufRead;
-        for line in std::io::BufReader::new(stdout).lines() {
-            if lines.send(line.expect("read stdout")).is_err() {
-                break;
-            }
+    // must not wait forever: reading standard input, `dedupe` must not read
+    // ahead of the batch it is writing, with a state directory or without.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let output = dir.path().join("out.ndjson");
+    for with_state in [false, true] {
+        let mut cmd = dedupd();
+        cmd.args(["dedupe", "--batch-records", "1", "--input", "-", "--output"]);
+        if with_state {
+            cmd.arg(&output).arg("--state-dir").arg(dir.path().join("state"));
+        } else {
+            cmd.arg("-");
         }
-    });
-    for id in ["p1", "p2", "p3"] {
-        writeln!(stdin, "{}", event(id, "1")).expect("write stdin");
-        stdin.flush().expect("flush stdin");
-        // Generous: a wait, not a timing; without the answer this would
-        // hang, and a hung test says less than a failed one.
-        let line = answers.recv_timeout(std::time::Duration::from_secs(60));
-        let line = line.unwrap_or_else(|_| panic!("no output for {id} while its batch's input was all written"));
-        let v: serde_json::Value = serde_json::from_str(&line).expect("JSON line");
-        assert_eq!(v["event_id"], id);
+        let mut child =
+            cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("spawn dedupd");
+        let mut stdin = child.stdin.take().expect("stdin");
+        let stdout = child.stdout.take().expect("stdout");
+        let (lines, answers) = std::sync::mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stdout).lines() {
+                if lines.send(line.expect("read stdout")).is_err() {
+                    break;
+                }
+            }
+        });
+        for (n, id) in ["p1", "p2", "p3"].into_iter().enumerate() {
+            writeln!(stdin, "{}", event(id, "1")).expect("write stdin");
+            stdin.flush().expect("flush stdin");
+            // Generous: a wait, not a timing. Without the answer this would
+            // hang, and a hung test says less than a failed one.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+            let line = if with_state {
+                loop {
+                    let text = std::fs::read_to_string(&output).unwrap_or_default();
+                    if let Some(line) = text.lines().nth(n) {
+                        break Some(line.to_owned());
+                    }
+                    if std::time::Instant::now() > deadline {
+                        break None;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+            } else {
+                answers.recv_timeout(deadline - std::time::Instant::now()).ok()
+            };
+            let line = line.unwrap_or_else(|| {
+                panic!("no output for {id} (state directory: {with_state}) while its batch's input was all written")
+            });
+            let v: serde_json::Value = serde_json::from_str(&line).expect("JSON line");
+            assert_eq!(v["event_id"], id);
+        }
+        drop(stdin);
+        assert!(child.wait().expect("wait").success());
+        reader.join().expect("reader");
     }
-    drop(stdin);
-    assert!(child.wait().expect("wait").success());
-    reader.join().expect("reader");
 }
 
 #[test]

@@ -15,9 +15,10 @@
 //! Side files (`--rejected`, `--conflicts`) are reports, not sources of truth:
 //! after a crash a rerun may write a report line again.
 //!
-//! With `--state-dir`, batches are decoded, validated and hashed one batch
-//! ahead on a thread of their own (`Validation`), beside the batch whose
-//! output and state are being written (see `docs/ARCHITECTURE.md`).
+//! With `--state-dir` and an input file, batches are decoded, validated and
+//! hashed one batch ahead on a thread of their own (`Validation`), beside
+//! the batch whose output and state are being written (see
+//! `docs/ARCHITECTURE.md`).
 
 mod demo;
 mod lines;
@@ -217,18 +218,20 @@ pub fn run_dedupe_with_progress(
     let mut derived_ids = 0u64;
     let mut line_text = String::with_capacity(512);
     let mut reading = Reading { limit, batch_records, next_line: 0, bytes_read: 0 };
-    // With a state directory, batches are decoded, validated and hashed
-    // (the stateless half of classification) on a thread of their own, one
-    // batch ahead: batch N+1's while this thread classifies, writes and
-    // applies batch N, much of which is waiting for its two fsyncs. Without
-    // one nothing waits, and two threads took 1.6x the CPU for the same
-    // time on this 2-core machine, so they are validated here, and the
-    // next batch is read only once this one is done, as a pipe's consumer
-    // expects. The lines are read on this thread either way, so the other
-    // never blocks on input: when this one returns, early or not, the
-    // channel closes and that thread ends.
+    // With a state directory and an input file, batches are decoded,
+    // validated and hashed (the stateless half of classification) on a
+    // thread of their own, one batch ahead: batch N+1's while this thread
+    // classifies, writes and applies batch N, much of which is waiting for
+    // its two fsyncs. Without a state directory nothing waits, and two
+    // threads took 1.6x the CPU for the same time on this 2-core machine.
+    // From standard input, reading ahead would hold a batch's output back
+    // until the next batch arrived, and a producer waiting for it would
+    // wait forever. In both cases each batch is validated here and the
+    // next is read only once this one is done. The lines are read on this
+    // thread either way, so the other never blocks on input: when this one
+    // returns, early or not, the channel closes and that thread ends.
     std::thread::scope(|scope| -> Result<(), OfflineError> {
-        let mut validation = if opts.state_dir.is_some() {
+        let mut validation = if opts.state_dir.is_some() && matches!(opts.input, Stdio::File(_)) {
             Validation::ahead(scope, &validator)?
         } else {
             Validation::Here { validator: &validator, waiting: None }
