@@ -119,14 +119,18 @@ struct OutputSink {
 }
 
 impl OutputSink {
-    fn write_line(&mut self, line: &str) -> io::Result<()> {
-        self.writer.write_all(line.as_bytes())?;
-        self.writer.write_all(b"\n")
+    fn write_line(&mut self, line: &str) -> Result<(), OfflineError> {
+        let written = self.writer.write_all(line.as_bytes()).and_then(|()| self.writer.write_all(b"\n"));
+        written.map_err(|source| self.write_error(source))
     }
 
     /// Makes the batch's lines visible, and durable as the policy says, before
     /// state is changed for them.
-    fn end_batch(&mut self) -> io::Result<()> {
+    fn end_batch(&mut self) -> Result<(), OfflineError> {
+        self.sync_batch().map_err(|source| self.write_error(source))
+    }
+
+    fn sync_batch(&mut self) -> io::Result<()> {
         self.writer.flush()?;
         if let (Some(file), Some(policy)) = (&self.file, &self.fsync) {
             let due = match policy {
@@ -141,12 +145,19 @@ impl OutputSink {
         Ok(())
     }
 
-    fn finish(&mut self) -> io::Result<()> {
-        self.writer.flush()?;
-        if let Some(file) = &self.file {
-            file.sync_all()?;
+    /// Flushes the last lines and syncs the file whatever the policy: the
+    /// run's output is complete and durable when it returns.
+    fn finish(&mut self) -> Result<(), OfflineError> {
+        let synced = self.writer.flush().and_then(|()| self.file.as_ref().map_or(Ok(()), File::sync_all));
+        synced.map_err(|source| self.write_error(source))
+    }
+
+    fn write_error(&self, source: io::Error) -> OfflineError {
+        OfflineError::Io {
+            what: "cannot write output",
+            path: self.path.as_ref().map_or("standard output".into(), |p| p.display().to_string()),
+            source,
         }
-        Ok(())
     }
 }
 
@@ -243,127 +254,120 @@ pub fn run_dedupe_with_progress(
             }
             Ok(())
         };
-        read_next(&mut validation)?;
-        while let Some((batch, checked)) = validation.take() {
-            // Ahead, the next batch goes to be validated before this one is
-            // classified; a read error waits until this batch is done, as
-            // it does when the next batch is read after it.
-            let read_ahead = validation.is_ahead().then(|| read_next(&mut validation));
-            let (first_offset, now_ms) = (batch.first_offset, batch.now_ms);
-            let mut outcomes = state.classify_validated(OFFLINE_PARTITION, checked, now_ms)?.outcomes;
-            // A record longer than the limit was read only in part; its
-            // reason must say so whatever the part looks like.
-            for (o, l) in outcomes.iter_mut().zip(&batch.lines) {
-                if l.truncated() {
-                    *o = Outcome::Rejected(crate::event::Rejection::new(
-                        crate::event::RejectReason::RecordTooLarge,
-                        format!("{} bytes, limit {limit}", l.len),
-                    ));
-                }
-            }
-
-            // Publish: accepted lines first, then the reports.
-            let mut published: Vec<StoredEvent> = Vec::new();
-            let mut accepted_in_batch: Vec<Option<usize>> = vec![None; outcomes.len()];
-            for (i, o) in outcomes.iter_mut().enumerate() {
-                if let Outcome::Accepted { event, id_hash, payload_hash } = o {
-                    line_text.clear();
-                    write_canonical_json(event, &mut line_text);
-                    output.write_line(&line_text).map_err(|source| OfflineError::Io {
-                        what: "cannot write output",
-                        path: output.path.as_ref().map_or("standard output".into(), |p| p.display().to_string()),
-                        source,
-                    })?;
-                    let key = SeenKey {
-                        id_hash: *id_hash,
-                        payload_hash: *payload_hash,
-                        first_seen_ms: now_ms,
-                        source: Position::new(OFFLINE_PARTITION, first_offset + i as i64),
-                        output: Position::new(OFFLINE_PARTITION, output.next_offset),
-                    };
-                    output.next_offset += 1;
-                    accepted_in_batch[i] = Some(published.len());
-                    if event.event_id_derived {
-                        derived_ids += 1;
+        let run = (|| -> Result<(), OfflineError> {
+            read_next(&mut validation)?;
+            while let Some((batch, checked)) = validation.take() {
+                // Ahead, the next batch goes to be validated before this one is
+                // classified; a read error waits until this batch is done, as
+                // it does when the next batch is read after it.
+                let read_ahead = validation.is_ahead().then(|| read_next(&mut validation));
+                let (first_offset, now_ms) = (batch.first_offset, batch.now_ms);
+                let mut outcomes = state.classify_validated(OFFLINE_PARTITION, checked, now_ms)?.outcomes;
+                // A record longer than the limit was read only in part; its
+                // reason must say so whatever the part looks like.
+                for (o, l) in outcomes.iter_mut().zip(&batch.lines) {
+                    if l.truncated() {
+                        *o = Outcome::Rejected(crate::event::Rejection::new(
+                            crate::event::RejectReason::RecordTooLarge,
+                            format!("{} bytes, limit {limit}", l.len),
+                        ));
                     }
-                    // Moved, not copied: from here on the outcome only counts
-                    // as accepted, and conflicts read the event from `published`.
-                    published.push(StoredEvent { key, event: std::mem::replace(event, UsageEvent::blank()) });
-                    summary.accepted += 1;
                 }
-            }
-            output.end_batch().map_err(|source| OfflineError::Io {
-                what: "cannot write output",
-                path: output.path.as_ref().map_or("standard output".into(), |p| p.display().to_string()),
-                source,
-            })?;
 
-            // The originals of conflicts with earlier batches, read together
-            // (only when conflicts are reported): one read per segment.
-            let wanted: Vec<(IdHash, i64)> = outcomes
-                .iter()
-                .filter_map(|o| match o {
-                    Outcome::Conflict { id_hash, first, .. } if conflicts.is_some() && first.batch_index.is_none() => {
-                        Some((*id_hash, first.first_seen_ms))
-                    }
-                    _ => None,
-                })
-                .collect();
-            let mut originals =
-                if wanted.is_empty() { Vec::new() } else { state.originals_seen_at(OFFLINE_PARTITION, &wanted)? }
-                    .into_iter();
-            for (i, o) in outcomes.iter().enumerate() {
-                let line_no = first_offset as u64 + i as u64 + 1;
-                match o {
-                    Outcome::Accepted { .. } => {}
-                    Outcome::Duplicate { .. } | Outcome::Replayed { .. } => summary.duplicates += 1,
-                    Outcome::Conflict { event, id_hash, payload_hash, tier, first } => {
-                        summary.conflicts += 1;
-                        if let Some(w) = conflicts.as_mut() {
-                            let original: Option<UsageEvent> = match first.batch_index {
-                                Some(j) => accepted_in_batch[j].map(|k| published[k].event.clone()),
-                                None => originals.next().flatten(),
-                            };
-                            let differs = original.as_ref().map(|orig| orig.differing_fields(event));
-                            w.conflict(
-                                line_no,
-                                event,
-                                id_hash,
-                                payload_hash,
-                                *tier,
-                                first,
-                                differs.as_deref(),
-                                &batch.lines[i],
-                            )?;
+                // Publish: accepted lines first, then the reports.
+                let mut published: Vec<StoredEvent> = Vec::new();
+                let mut accepted_in_batch: Vec<Option<usize>> = vec![None; outcomes.len()];
+                for (i, o) in outcomes.iter_mut().enumerate() {
+                    if let Outcome::Accepted { event, id_hash, payload_hash } = o {
+                        line_text.clear();
+                        write_canonical_json(event, &mut line_text);
+                        output.write_line(&line_text)?;
+                        let key = SeenKey {
+                            id_hash: *id_hash,
+                            payload_hash: *payload_hash,
+                            first_seen_ms: now_ms,
+                            source: Position::new(OFFLINE_PARTITION, first_offset + i as i64),
+                            output: Position::new(OFFLINE_PARTITION, output.next_offset),
+                        };
+                        output.next_offset += 1;
+                        accepted_in_batch[i] = Some(published.len());
+                        if event.event_id_derived {
+                            derived_ids += 1;
                         }
+                        // Moved, not copied: from here on the outcome only counts
+                        // as accepted, and conflicts read the event from `published`.
+                        published.push(StoredEvent { key, event: std::mem::replace(event, UsageEvent::blank()) });
+                        summary.accepted += 1;
                     }
-                    Outcome::Rejected(rejection) => {
-                        summary.rejected += 1;
-                        if let Some(w) = rejected.as_mut() {
-                            w.rejected(line_no, rejection, &batch.lines[i])?;
+                }
+                output.end_batch()?;
+
+                // The originals of conflicts with earlier batches, read together
+                // (only when conflicts are reported): one read per segment.
+                let wanted: Vec<(IdHash, i64)> = outcomes
+                    .iter()
+                    .filter_map(|o| match o {
+                        Outcome::Conflict { id_hash, first, .. }
+                            if conflicts.is_some() && first.batch_index.is_none() =>
+                        {
+                            Some((*id_hash, first.first_seen_ms))
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                let mut originals =
+                    if wanted.is_empty() { Vec::new() } else { state.originals_seen_at(OFFLINE_PARTITION, &wanted)? }
+                        .into_iter();
+                for (i, o) in outcomes.iter().enumerate() {
+                    let line_no = first_offset as u64 + i as u64 + 1;
+                    match o {
+                        Outcome::Accepted { .. } => {}
+                        Outcome::Duplicate { .. } | Outcome::Replayed { .. } => summary.duplicates += 1,
+                        Outcome::Conflict { event, id_hash, payload_hash, tier, first } => {
+                            summary.conflicts += 1;
+                            if let Some(w) = conflicts.as_mut() {
+                                let original: Option<UsageEvent> = match first.batch_index {
+                                    Some(j) => accepted_in_batch[j].map(|k| published[k].event.clone()),
+                                    None => originals.next().flatten(),
+                                };
+                                let differs = original.as_ref().map(|orig| orig.differing_fields(event));
+                                w.conflict(
+                                    line_no,
+                                    event,
+                                    id_hash,
+                                    payload_hash,
+                                    *tier,
+                                    first,
+                                    differs.as_deref(),
+                                    &batch.lines[i],
+                                )?;
+                            }
+                        }
+                        Outcome::Rejected(rejection) => {
+                            summary.rejected += 1;
+                            if let Some(w) = rejected.as_mut() {
+                                w.rejected(line_no, rejection, &batch.lines[i])?;
+                            }
                         }
                     }
                 }
-            }
-            report::end_batch(rejected.as_mut())?;
-            report::end_batch(conflicts.as_mut())?;
+                report::end_batch(rejected.as_mut())?;
+                report::end_batch(conflicts.as_mut())?;
 
-            // Only now, with the batch's output visible, does state change.
-            state.apply_published(OFFLINE_PARTITION, &published, now_ms)?;
-            state.maintain(now_ms)?;
-            progress(&Progress { records: batch.records_end, bytes: batch.bytes_end, summary });
-            match read_ahead {
-                Some(read) => read?,
-                None => read_next(&mut validation)?,
+                // Only now, with the batch's output visible, does state change.
+                state.apply_published(OFFLINE_PARTITION, &published, now_ms)?;
+                state.maintain(now_ms)?;
+                progress(&Progress { records: batch.records_end, bytes: batch.bytes_end, summary });
+                match read_ahead {
+                    Some(read) => read?,
+                    None => read_next(&mut validation)?,
+                }
             }
-        }
-        Ok(())
+            Ok(())
+        })();
+        validation.close(run)
     })?;
-    output.finish().map_err(|source| OfflineError::Io {
-        what: "cannot write output",
-        path: output.path.as_ref().map_or("standard output".into(), |p| p.display().to_string()),
-        source,
-    })?;
+    output.finish()?;
     report::finish(rejected.as_mut())?;
     report::finish(conflicts.as_mut())?;
     state.close()?;
@@ -534,6 +538,34 @@ impl Validation<'_, '_> {
             }
         }
     }
+
+    /// Ends validation once the run is over, with `run`'s result: stops the
+    /// validating thread and waits for it. An error of the batch's thread
+    /// is the run's error even when the validating thread panicked on the
+    /// batch after it; without the join here, the scope would replace that
+    /// error with a panic of its own that names neither. The panic is
+    /// logged (the panic hook has printed its message already).
+    fn close(self, run: Result<(), OfflineError>) -> Result<(), OfflineError> {
+        let Validation::Ahead { to_validate, validated, worker, .. } = self else {
+            return run;
+        };
+        // Closed channels end the thread's loop, wherever it waits.
+        drop((to_validate, validated));
+        match (worker.map(ScopedJoinHandle::join), run) {
+            (Some(Err(panic)), Err(e)) => {
+                tracing::error!(
+                    error = %e,
+                    "the validating thread of dedupd dedupe panicked on the next batch; the run ends with this batch's error"
+                );
+                drop(panic);
+                Err(e)
+            }
+            // Every batch submitted was taken, each answered: a panic after
+            // the last cannot be, but is not hidden if it is.
+            (Some(Err(panic)), Ok(())) => std::panic::resume_unwind(panic),
+            (_, run) => run,
+        }
+    }
 }
 
 /// The validating thread stopped answering, which it does only by
@@ -688,4 +720,46 @@ fn cut_torn_tail(f: &mut File) -> io::Result<()> {
     tracing::warn!(cut_bytes = len, "cut a torn only line from the output file");
     f.set_len(0)?;
     f.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn empty_batch() -> ReadBatch {
+        ReadBatch { lines: Vec::new(), first_offset: 0, now_ms: 0, records_end: 0, bytes_end: 0 }
+    }
+
+    /// The batch's thread fails (its output cannot be written, say) while
+    /// the validating thread panics on the batch after it: the run ends with
+    /// the batch's error, not with the scope's panic about a thread.
+    #[test]
+    fn a_batchs_error_is_the_runs_error_when_validating_the_next_batch_panicked() {
+        let result = std::thread::scope(|scope| {
+            let (to_validate, validating) = sync_channel::<ReadBatch>(1);
+            let (_to_classify, validated) = sync_channel::<(ReadBatch, Validated)>(1);
+            let worker = scope.spawn(move || {
+                if validating.recv().is_ok() {
+                    panic!("a bug in validating the next batch");
+                }
+            });
+            let mut validation = Validation::Ahead { to_validate, validated, in_flight: false, worker: Some(worker) };
+            validation.submit(empty_batch());
+            validation.close(Err(OfflineError::StateNeedsOutputFile))
+        });
+        assert!(matches!(result, Err(OfflineError::StateNeedsOutputFile)), "{result:?}");
+    }
+
+    /// A run that went well closes the validating thread and stays well.
+    #[test]
+    fn closing_after_a_good_run_stops_the_validating_thread() {
+        let validator = EngineSettings::default().validator();
+        let result = std::thread::scope(|scope| {
+            let mut validation = Validation::ahead(scope, &validator)?;
+            validation.submit(empty_batch());
+            assert!(validation.take().is_some());
+            validation.close(Ok(()))
+        });
+        assert!(result.is_ok(), "{result:?}");
+    }
 }
