@@ -124,7 +124,7 @@ async fn wait_owning(w: &mut Worker, partitions: i32, timeout: Duration) {
 /// first written for, a restarted static member fenced seconds after its
 /// assignment and never assigned again, is Tansu 0.6's, and restarts did
 /// not get the group out of it when it was seen again (2026-11-28); the
-/// crash-loop test now keeps it from happening with a longer session.
+/// crash-loop test now avoids the trigger seen then with a longer session.
 async fn owning_with_liveness(
     mut w: Worker,
     spawn: impl Fn() -> Worker,
@@ -425,6 +425,7 @@ async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_
                 "40s",
                 "--kafka-property",
                 "consumer.session.timeout.ms=45000",
+                // librdkafka refuses a session longer than this.
                 "--kafka-property",
                 "consumer.max.poll.interval.ms=45000",
             ],

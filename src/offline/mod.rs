@@ -254,6 +254,8 @@ pub fn run_dedupe_with_progress(
             }
             Ok(())
         };
+        // Called at once: every `?` of the run lands in `close`, which ends
+        // the validating thread before the scope judges it.
         let run = (|| -> Result<(), OfflineError> {
             read_next(&mut validation)?;
             while let Some((batch, checked)) = validation.take() {
@@ -750,9 +752,11 @@ mod tests {
         assert!(matches!(result, Err(OfflineError::StateNeedsOutputFile)), "{result:?}");
     }
 
-    /// A run that went well closes the validating thread and stays well.
+    /// A run that went well ends the validating thread and stays well:
+    /// the join comes after the channels close (joined before, the thread
+    /// would wait for its next batch and this test would hang).
     #[test]
-    fn closing_after_a_good_run_stops_the_validating_thread() {
+    fn closing_after_a_good_run_returns_ok_once_the_validating_thread_ended() {
         let validator = EngineSettings::default().validator();
         let result = std::thread::scope(|scope| {
             let mut validation = Validation::ahead(scope, &validator)?;
