@@ -12,7 +12,7 @@ use super::identity::IdDeriver;
 use super::model::{CorrectionRef, EventKind, UsageEvent};
 use super::quantity::{parse_decimal, QuantityError};
 use super::reason::{RejectReason, Rejection};
-use super::wire::{self, Scalar, WireEvent, WireField};
+use super::wire::{self, Scalar, Text, WireEvent, WireField};
 
 /// Validation limits. Every one is configurable; the defaults are documented
 /// in the README.
@@ -263,7 +263,7 @@ impl Validator {
         }
     }
 
-    fn identity_of_wire(&self, w: &wire::WireEvent) -> Result<(String, String), Rejection> {
+    fn identity_of_wire(&self, w: &WireEvent<'_>) -> Result<(String, String), Rejection> {
         check_types(w)?;
         let tenant_id = required_str(&w.tenant_id, "tenant_id")?;
         let event_id = optional_str(&w.event_id);
@@ -341,7 +341,7 @@ impl Validator {
             None => None,
         };
         let correction_reason = correction.and_then(|c| optional_str(&c.reason));
-        let dims: &[(String, WireField<String>)] = match &w.dimensions {
+        let dims: &[(Text<'_>, WireField<Text<'_>>)] = match &w.dimensions {
             WireField::Value(d) => d,
             _ => &[],
         };
@@ -438,10 +438,10 @@ impl Validator {
             .iter()
             .map(|(k, v)| {
                 let v = match v {
-                    WireField::Value(s) => s.clone(),
+                    WireField::Value(s) => s.as_ref().to_owned(),
                     _ => String::new(),
                 };
-                (k.clone(), v)
+                (k.as_ref().to_owned(), v)
             })
             .collect();
         // Wire order carries no meaning; the canonical order is by key.
@@ -480,7 +480,7 @@ impl Validator {
         &self,
         ids: &[(&str, Option<&str>)],
         texts: &[(&str, Option<&str>)],
-        dims: &[(String, WireField<String>)],
+        dims: &[(Text<'_>, WireField<Text<'_>>)],
     ) -> Result<(), Rejection> {
         for (name, v) in ids {
             check_len(name, *v, self.limits.max_id_bytes)?;
@@ -522,7 +522,7 @@ impl Validator {
 
 /// Wrong JSON types are a malformed record: the bytes are JSON, but not an
 /// event. Quantity and timestamp have their own reasons.
-fn check_types(w: &WireEvent) -> Result<(), Rejection> {
+fn check_types(w: &WireEvent<'_>) -> Result<(), Rejection> {
     let strings = [
         ("event_id", &w.event_id),
         ("tenant_id", &w.tenant_id),
@@ -585,14 +585,14 @@ fn wrong_type(name: &str, got: &str, want: &str) -> Rejection {
     Rejection::new(RejectReason::MalformedJson, format!("`{name}` must be {want}, not {got}"))
 }
 
-fn required_str<'a>(f: &'a WireField<String>, name: &str) -> Result<&'a str, Rejection> {
+fn required_str<'a>(f: &'a WireField<Text<'_>>, name: &str) -> Result<&'a str, Rejection> {
     match f {
         WireField::Value(s) => Ok(s),
         _ => Err(Rejection::new(RejectReason::MissingField, format!("`{name}` is required"))),
     }
 }
 
-fn optional_str(f: &WireField<String>) -> Option<&str> {
+fn optional_str<'a>(f: &'a WireField<Text<'_>>) -> Option<&'a str> {
     match f {
         WireField::Value(s) => Some(s),
         _ => None,
@@ -609,8 +609,9 @@ fn check_len(name: &str, v: Option<&str>, limit: usize) -> Result<(), Rejection>
 }
 
 fn parse_quantity(q: &Scalar) -> Result<Decimal, Rejection> {
-    let text = match q {
-        Scalar::Str(s) | Scalar::Number(s) => s,
+    let text: &str = match q {
+        Scalar::Str(s) => s,
+        Scalar::Number(n) => n,
     };
     parse_decimal(text).map_err(|e| {
         let detail = match e {
@@ -624,7 +625,7 @@ fn parse_quantity(q: &Scalar) -> Result<Decimal, Rejection> {
 /// RFC 3339 text or integer epoch milliseconds, to epoch milliseconds.
 /// Precision below the millisecond is truncated toward the past: the canonical
 /// form (and so the payload hash) holds milliseconds (DESIGN §3).
-pub fn parse_timestamp(t: &Scalar) -> Result<i64, Rejection> {
+pub fn parse_timestamp(t: &Scalar<'_>) -> Result<i64, Rejection> {
     let invalid = |why: String| Rejection::new(RejectReason::InvalidTimestamp, why);
     match t {
         Scalar::Number(n) => {

@@ -9,6 +9,7 @@
 //! downstream JSON reader keeps is implementation-defined, so the record has no
 //! single meaning.
 
+use std::borrow::Cow;
 use std::fmt;
 
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
@@ -32,39 +33,45 @@ impl<T> WireField<T> {
     }
 }
 
+/// A JSON string's decoded content, borrowed from the record when it has
+/// no escapes (nearly always), so decoding allocates nothing for it: the
+/// validated event makes the one owned copy it keeps.
+pub type Text<'a> = Cow<'a, str>;
+
 /// Raw text of a JSON scalar whose spelling matters (numbers).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Scalar {
+pub enum Scalar<'a> {
     /// A JSON string's decoded content.
-    Str(String),
+    Str(Text<'a>),
     /// A JSON number's literal text, exactly as sent.
-    Number(String),
+    Number(&'a str),
 }
 
 /// The `correction_ref` object as sent.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct WireCorrectionRef {
-    pub original_event_id: WireField<String>,
-    pub reason: WireField<String>,
+pub struct WireCorrectionRef<'a> {
+    pub original_event_id: WireField<Text<'a>>,
+    pub reason: WireField<Text<'a>>,
     pub unknown_field: Option<String>,
 }
 
-/// A top-level event as sent: schema v1 field names, values not yet checked.
+/// A top-level event as sent: schema v1 field names, values not yet
+/// checked, strings borrowed from the record's bytes where they can be.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct WireEvent {
-    pub event_id: WireField<String>,
-    pub tenant_id: WireField<String>,
-    pub customer_id: WireField<String>,
-    pub meter: WireField<String>,
-    pub quantity: WireField<Scalar>,
-    pub timestamp: WireField<Scalar>,
-    pub kind: WireField<String>,
-    pub correction_ref: WireField<WireCorrectionRef>,
-    pub resource_id: WireField<String>,
-    pub unit: WireField<String>,
-    pub source: WireField<String>,
+pub struct WireEvent<'a> {
+    pub event_id: WireField<Text<'a>>,
+    pub tenant_id: WireField<Text<'a>>,
+    pub customer_id: WireField<Text<'a>>,
+    pub meter: WireField<Text<'a>>,
+    pub quantity: WireField<Scalar<'a>>,
+    pub timestamp: WireField<Scalar<'a>>,
+    pub kind: WireField<Text<'a>>,
+    pub correction_ref: WireField<WireCorrectionRef<'a>>,
+    pub resource_id: WireField<Text<'a>>,
+    pub unit: WireField<Text<'a>>,
+    pub source: WireField<Text<'a>>,
     /// In wire order; duplicates are a decode error.
-    pub dimensions: WireField<Vec<(String, WireField<String>)>>,
+    pub dimensions: WireField<Vec<(Text<'a>, WireField<Text<'a>>)>>,
     /// Server-side stamp accepted only when decoding dedupd's own output.
     pub event_id_derived: WireField<bool>,
     /// The first field name that is not part of the schema.
@@ -78,7 +85,7 @@ pub struct MalformedJson(pub String);
 
 /// Decodes one record. `accept_server_stamps` admits the fields dedupd itself
 /// adds to its output (`event_id_derived`), for reading the output back.
-pub fn decode(bytes: &[u8], accept_server_stamps: bool) -> Result<WireEvent, MalformedJson> {
+pub fn decode(bytes: &[u8], accept_server_stamps: bool) -> Result<WireEvent<'_>, MalformedJson> {
     // serde_json checks UTF-8 only in the strings it decodes, not in values
     // it skips (an unknown field's): check the whole record first, so no
     // invalid byte is ever passed through to a side topic as "JSON".
@@ -165,18 +172,18 @@ fn set_once<T, E: de::Error>(slot: &mut WireField<T>, name: &str, value: WireFie
 /// The content of a JSON string literal `text` (quotes included, already
 /// checked by the parser: no raw control character, escapes well formed;
 /// `decode` parses from a `&str`, so the text is also valid UTF-8).
-/// Without a backslash the content is the bytes between the quotes; only
-/// a string with escapes is decoded again.
-fn string_content(text: &str) -> Result<String, serde_json::Error> {
+/// Without a backslash the content is the bytes between the quotes,
+/// borrowed; only a string with escapes is decoded again, into a copy.
+fn string_content(text: &str) -> Result<Text<'_>, serde_json::Error> {
     match text.get(1..text.len().saturating_sub(1)) {
-        Some(inner) if text.len() >= 2 && !inner.as_bytes().contains(&b'\\') => Ok(inner.to_owned()),
-        _ => serde_json::from_str::<String>(text),
+        Some(inner) if text.len() >= 2 && !inner.as_bytes().contains(&b'\\') => Ok(Cow::Borrowed(inner)),
+        _ => serde_json::from_str::<String>(text).map(Cow::Owned),
     }
 }
 
 /// Reads a value that should be a string.
-fn string_field<'de, A: MapAccess<'de>>(map: &mut A) -> Result<WireField<String>, A::Error> {
-    let raw: &RawValue = map.next_value()?;
+fn string_field<'de, A: MapAccess<'de>>(map: &mut A) -> Result<WireField<Text<'de>>, A::Error> {
+    let raw: &'de RawValue = map.next_value()?;
     let text = raw.get();
     match text.as_bytes().first() {
         Some(b'"') => string_content(text).map(WireField::Value).map_err(de::Error::custom),
@@ -186,74 +193,74 @@ fn string_field<'de, A: MapAccess<'de>>(map: &mut A) -> Result<WireField<String>
 }
 
 /// Reads a value that should be a string or a number, keeping the number's text.
-fn scalar_field<'de, A: MapAccess<'de>>(map: &mut A) -> Result<WireField<Scalar>, A::Error> {
-    let raw: &RawValue = map.next_value()?;
+fn scalar_field<'de, A: MapAccess<'de>>(map: &mut A) -> Result<WireField<Scalar<'de>>, A::Error> {
+    let raw: &'de RawValue = map.next_value()?;
     let text = raw.get();
     match text.as_bytes().first() {
         Some(b'"') => string_content(text).map(|s| WireField::Value(Scalar::Str(s))).map_err(de::Error::custom),
         Some(b'n') => Ok(WireField::Null),
-        Some(c) if *c == b'-' || c.is_ascii_digit() => Ok(WireField::Value(Scalar::Number(text.to_owned()))),
+        Some(c) if *c == b'-' || c.is_ascii_digit() => Ok(WireField::Value(Scalar::Number(text))),
         _ => Ok(WireField::WrongType(json_type_name(raw))),
     }
 }
 
 impl<'de> Visitor<'de> for EventVisitor {
-    type Value = WireEvent;
+    type Value = WireEvent<'de>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a JSON object (a usage event)")
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<WireEvent, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<WireEvent<'de>, A::Error> {
         let mut ev = WireEvent::default();
-        while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
-            match key.as_ref() {
-                "event_id" => {
+        while let Some(key) = map.next_key::<Key>()? {
+            match key {
+                Key::Schema(Field::EventId) => {
                     let v = string_field(&mut map)?;
                     set_once(&mut ev.event_id, "event_id", v)?
                 }
-                "tenant_id" => {
+                Key::Schema(Field::TenantId) => {
                     let v = string_field(&mut map)?;
                     set_once(&mut ev.tenant_id, "tenant_id", v)?
                 }
-                "customer_id" => {
+                Key::Schema(Field::CustomerId) => {
                     let v = string_field(&mut map)?;
                     set_once(&mut ev.customer_id, "customer_id", v)?
                 }
-                "meter" => {
+                Key::Schema(Field::Meter) => {
                     let v = string_field(&mut map)?;
                     set_once(&mut ev.meter, "meter", v)?
                 }
-                "quantity" => {
+                Key::Schema(Field::Quantity) => {
                     let v = scalar_field(&mut map)?;
                     set_once(&mut ev.quantity, "quantity", v)?
                 }
-                "timestamp" => {
+                Key::Schema(Field::Timestamp) => {
                     let v = scalar_field(&mut map)?;
                     set_once(&mut ev.timestamp, "timestamp", v)?
                 }
-                "kind" => {
+                Key::Schema(Field::Kind) => {
                     let v = string_field(&mut map)?;
                     set_once(&mut ev.kind, "kind", v)?
                 }
-                "resource_id" => {
+                Key::Schema(Field::ResourceId) => {
                     let v = string_field(&mut map)?;
                     set_once(&mut ev.resource_id, "resource_id", v)?
                 }
-                "unit" => {
+                Key::Schema(Field::Unit) => {
                     let v = string_field(&mut map)?;
                     set_once(&mut ev.unit, "unit", v)?
                 }
-                "source" => {
+                Key::Schema(Field::Source) => {
                     let v = string_field(&mut map)?;
                     set_once(&mut ev.source, "source", v)?
                 }
-                "correction_ref" => {
-                    let v = map.next_value::<Nullable<WireCorrectionRef>>()?.0;
+                Key::Schema(Field::CorrectionRef) => {
+                    let v = map.next_value::<Nullable<WireCorrectionRef<'de>>>()?.0;
                     set_once(&mut ev.correction_ref, "correction_ref", v)?
                 }
-                "dimensions" => {
-                    let v = map.next_value::<Nullable<Dimensions>>()?.0;
+                Key::Schema(Field::Dimensions) => {
+                    let v = map.next_value::<Nullable<Dimensions<'de>>>()?.0;
                     let v = match v {
                         WireField::Value(d) => WireField::Value(d.0),
                         WireField::Absent => WireField::Absent,
@@ -262,7 +269,7 @@ impl<'de> Visitor<'de> for EventVisitor {
                     };
                     set_once(&mut ev.dimensions, "dimensions", v)?
                 }
-                "event_id_derived" if self.accept_server_stamps => {
+                Key::Schema(Field::EventIdDerived) if self.accept_server_stamps => {
                     let raw: &RawValue = map.next_value()?;
                     let v = match raw.get() {
                         "true" => WireField::Value(true),
@@ -275,7 +282,11 @@ impl<'de> Visitor<'de> for EventVisitor {
                 other => {
                     map.next_value::<IgnoredAny>()?;
                     if ev.unknown_field.is_none() {
-                        ev.unknown_field = Some(other.to_owned());
+                        ev.unknown_field = Some(match other {
+                            Key::Unknown(name) => name,
+                            // A server stamp on a record from outside.
+                            Key::Schema(_) => "event_id_derived".to_owned(),
+                        });
                     }
                 }
             }
@@ -284,19 +295,84 @@ impl<'de> Visitor<'de> for EventVisitor {
     }
 }
 
+/// A field of schema v1's top level (and the server stamp `event_id_derived`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Field {
+    EventId,
+    TenantId,
+    CustomerId,
+    Meter,
+    Quantity,
+    Timestamp,
+    Kind,
+    ResourceId,
+    Unit,
+    Source,
+    CorrectionRef,
+    Dimensions,
+    EventIdDerived,
+}
+
+/// A key of the event object. A schema field is matched where the parser
+/// holds the name, so a record's keys cost no allocation (serde's
+/// `Cow<str>` never borrows: it had allocated a `String` per key, 5% of the
+/// offline path); only a name outside the schema is kept, for the reason.
+#[derive(Debug, PartialEq, Eq)]
+enum Key {
+    Schema(Field),
+    Unknown(String),
+}
+
+impl<'de> Deserialize<'de> for Key {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Key, D::Error> {
+        d.deserialize_identifier(KeyVisitor)
+    }
+}
+
+struct KeyVisitor;
+
+impl Visitor<'_> for KeyVisitor {
+    type Value = Key;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a field name")
+    }
+
+    /// Escaped names arrive here decoded, so `"event\u005fid"` is `event_id`
+    /// as before.
+    fn visit_str<E: de::Error>(self, name: &str) -> Result<Key, E> {
+        Ok(match name {
+            "event_id" => Key::Schema(Field::EventId),
+            "tenant_id" => Key::Schema(Field::TenantId),
+            "customer_id" => Key::Schema(Field::CustomerId),
+            "meter" => Key::Schema(Field::Meter),
+            "quantity" => Key::Schema(Field::Quantity),
+            "timestamp" => Key::Schema(Field::Timestamp),
+            "kind" => Key::Schema(Field::Kind),
+            "resource_id" => Key::Schema(Field::ResourceId),
+            "unit" => Key::Schema(Field::Unit),
+            "source" => Key::Schema(Field::Source),
+            "correction_ref" => Key::Schema(Field::CorrectionRef),
+            "dimensions" => Key::Schema(Field::Dimensions),
+            "event_id_derived" => Key::Schema(Field::EventIdDerived),
+            other => Key::Unknown(other.to_owned()),
+        })
+    }
+}
+
 /// A value that may be an object of the expected shape, null, or another type.
 struct Nullable<T>(WireField<T>);
 
-impl<'de> Deserialize<'de> for Nullable<WireCorrectionRef> {
+impl<'de> Deserialize<'de> for Nullable<WireCorrectionRef<'de>> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         d.deserialize_any(ObjectOrOther(CorrectionRefVisitor))
     }
 }
 
 /// Dimensions in wire order.
-struct Dimensions(Vec<(String, WireField<String>)>);
+struct Dimensions<'a>(Vec<(Text<'a>, WireField<Text<'a>>)>);
 
-impl<'de> Deserialize<'de> for Nullable<Dimensions> {
+impl<'de> Deserialize<'de> for Nullable<Dimensions<'de>> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         d.deserialize_any(ObjectOrOther(DimensionsVisitor))
     }
@@ -349,15 +425,15 @@ where
 struct CorrectionRefVisitor;
 
 impl<'de> Visitor<'de> for CorrectionRefVisitor {
-    type Value = WireCorrectionRef;
+    type Value = WireCorrectionRef<'de>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a correction_ref object")
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<WireCorrectionRef, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<WireCorrectionRef<'de>, A::Error> {
         let mut r = WireCorrectionRef::default();
-        while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+        while let Some(BorrowedKey(key)) = map.next_key()? {
             match key.as_ref() {
                 "original_event_id" => {
                     let v = string_field(&mut map)?;
@@ -379,18 +455,46 @@ impl<'de> Visitor<'de> for CorrectionRefVisitor {
     }
 }
 
+/// An object key borrowed from the record when it has no escapes (serde's
+/// `Cow<str>` would always copy it).
+struct BorrowedKey<'a>(Text<'a>);
+
+impl<'de> Deserialize<'de> for BorrowedKey<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_str(BorrowedKeyVisitor)
+    }
+}
+
+struct BorrowedKeyVisitor;
+
+impl<'de> Visitor<'de> for BorrowedKeyVisitor {
+    type Value = BorrowedKey<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a key")
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, key: &'de str) -> Result<Self::Value, E> {
+        Ok(BorrowedKey(Cow::Borrowed(key)))
+    }
+
+    fn visit_str<E: de::Error>(self, key: &str) -> Result<Self::Value, E> {
+        Ok(BorrowedKey(Cow::Owned(key.to_owned())))
+    }
+}
+
 struct DimensionsVisitor;
 
 impl<'de> Visitor<'de> for DimensionsVisitor {
-    type Value = Dimensions;
+    type Value = Dimensions<'de>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a dimensions object")
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Dimensions, A::Error> {
-        let mut dims: Vec<(String, WireField<String>)> = Vec::new();
-        while let Some(key) = map.next_key::<String>()? {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Dimensions<'de>, A::Error> {
+        let mut dims: Vec<(Text<'de>, WireField<Text<'de>>)> = Vec::new();
+        while let Some(BorrowedKey(key)) = map.next_key()? {
             if dims.iter().any(|(k, _)| *k == key) {
                 return Err(de::Error::custom(format_args!("duplicate dimension `{key}`")));
             }
@@ -405,22 +509,27 @@ impl<'de> Visitor<'de> for DimensionsVisitor {
 mod tests {
     use super::*;
 
-    fn event_with_id(id_literal: &str) -> Result<WireEvent, MalformedJson> {
+    /// The `event_id` of an event whose id is the JSON literal `id_literal`,
+    /// and whether decoding borrowed it from the record.
+    fn decoded_id(id_literal: &str) -> Result<(Option<String>, bool), MalformedJson> {
         let json = format!(
             r#"{{"event_id":{id_literal},"tenant_id":"t","customer_id":"c","meter":"m","quantity":"1","timestamp":1}}"#
         );
-        decode(json.as_bytes(), false)
+        decode(json.as_bytes(), false).map(|e| match e.event_id {
+            WireField::Value(id) => (Some(id.to_string()), matches!(id, Cow::Borrowed(_))),
+            _ => (None, false),
+        })
     }
 
-    /// Strings without a backslash are copied from between their quotes;
-    /// strings with escapes are decoded; what the parser refuses stays
-    /// refused either way.
+    /// Strings without a backslash are borrowed from between their quotes;
+    /// strings with escapes are decoded into a copy; what the parser
+    /// refuses stays refused either way.
     #[test]
     fn strings_read_the_same_with_or_without_escapes() {
-        let id = |lit: &str| event_with_id(lit).map(|e| e.event_id);
-        assert_eq!(id(r#""plain-id é""#), Ok(WireField::Value("plain-id é".to_owned())));
-        assert_eq!(id(r#""a\"b\\c\n\u00e9""#), Ok(WireField::Value("a\"b\\c\né".to_owned())));
-        assert_eq!(id(r#""""#), Ok(WireField::Value(String::new())));
+        let id = decoded_id;
+        assert_eq!(id(r#""plain-id é""#), Ok((Some("plain-id é".to_owned()), true)));
+        assert_eq!(id(r#""a\"b\\c\n\u00e9""#), Ok((Some("a\"b\\c\né".to_owned()), false)));
+        assert_eq!(id(r#""""#), Ok((Some(String::new()), true)));
         assert!(id("\"raw\u{1}control\"").is_err(), "a raw control character is not JSON");
         assert!(id(r#""bad \q escape""#).is_err());
         assert!(id(r#""unpaired \ud800""#).is_err());
@@ -431,7 +540,7 @@ mod tests {
     #[test]
     fn depth_is_nesting_not_the_number_of_brackets() {
         let many = format!(r#""{}""#, "{[".repeat(40));
-        assert!(event_with_id(&many).is_ok());
+        assert!(decoded_id(&many).is_ok());
         let deep = format!(r#"{{"x":{}1{}}}"#, "[".repeat(MAX_DEPTH), "]".repeat(MAX_DEPTH));
         assert_eq!(
             decode(deep.as_bytes(), false),
@@ -451,7 +560,7 @@ mod tests {
             false,
         )
         .expect("decodes");
-        assert_eq!(ev.quantity, WireField::Value(Scalar::Number("1.50".into())));
+        assert_eq!(ev.quantity, WireField::Value(Scalar::Number("1.50")));
         assert_eq!(ev.timestamp, WireField::Value(Scalar::Str("2026-11-21T10:00:00Z".into())));
         assert!(
             matches!(ev.correction_ref, WireField::Value(ref c) if c.original_event_id == WireField::Value("o".into()))
@@ -466,6 +575,23 @@ mod tests {
         assert_eq!(ev.tenant_id, WireField::WrongType("number"));
         assert_eq!(ev.meter, WireField::Null);
         assert_eq!(ev.unknown_field.as_deref(), Some("zzz"));
+    }
+
+    /// Keys are matched after their escapes are decoded, as a JSON reader
+    /// downstream reads them: an escaped schema name is that field (and
+    /// counts as a duplicate of its plain spelling), an escaped unknown
+    /// name is reported decoded.
+    #[test]
+    fn escaped_keys_are_the_fields_they_spell() {
+        let ev = decode(br#"{"event\u005fid":"e","t\u0065nant_id":"t","z\u007az":1}"#, false).expect("decodes");
+        assert_eq!(ev.event_id, WireField::Value("e".into()));
+        assert_eq!(ev.tenant_id, WireField::Value("t".into()));
+        assert_eq!(ev.unknown_field.as_deref(), Some("zzz"));
+        let twice = decode(br#"{"meter":"a","m\u0065ter":"b"}"#, false);
+        assert!(matches!(twice, Err(MalformedJson(m)) if m.contains("duplicate field `meter`")));
+        let stamp = br#"{"event_id_d\u0065rived":false}"#;
+        assert_eq!(decode(stamp, false).expect("decodes").unknown_field.as_deref(), Some("event_id_derived"));
+        assert_eq!(decode(stamp, true).expect("decodes").event_id_derived, WireField::Value(false));
     }
 
     #[test]
