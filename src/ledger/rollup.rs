@@ -371,7 +371,11 @@ impl Tally for LedgerMaps {
     }
 
     fn hour(&mut self, counter: &Arc<CounterKey>, hour_ms: i64) -> (&mut Rollup, bool) {
-        (self.hours.entry(HourKey { counter: counter.clone(), hour_ms }).or_default(), true)
+        // Found by reference: a held hour's counter is the shared one, so
+        // equality is a pointer check, and no counter is cloned unless the
+        // hour is new (an owned key compared three strings and cloned the
+        // counter per event).
+        (self.hours.entry_ref(&HourRef { counter, hour_ms }).or_default(), true)
     }
 }
 
@@ -383,10 +387,12 @@ pub(crate) fn fold_into<'a>(
     lateness: &Lateness,
     events: impl IntoIterator<Item = (&'a UsageEvent, i64)>,
 ) -> Result<Folded, FoldError> {
-    let mut hours: Vec<HourKey> = Vec::new();
+    let events = events.into_iter();
+    // A holder that cannot tell repeats lists an hour per event.
+    let mut hours: Vec<HourKey> = Vec::with_capacity(events.size_hint().0);
     let mut counters: Vec<Arc<CounterKey>> = Vec::new();
     let mut adjustments = Vec::new();
-    for (i, (event, offset)) in events.into_iter().enumerate() {
+    for (i, (event, offset)) in events.enumerate() {
         let (counter, watermark) = tally.counter(i, event);
         if lateness.is_late(event, watermark) {
             adjustments.push(Adjustment {

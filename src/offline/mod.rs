@@ -277,7 +277,9 @@ pub fn run_dedupe_with_progress(
                 }
 
                 // Publish: accepted lines first, then the reports.
-                let mut published: Vec<StoredEvent> = Vec::new();
+                // Sized up front: a batch's events grew it by doubling, copying
+                // each event several times over (1% of the offline path).
+                let mut published: Vec<StoredEvent> = Vec::with_capacity(outcomes.len());
                 let mut accepted_in_batch: Vec<Option<usize>> = vec![None; outcomes.len()];
                 for (i, o) in outcomes.iter_mut().enumerate() {
                     if let Outcome::Accepted { event, id_hash, payload_hash } = o {
