@@ -36,7 +36,7 @@ pub fn read_bounded_line<R: BufRead>(r: &mut R, limit: usize, line: &mut Line) -
             return Ok(saw_any);
         }
         saw_any = true;
-        let (chunk, done) = match buf.iter().position(|&b| b == b'\n') {
+        let (chunk, done) = match memchr::memchr(b'\n', buf) {
             Some(i) => (&buf[..i], Some(i + 1)),
             None => (buf, None),
         };
