@@ -25,20 +25,9 @@ pub fn push_json_str(out: &mut String, s: &str) {
     out.push('"');
 }
 
-/// The bytes that may start a character the canonical form escapes: a
-/// table lookup per byte instead of four comparisons.
-const MAY_ESCAPE: [bool; 256] = {
-    let mut may = [false; 256];
-    let mut b = 0;
-    while b < 0x20 {
-        may[b] = true;
-        b += 1;
-    }
-    may[b'"' as usize] = true;
-    may[b'\\' as usize] = true;
-    may[0xE2] = true;
-    may
-};
+/// The bytes that may start a character the canonical form escapes (0xE2
+/// leads both line separators' UTF-8 encodings).
+const MAY_ESCAPE: [bool; 256] = super::json_string_stops(&[0xE2]);
 
 /// The characters of `s`, escaped as the canonical form escapes them.
 fn push_escaped(out: &mut String, s: &str) {

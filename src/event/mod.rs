@@ -35,3 +35,24 @@ pub use routing::{crc32, identity_key, murmur2, Partitioner};
 pub use validate::{
     parse_timestamp, ClosedPeriod, ClosedPeriods, Limits, UnknownFields, Validator, DAY_MS, OUTPUT_READ_CEILING_BYTES,
 };
+
+/// A byte table of what ends a plain run of a JSON string's content: the
+/// control characters (JSON refuses them raw), the quote, the backslash,
+/// and `also`. A lookup per byte: the reader and the canonical writer scan
+/// every string with one.
+const fn json_string_stops(also: &[u8]) -> [bool; 256] {
+    let mut stops = [false; 256];
+    let mut b = 0;
+    while b < 0x20 {
+        stops[b] = true;
+        b += 1;
+    }
+    stops[b'"' as usize] = true;
+    stops[b'\\' as usize] = true;
+    let mut i = 0;
+    while i < also.len() {
+        stops[also[i] as usize] = true;
+        i += 1;
+    }
+    stops
+}

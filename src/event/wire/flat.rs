@@ -39,17 +39,7 @@ impl Value<'_> {
 
 /// The bytes that end a string's plain content: its closing quote, an
 /// escape, a control character (which JSON refuses inside strings).
-const STRING_STOPS: [bool; 256] = {
-    let mut stops = [false; 256];
-    let mut b = 0;
-    while b < 0x20 {
-        stops[b] = true;
-        b += 1;
-    }
-    stops[b'"' as usize] = true;
-    stops[b'\\' as usize] = true;
-    stops
-};
+const STRING_STOPS: [bool; 256] = crate::event::json_string_stops(&[]);
 
 struct Cursor<'a> {
     text: &'a str,
