@@ -700,6 +700,8 @@ mod tests {
         "1e5",
         "1E+5",
         "-1.5e-3",
+        "1e400",
+        "-1e400",
         "true",
         "false",
         "null",
@@ -724,7 +726,7 @@ mod tests {
         "[]",
         "[1]",
     ];
-    const VALUES_FLAT: usize = 14;
+    const VALUES_FLAT: usize = 16;
 
     const SPACES: &[&str] = &["", " ", "\n", "\t", "\r", "  \r\n", "\u{a0}", "\u{b}"];
     const SPACES_FLAT: usize = 6;

@@ -202,8 +202,8 @@ fn set<'a>(ev: &mut WireEvent<'a>, key: &'a str, value: Value<'a>, accept_server
         Some(Field::Source) => text(&mut ev.source),
         Some(Field::Quantity) => scalar(&mut ev.quantity),
         Some(Field::Timestamp) => scalar(&mut ev.timestamp),
-        Some(Field::CorrectionRef) => fill(&mut ev.correction_ref, not_an_object(value)),
-        Some(Field::Dimensions) => fill(&mut ev.dimensions, not_an_object(value)),
+        Some(Field::CorrectionRef) => fill(&mut ev.correction_ref, not_an_object(value)?),
+        Some(Field::Dimensions) => fill(&mut ev.dimensions, not_an_object(value)?),
         Some(Field::EventIdDerived) if accept_server_stamps => fill(
             &mut ev.event_id_derived,
             match value {
@@ -222,11 +222,15 @@ fn set<'a>(ev: &mut WireEvent<'a>, key: &'a str, value: Value<'a>, accept_server
 }
 
 /// `correction_ref` and `dimensions` are objects: here, only a value of
-/// another type (an object went to the full parser).
-fn not_an_object<T>(value: Value<'_>) -> WireField<T> {
+/// another type (an object went to the full parser). Not a number: serde
+/// reads a number there as an `f64` and refuses one out of its range
+/// (`1e400`), where a field read as text takes any number; the full parser
+/// words that.
+fn not_an_object<T>(value: Value<'_>) -> Option<WireField<T>> {
     match value {
-        Value::Null => WireField::Null,
-        other => WireField::WrongType(other.type_name()),
+        Value::Null => Some(WireField::Null),
+        Value::Number(_) => None,
+        other => Some(WireField::WrongType(other.type_name())),
     }
 }
 
