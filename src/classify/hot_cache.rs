@@ -193,7 +193,7 @@ impl HotCache {
             self.evictions.at_capacity += 1;
         }
         let seq = self.next_seq;
-        // One probe of the table both finds a key remembered already and
+        // Below capacity, one probe of the table both finds a key remembered already and
         // the slot a new one goes in: a new key's probe is a cache miss or
         // two in a table of millions, and looking twice (find, then insert)
         // was a third of the insert.

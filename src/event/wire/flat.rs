@@ -5,8 +5,9 @@
 //! visitor per key, a raw value per field, the string scanned twice) was
 //! most of the offline path's decoding. This reader takes the shape and
 //! nothing else: at an escape, a nested value, a control character in a
-//! string, a duplicate schema field or anything outside JSON's grammar it
-//! gives up (`None`) and the full parser decides, with its own error
+//! string, a duplicate schema field, a number where an object belongs
+//! (serde reads it as an `f64` and may refuse it) or anything outside
+//! JSON's grammar it gives up (`None`) and the full parser decides, with its own error
 //! message. So it never accepts a record the full parser refuses, and what
 //! it accepts it reads the same (the differential property test in
 //! `wire.rs` holds it to that).
