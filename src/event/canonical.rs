@@ -67,20 +67,29 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
     (year, month, day)
 }
 
-fn push_digits(out: &mut String, value: u32, width: usize) {
-    debug_assert!(u64::from(value) < 10u64.pow(width as u32), "{value} has more than {width} digits");
-    let mut buf = [b'0'; 4];
-    let mut v = value;
-    for slot in buf[..width].iter_mut().rev() {
-        *slot = b'0' + (v % 10) as u8;
-        v /= 10;
+/// Writes `value` as `width` decimal digits, zero-padded, into `slot`.
+fn put_digits(slot: &mut [u8], mut value: u32) {
+    debug_assert!(u64::from(value) < 10u64.pow(slot.len() as u32), "{value} has more than {} digits", slot.len());
+    for b in slot.iter_mut().rev() {
+        *b = b'0' + (value % 10) as u8;
+        value /= 10;
     }
-    // Only ASCII digits were written.
-    out.extend(buf[..width].iter().map(|&b| b as char));
+}
+
+/// Appends ASCII bytes the writer has just built.
+///
+/// # Panics
+///
+/// Never: every caller writes only ASCII digits and punctuation.
+fn push_ascii(out: &mut String, bytes: &[u8]) {
+    #[allow(clippy::expect_used)]
+    out.push_str(std::str::from_utf8(bytes).expect("the writer builds only ASCII"));
 }
 
 /// Appends what [`format_timestamp_ms`] returns, without building a
-/// string: the output line's and the payload's hot path.
+/// string: the output line's and the payload's hot path. The text is laid
+/// out in one buffer and appended once (a push per character was 3% of the
+/// offline path's instructions).
 pub fn push_timestamp_ms(out: &mut String, ms: i64) {
     if !FOUR_DIGIT_YEARS_MS.contains(&ms) {
         out.push_str(&format_timestamp_ms(ms));
@@ -89,20 +98,59 @@ pub fn push_timestamp_ms(out: &mut String, ms: i64) {
     let secs = ms.div_euclid(1000);
     let (year, month, day) = civil_from_days(secs.div_euclid(86_400));
     let second_of_day = secs.rem_euclid(86_400) as u32;
-    push_digits(out, year as u32, 4);
-    out.push('-');
-    push_digits(out, month, 2);
-    out.push('-');
-    push_digits(out, day, 2);
-    out.push('T');
-    push_digits(out, second_of_day / 3_600, 2);
-    out.push(':');
-    push_digits(out, second_of_day / 60 % 60, 2);
-    out.push(':');
-    push_digits(out, second_of_day % 60, 2);
-    out.push('.');
-    push_digits(out, ms.rem_euclid(1000) as u32, 3);
-    out.push('Z');
+    let mut text = *b"0000-00-00T00:00:00.000Z";
+    put_digits(&mut text[0..4], year as u32);
+    put_digits(&mut text[5..7], month);
+    put_digits(&mut text[8..10], day);
+    put_digits(&mut text[11..13], second_of_day / 3_600);
+    put_digits(&mut text[14..16], second_of_day / 60 % 60);
+    put_digits(&mut text[17..19], second_of_day % 60);
+    put_digits(&mut text[20..23], ms.rem_euclid(1000) as u32);
+    push_ascii(out, &text);
+}
+
+/// Appends `d` as `Decimal`'s `Display` writes it once normalised: a
+/// minus sign for a negative value, the integer digits, and the fraction
+/// only when the scale is not zero. Written from the mantissa (the
+/// formatting machinery was 3% of the offline path's instructions); a
+/// mantissa beyond `u64`, rare for a usage quantity, takes `Display`.
+pub fn push_decimal(out: &mut String, d: rust_decimal::Decimal) {
+    let d = d.normalize();
+    let mantissa = d.mantissa();
+    let Ok(magnitude) = u64::try_from(mantissa.unsigned_abs()) else {
+        let _ = write!(out, "{d}");
+        return;
+    };
+    // u64::MAX has 20 digits; a scale is at most 28: room for "0." and 28
+    // fraction digits.
+    let mut digits = [0u8; 20];
+    let mut start = digits.len();
+    let mut v = magnitude;
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (v % 10) as u8;
+        v /= 10;
+        if v == 0 {
+            break;
+        }
+    }
+    let digits = &digits[start..];
+    if mantissa < 0 {
+        out.push('-');
+    }
+    let scale = d.scale() as usize;
+    if scale == 0 {
+        push_ascii(out, digits);
+    } else if digits.len() > scale {
+        let (whole, fraction) = digits.split_at(digits.len() - scale);
+        push_ascii(out, whole);
+        out.push('.');
+        push_ascii(out, fraction);
+    } else {
+        out.push_str("0.");
+        out.extend(std::iter::repeat_n('0', scale - digits.len()));
+        push_ascii(out, digits);
+    }
 }
 
 /// Formats epoch milliseconds as RFC 3339 UTC with exactly three fractional digits.
@@ -133,11 +181,13 @@ fn by_the_calendar(ms: i64) -> Option<String> {
     ))
 }
 
-fn push_field(out: &mut String, name: &str, value: &str) {
-    out.push(',');
-    push_json_str(out, name);
-    out.push(':');
-    push_json_str(out, value);
+/// Appends `,"name":` and `value` as a JSON string. The name is a literal
+/// the schema fixes, needing no escape, so it is written as one piece.
+macro_rules! push_field {
+    ($out:expr, $name:literal, $value:expr) => {{
+        $out.push_str(concat!(",\"", $name, "\":"));
+        push_json_str($out, $value);
+    }};
 }
 
 /// Renders `e` as one line of canonical JSON (no trailing newline).
@@ -149,16 +199,14 @@ pub fn to_canonical_json(e: &UsageEvent) -> String {
 
 /// Appends the canonical JSON of `e` to `out`.
 pub fn write_canonical_json(e: &UsageEvent, out: &mut String) {
-    out.push('{');
-    push_json_str(out, "event_id");
-    out.push(':');
+    out.push_str("{\"event_id\":");
     push_json_str(out, &e.event_id);
-    push_field(out, "tenant_id", &e.tenant_id);
-    push_field(out, "customer_id", &e.customer_id);
-    push_field(out, "meter", &e.meter);
+    push_field!(out, "tenant_id", &e.tenant_id);
+    push_field!(out, "customer_id", &e.customer_id);
+    push_field!(out, "meter", &e.meter);
     // A decimal's digits, sign and point need no escaping.
     out.push_str(",\"quantity\":\"");
-    let _ = write!(out, "{}", e.quantity.normalize());
+    push_decimal(out, e.quantity);
     out.push('"');
     if FOUR_DIGIT_YEARS_MS.contains(&e.timestamp_ms) {
         out.push_str(",\"timestamp\":\"");
@@ -170,28 +218,27 @@ pub fn write_canonical_json(e: &UsageEvent, out: &mut String) {
             out.push_str(",\"timestamp\":");
             out.push_str(&ts);
         } else {
-            push_field(out, "timestamp", &ts);
+            push_field!(out, "timestamp", &ts);
         }
     }
-    push_field(out, "kind", e.kind.as_str());
+    push_field!(out, "kind", e.kind.as_str());
     if let Some(c) = &e.correction_ref {
         out.push_str(",\"correction_ref\":{");
-        push_json_str(out, "original_event_id");
-        out.push(':');
+        out.push_str("\"original_event_id\":");
         push_json_str(out, &c.original_event_id);
         if let Some(r) = &c.reason {
-            push_field(out, "reason", r);
+            push_field!(out, "reason", r);
         }
         out.push('}');
     }
     if let Some(v) = &e.resource_id {
-        push_field(out, "resource_id", v);
+        push_field!(out, "resource_id", v);
     }
     if let Some(v) = &e.unit {
-        push_field(out, "unit", v);
+        push_field!(out, "unit", v);
     }
     if let Some(v) = &e.source {
-        push_field(out, "source", v);
+        push_field!(out, "source", v);
     }
     if !e.dimensions.is_empty() {
         out.push_str(",\"dimensions\":{");
@@ -215,7 +262,9 @@ pub fn write_canonical_json(e: &UsageEvent, out: &mut String) {
 mod tests {
     use proptest::prelude::*;
 
-    use super::{format_timestamp_ms, push_escaped, push_json_str, push_timestamp_ms, FOUR_DIGIT_YEARS_MS};
+    use super::{
+        format_timestamp_ms, push_decimal, push_escaped, push_json_str, push_timestamp_ms, FOUR_DIGIT_YEARS_MS,
+    };
 
     fn pushed(s: &str) -> String {
         let mut out = String::new();
@@ -242,6 +291,23 @@ mod tests {
             ms in prop_oneof![FOUR_DIGIT_YEARS_MS, 1_600_000_000_000i64..1_900_000_000_000]
         ) {
             prop_assert_eq!(pushed_timestamp(ms), by_the_calendar_crate(ms));
+        }
+
+        /// Quantities written from the mantissa are what `Decimal`'s
+        /// `Display` writes for the normalised value: small and large
+        /// mantissas (beyond `u64` too), every scale, both signs of zero.
+        #[test]
+        fn quantities_are_written_as_display_writes_them(
+            lo in prop_oneof![Just(0u32), 0..1000u32, any::<u32>()],
+            mid in prop_oneof![Just(0u32), 0..4u32, any::<u32>()],
+            hi in prop_oneof![Just(0u32), Just(0u32), any::<u32>()],
+            negative in any::<bool>(),
+            scale in 0..=28u32,
+        ) {
+            let d = rust_decimal::Decimal::from_parts(lo, mid, hi, negative, scale);
+            let mut out = String::new();
+            push_decimal(&mut out, d);
+            prop_assert_eq!(out, d.normalize().to_string());
         }
 
         /// The copy-whole path writes exactly what escaping each character

@@ -139,25 +139,22 @@ impl Ledger {
     }
 
     /// Folds `events` in; those at or below the checkpoint are skipped.
-    pub fn apply(
-        &self,
-        partition: i32,
-        lateness: &Lateness,
-        events: &[(&UsageEvent, i64)],
-    ) -> Result<Folded, LedgerError> {
+    /// What changed is not returned: a batch's rollups are published from
+    /// its [`preview`](Self::preview), before the apply.
+    pub fn apply(&self, partition: i32, lateness: &Lateness, events: &[(&UsageEvent, i64)]) -> Result<(), LedgerError> {
         match self {
-            Ledger::Durable(store) => store.apply(partition, lateness, events),
+            Ledger::Durable(store) => store.apply(partition, lateness, events).map(drop),
             Ledger::Memory(parts) => {
                 let mut parts = held(parts);
                 let held = parts.entry(partition).or_default();
                 let checkpoint = held.checkpoint;
                 let fresh = events.iter().copied().filter(|(_, o)| checkpoint.is_none_or(|c| *o > c));
-                let folded = held.maps.fold(lateness, fresh)?;
-                held.adjustments.extend(folded.adjustments.iter().cloned());
+                let adjustments = held.maps.fold_in(lateness, fresh)?;
+                held.adjustments.extend(adjustments);
                 if let Some((_, last)) = events.last() {
                     held.checkpoint = Some(checkpoint.map_or(*last, |c| c.max(*last)));
                 }
-                Ok(folded)
+                Ok(())
             }
         }
     }

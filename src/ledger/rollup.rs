@@ -386,10 +386,12 @@ pub(crate) fn fold_into<'a>(
     tally: &mut impl Tally,
     lateness: &Lateness,
     events: impl IntoIterator<Item = (&'a UsageEvent, i64)>,
+    listing: Listing,
 ) -> Result<Folded, FoldError> {
     let events = events.into_iter();
+    let listed = listing == Listing::Changes;
     // A holder that cannot tell repeats lists an hour per event.
-    let mut hours: Vec<HourKey> = Vec::with_capacity(events.size_hint().0);
+    let mut hours: Vec<HourKey> = Vec::with_capacity(if listed { events.size_hint().0 } else { 0 });
     let mut counters: Vec<Arc<CounterKey>> = Vec::new();
     let mut adjustments = Vec::new();
     for (i, (event, offset)) in events.enumerate() {
@@ -410,12 +412,14 @@ pub(crate) fn fold_into<'a>(
         let hour_ms = hour_of(event.timestamp_ms);
         let (rollup, first) = tally.hour(&counter, hour_ms);
         rollup.fold(event)?;
-        if first {
+        if first && listed {
             hours.push(HourKey { counter: counter.clone(), hour_ms });
         }
         if watermark.is_none_or(|w| event.timestamp_ms > w) {
             tally.set_watermark(&counter, event.timestamp_ms);
-            counters.push(counter);
+            if listed {
+                counters.push(counter);
+            }
         }
     }
     // One entry per hour and counter, in an order fixed by the keys (see
@@ -427,6 +431,17 @@ pub(crate) fn fold_into<'a>(
     Ok(Folded { hours, counters, adjustments })
 }
 
+/// Whether a fold lists the hours and counters it changed. A preview
+/// publishes the changed hours' rollups and the durable store writes them
+/// behind; the in-memory ledger's apply only updates its maps, and listing,
+/// sorting and deduplicating a batch's hours for nothing was 7% of the
+/// offline path's instructions (callgrind, a thousand hours a batch).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Listing {
+    Changes,
+    AdjustmentsOnly,
+}
+
 impl LedgerMaps {
     /// Folds accepted events, in output order, each with its output offset.
     /// Late events become adjustments and leave hours and watermarks alone.
@@ -435,7 +450,17 @@ impl LedgerMaps {
         lateness: &Lateness,
         events: impl IntoIterator<Item = (&'a UsageEvent, i64)>,
     ) -> Result<Folded, FoldError> {
-        fold_into(self, lateness, events)
+        fold_into(self, lateness, events, Listing::Changes)
+    }
+
+    /// Folds as [`fold`](Self::fold) does, and returns only the
+    /// adjustments: for a holder that needs no list of what changed.
+    pub fn fold_in<'a>(
+        &mut self,
+        lateness: &Lateness,
+        events: impl IntoIterator<Item = (&'a UsageEvent, i64)>,
+    ) -> Result<Vec<Adjustment>, FoldError> {
+        Ok(fold_into(self, lateness, events, Listing::AdjustmentsOnly)?.adjustments)
     }
 }
 
@@ -488,6 +513,41 @@ mod tests {
         // A per-meter window overrides the default.
         let strict = Lateness { default_ms: 10 * HOUR_MS, per_meter: [(on_time.meter.clone(), HOUR_MS)].into() };
         assert!(strict.is_late(&on_time, Some(t)));
+    }
+
+    proptest::proptest! {
+        /// The in-memory ledger's apply folds without listing what changed:
+        /// the maps and adjustments it leaves must be the listed fold's,
+        /// late events and repeated hours included.
+        #[test]
+        fn folding_without_a_list_leaves_what_a_listed_fold_leaves(
+            batches in proptest::collection::vec(
+                proptest::collection::vec((0..3usize, 0..40i64, 0..HOUR_MS, -3..10i64, proptest::bool::ANY), 0..12),
+                1..6,
+            )
+        ) {
+            let t = 1_700_000_000_000 - 1_700_000_000_000 % HOUR_MS;
+            let lateness = Lateness { default_ms: 10 * HOUR_MS, per_meter: BTreeMap::new() };
+            let (mut listed, mut unlisted) = (LedgerMaps::default(), LedgerMaps::default());
+            let mut offset = 0;
+            for batch in batches {
+                let events: Vec<(UsageEvent, i64)> = batch
+                    .into_iter()
+                    .map(|(customer, hour, ms, qty, fix)| {
+                        let mut e = usage(["a", "b", "c"][customer], t + hour * HOUR_MS + ms, qty);
+                        if fix || qty < 0 {
+                            e.kind = EventKind::Correction;
+                        }
+                        offset += 1;
+                        (e, offset)
+                    })
+                    .collect();
+                let folded = listed.fold(&lateness, events.iter().map(|(e, o)| (e, *o))).expect("fold");
+                let adjustments = unlisted.fold_in(&lateness, events.iter().map(|(e, o)| (e, *o))).expect("fold");
+                proptest::prop_assert_eq!(&adjustments, &folded.adjustments);
+                proptest::prop_assert_eq!(&unlisted, &listed);
+            }
+        }
     }
 
     #[test]

@@ -43,7 +43,7 @@ use crate::event::{EventKind, UsageEvent};
 
 use super::rollup::{
     fold_into, hour_of, hour_order, Adjustment, AdjustmentReason, CounterKey, CounterRef, FoldError, Folded, HourKey,
-    HourRef, Lateness, Rollup, Tally,
+    HourRef, Lateness, Listing, Rollup, Tally,
 };
 use super::Period;
 
@@ -621,7 +621,7 @@ impl LedgerStore {
             fold: cache.folds,
             undo: &mut undo,
         };
-        match fold_into(&mut tally, lateness, events.iter().copied()) {
+        match fold_into(&mut tally, lateness, events.iter().copied(), Listing::Changes) {
             Ok(folded) => Ok((folded, undo)),
             Err(e) => {
                 Self::restore(cache, undo);
