@@ -108,15 +108,35 @@ fn update_len_prefixed(h: &mut blake3::Hasher, s: &str) {
 /// One-shot hashing of a small buffer: a streaming `blake3::Hasher` carries
 /// ~2 KB of state to set up per call, which dominated the hot path. The bytes
 /// hashed are the same either way (domain, then length-prefixed fields).
+/// The buffer is on the stack for the usual lengths, so hashing an id
+/// allocates nothing (an allocation and a free per event before).
 pub fn id_hash(tenant_id: &str, event_id: &str) -> IdHash {
-    let mut buf = Vec::with_capacity(ID_DOMAIN.len() + 16 + tenant_id.len() + event_id.len());
-    buf.extend_from_slice(ID_DOMAIN);
-    for s in [tenant_id, event_id] {
-        buf.extend_from_slice(&(s.len() as u64).to_le_bytes());
-        buf.extend_from_slice(s.as_bytes());
-    }
-    IdHash(truncate128(blake3::hash(&buf)))
+    let len = ID_DOMAIN.len() + 16 + tenant_id.len() + event_id.len();
+    let mut on_stack = [0u8; ID_ON_STACK];
+    let mut on_heap = Vec::new();
+    let buf: &mut [u8] = if len <= ID_ON_STACK {
+        &mut on_stack[..len]
+    } else {
+        on_heap.resize(len, 0);
+        &mut on_heap
+    };
+    let (domain, rest) = buf.split_at_mut(ID_DOMAIN.len());
+    domain.copy_from_slice(ID_DOMAIN);
+    let (tenant_len, rest) = rest.split_at_mut(8);
+    tenant_len.copy_from_slice(&(tenant_id.len() as u64).to_le_bytes());
+    let (tenant, rest) = rest.split_at_mut(tenant_id.len());
+    tenant.copy_from_slice(tenant_id.as_bytes());
+    let (event_len, event) = rest.split_at_mut(8);
+    event_len.copy_from_slice(&(event_id.len() as u64).to_le_bytes());
+    event.copy_from_slice(event_id.as_bytes());
+    IdHash(truncate128(blake3::hash(buf)))
 }
+
+/// The longest id buffer [`id_hash`] keeps on the stack: the domain, two
+/// lengths and 131 bytes of tenant and event id together, room for the
+/// usual ids; longer ones take the heap. Not the whole default limit
+/// (`max_id_bytes`, 256 each): the buffer is zeroed on every call.
+const ID_ON_STACK: usize = 160;
 
 /// Derives event ids for events sent without one. Keyed by the configured
 /// salt so ids cannot be predicted or collided on purpose by a producer that
@@ -262,6 +282,24 @@ pub fn payload_hash(e: &UsageEvent) -> PayloadHash {
 mod tests {
     use super::*;
     use crate::storage::testutil::sample_event;
+
+    /// The stack buffer and the heap one hash what a streaming hasher over
+    /// the domain and the length-prefixed ids hashes, on either side of
+    /// the stack buffer's size.
+    #[test]
+    fn ids_of_every_length_hash_as_the_streaming_definition() {
+        let room = ID_ON_STACK - ID_DOMAIN.len() - 16;
+        for (tenant_len, event_len) in
+            [(0, 0), (4, 12), (30, room - 31), (30, room - 30), (30, room - 29), (256, 256), (5, 2000)]
+        {
+            let (tenant, event) = ("t".repeat(tenant_len), "e".repeat(event_len));
+            let mut h = blake3::Hasher::new();
+            h.update(ID_DOMAIN);
+            update_len_prefixed(&mut h, &tenant);
+            update_len_prefixed(&mut h, &event);
+            assert_eq!(id_hash(&tenant, &event), IdHash(truncate128(h.finalize())), "{tenant_len} and {event_len}");
+        }
+    }
 
     /// The appending writer gives bincode's own bytes: every optional field,
     /// correction and dimension count of the sample events, with the buffer
