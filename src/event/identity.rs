@@ -261,8 +261,9 @@ pub fn payload_hash_with(e: &UsageEvent, buf: &mut Vec<u8>) -> PayloadHash {
 /// bincode's output appended to a `Vec`, with no `std::io` layer between:
 /// bincode's own `std::io::Write` adapter wraps every field's bytes in an
 /// I/O result it counts and maps (5% of the offline path's instructions
-/// went to encoding). The bytes are the same; `payload_hashes_are_pinned`
-/// holds them.
+/// went to encoding). The bytes are the same: `payload_hash_is_pinned`
+/// (tests/) pins one event's, and `the_payload_is_encoded_as_bincode_encodes_it`
+/// compares every optional field against bincode's own `Vec` encoding.
 struct AppendTo<'a>(&'a mut Vec<u8>);
 
 impl bincode::enc::write::Writer for AppendTo<'_> {
@@ -281,7 +282,32 @@ pub fn payload_hash(e: &UsageEvent) -> PayloadHash {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::storage::testutil::sample_event;
+    use crate::event::{CorrectionRef, EventKind};
+
+    /// Events with every optional field on and off and up to three
+    /// dimensions, for the encoding tests (the event layer builds its own:
+    /// it does not depend on the storage layer's builders).
+    fn varied_event(n: u64) -> UsageEvent {
+        let kind = [EventKind::Usage, EventKind::Correction, EventKind::Retraction][(n % 3) as usize];
+        UsageEvent {
+            event_id: format!("evt_{n}"),
+            tenant_id: format!("tenant_{}", n % 5),
+            customer_id: format!("cus_{}", n % 7),
+            meter: "api_calls".into(),
+            quantity: rust_decimal::Decimal::new(n as i64 * 37 - 900, (n % 5) as u32),
+            timestamp_ms: 1_700_000_000_000 + n as i64,
+            kind,
+            correction_ref: (kind != EventKind::Usage).then(|| CorrectionRef {
+                original_event_id: format!("evt_{}", n / 2),
+                reason: (n % 2 == 0).then(|| "late fix".to_string()),
+            }),
+            resource_id: (n % 3 != 0).then(|| format!("req-{n}")),
+            unit: (n % 4 == 0).then(|| "requests".to_string()),
+            source: (n % 5 != 1).then(|| "edge".to_string()),
+            dimensions: (0..(n % 4)).map(|i| (format!("k{i}"), format!("v{}", n % (i + 2)))).collect(),
+            ..UsageEvent::blank()
+        }
+    }
 
     /// The stack buffer and the heap one hash what a streaming hasher over
     /// the domain and the length-prefixed ids hashes, on either side of
@@ -308,7 +334,7 @@ mod tests {
     fn the_payload_is_encoded_as_bincode_encodes_it() {
         let mut buf = Vec::new();
         for n in 0..84 {
-            let e = sample_event(n, 0, 0).event;
+            let e = varied_event(n);
             let hash = payload_hash_with(&e, &mut buf);
             let mut want = PAYLOAD_DOMAIN.to_vec();
             want.extend(bincode::encode_to_vec(CanonicalPayload::of(&e), BINCODE_CONFIG).expect("encode"));

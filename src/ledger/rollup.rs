@@ -381,7 +381,10 @@ impl Tally for LedgerMaps {
 
 /// Folds accepted events, in output order, each with its output offset,
 /// into `tally`. Late events become adjustments and leave hours and
-/// watermarks alone.
+/// watermarks alone. With [`Listing::AdjustmentsOnly`] the returned
+/// `hours` and `counters` are empty, whatever changed: only
+/// [`LedgerMaps::fold_in`] asks for that, and returns the adjustments
+/// alone.
 pub(crate) fn fold_into<'a>(
     tally: &mut impl Tally,
     lateness: &Lateness,
