@@ -19,6 +19,35 @@ pub enum QuantityError {
 /// Parses JSON number grammar (`-? int frac? exp?`, no leading zeros, no `+`)
 /// into a normalised exact decimal.
 pub fn parse_decimal(text: &str) -> Result<Decimal, QuantityError> {
+    match plain_integer(text) {
+        Some(value) => Ok(value),
+        None => parse_any(text),
+    }
+}
+
+/// A whole number of at most 19 digits without sign, point, exponent or
+/// leading zero (`"12"`, `0`): the usual quantity, read into a `u64` with
+/// none of the general path's work (a digit string built, an `i128` per
+/// digit, normalising: 3% of the offline path's instructions). The value is
+/// the one [`parse_any`] gives; anything else is left to it.
+fn plain_integer(text: &str) -> Option<Decimal> {
+    let b = text.as_bytes();
+    if b.is_empty() || b.len() > 19 || (b.len() > 1 && b[0] == b'0') {
+        return None;
+    }
+    let mut value: u64 = 0;
+    for &d in b {
+        if !d.is_ascii_digit() {
+            return None;
+        }
+        // 19 digits stay below u64::MAX (1.8e19).
+        value = value * 10 + u64::from(d - b'0');
+    }
+    Some(Decimal::from(value))
+}
+
+/// Any text of the JSON number grammar; see [`parse_decimal`].
+fn parse_any(text: &str) -> Result<Decimal, QuantityError> {
     let syntax = || QuantityError::Syntax(truncate_for_detail(text));
     let range = || QuantityError::OutOfRange(truncate_for_detail(text));
     if text.len() > MAX_QUANTITY_TEXT {
@@ -112,6 +141,8 @@ fn truncate_for_detail(text: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     fn d(s: &str) -> Decimal {
@@ -130,6 +161,29 @@ mod tests {
         assert_eq!(d("1.50").to_string(), "1.5");
         assert_eq!(d("-0").to_string(), "0");
         assert_eq!(d("1e3").to_string(), "1000");
+    }
+
+    proptest! {
+        /// The whole-number path reads what the general path reads, and
+        /// declines what it must: leading zeros, signs, points, exponents,
+        /// more than 19 digits.
+        #[test]
+        fn whole_numbers_read_as_the_general_path_reads_them(
+            text in prop_oneof![
+                any::<u64>().prop_map(|n| n.to_string()),
+                "[0-9]{1,21}".prop_map(String::from),
+                "-?[0-9]{1,4}(\\.[0-9]{0,3})?([eE][-+]?[0-9]{1,2})?",
+                "[0-9 +.a]{0,4}",
+            ]
+        ) {
+            let fast = plain_integer(&text);
+            let general = parse_any(&text);
+            if let Some(v) = fast {
+                prop_assert_eq!(Ok(v), general.clone(), "{}", text);
+                prop_assert_eq!((v.mantissa(), v.scale()), general.map(|g| (g.mantissa(), g.scale())).unwrap_or_default());
+            }
+            prop_assert_eq!(parse_decimal(&text), parse_any(&text));
+        }
     }
 
     #[test]
