@@ -313,7 +313,7 @@ mod tests {
     /// the domain and the length-prefixed ids hashes, on either side of
     /// the stack buffer's size.
     #[test]
-    fn ids_of_every_length_hash_as_the_streaming_definition() {
+    fn ids_on_either_side_of_the_stack_buffer_hash_as_the_streaming_definition() {
         let room = ID_ON_STACK - ID_DOMAIN.len() - 16;
         for (tenant_len, event_len) in
             [(0, 0), (4, 12), (30, room - 31), (30, room - 30), (30, room - 29), (256, 256), (5, 2000)]

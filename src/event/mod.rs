@@ -38,13 +38,15 @@ pub use validate::{
 
 /// A byte table of what ends a plain run of a JSON string's content: the
 /// control characters (JSON refuses them raw), the quote, the backslash,
-/// and `also`. A lookup per byte: the reader and the canonical writer scan
-/// every string with one.
+/// and `also`. The canonical writer looks every byte of a string up in
+/// one; the reader's [`plain_run_len`] reads ASCII a word at a time and
+/// the rest by the table.
 ///
 /// # Panics
 ///
-/// At compile time, when `also` holds an ASCII byte: [`plain_run_len`]
-/// skips eight ASCII bytes at a time without the table.
+/// When `also` holds an ASCII byte (a build error for the `const` tables):
+/// [`plain_run_len`] skips eight ASCII bytes at a time without the table,
+/// so a table may mark no ASCII byte beyond the ones built in here.
 const fn json_string_stops(also: &[u8]) -> [bool; 256] {
     let mut stops = [false; 256];
     let mut b = 0;
@@ -69,8 +71,10 @@ const fn json_string_stops(also: &[u8]) -> [bool; 256] {
 /// Eight bytes at a time while they are ASCII: there the only stops are
 /// control characters, the quote and the backslash, found with bit tricks
 /// on the word. From the first word holding a byte of 0x80 or above, and
-/// for the last few bytes, a byte at a time by the table. Ids and names are mostly ASCII of ten or twenty bytes, where a
-/// lookup per byte was 8% of the offline path's instructions.
+/// for the last few bytes, a byte at a time by the table. Ids and names
+/// are mostly ASCII of ten or twenty bytes, where a lookup per byte was 8%
+/// of the offline path's instructions. `stops` must come from
+/// [`json_string_stops`], whose ASCII part the word test assumes.
 fn plain_run_len(bytes: &[u8], stops: &[bool; 256]) -> usize {
     let mut at = 0;
     for chunk in bytes.chunks_exact(8) {
@@ -108,6 +112,24 @@ mod tests {
     use proptest::prelude::*;
 
     use super::{json_string_stops, plain_run_len};
+
+    /// Pinned cases the random ones reach rarely: a NUL whose borrow runs
+    /// into the bytes above it (space, `#`, `]`), several stops in one
+    /// word, a stop on the last byte of the second word, and none at all.
+    #[test]
+    fn pinned_plain_runs_end_where_the_table_says() {
+        let table = json_string_stops(&[]);
+        for (bytes, want) in [
+            (&b"\0 #]aaaa"[..], 0),
+            (b"a\0 #]aaa", 1),
+            (b"ab\"\\\x1faaa", 2),
+            (b"abcdefgh#]!~[ ^\"", 15),
+            (b"abcdefghijklmnop", 16),
+            (b"", 0),
+        ] {
+            assert_eq!(plain_run_len(bytes, &table), want, "{bytes:?}");
+        }
+    }
 
     proptest! {
         /// The word-at-a-time scan stops where a byte-at-a-time scan by the

@@ -26,7 +26,7 @@ pub fn parse_decimal(text: &str) -> Result<Decimal, QuantityError> {
 }
 
 /// A whole number of at most 19 digits without sign, point, exponent or
-/// leading zero (`"12"`, `0`): the usual quantity, read into a `u64` with
+/// leading zero (the string `"12"` or the number `0`): the usual quantity, read into a `u64` with
 /// none of the general path's work (a digit string built, an `i128` per
 /// digit, normalising: 3% of the offline path's instructions). The value is
 /// the one [`parse_any`] gives; anything else is left to it.
@@ -180,10 +180,19 @@ mod tests {
             let general = parse_any(&text);
             if let Some(v) = fast {
                 prop_assert_eq!(Ok(v), general.clone(), "{}", text);
-                prop_assert_eq!((v.mantissa(), v.scale()), general.map(|g| (g.mantissa(), g.scale())).unwrap_or_default());
+                let representation = general.map(|g| (g.mantissa(), g.scale())).unwrap_or_default();
+                prop_assert_eq!((v.mantissa(), v.scale()), representation);
             }
             prop_assert_eq!(parse_decimal(&text), parse_any(&text));
         }
+    }
+
+    #[test]
+    fn the_whole_number_path_declines_what_is_not_one() {
+        for text in ["00", "007", "-0", "-1", "1e3", "1.0", "", "+1", "12345678901234567890"] {
+            assert!(plain_integer(text).is_none(), "{text:?}");
+        }
+        assert_eq!(plain_integer("1234567890123456789"), Some(Decimal::from(1_234_567_890_123_456_789u64)));
     }
 
     #[test]
