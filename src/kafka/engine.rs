@@ -253,7 +253,7 @@ impl Engine for StateEngine {
     }
 
     fn originals(&self, partition: i32, wanted: &[(IdHash, i64)]) -> Vec<Option<UsageEvent>> {
-        match self.state.as_ref().map(|s| s.originals_seen_at(partition, wanted)) {
+        match self.state.as_ref().map(|s| s.originals_seen_at(partition, wanted, crate::state::ReadCores::All)) {
             Some(Ok(found)) => found,
             Some(Err(e)) => {
                 tracing::warn!(partition, error = %e, "reading conflicts' originals failed");

@@ -36,7 +36,7 @@ use std::time::Instant;
 use crate::classify::{validate_records, Clock, InputRecord, Outcome, SeenKey, Validated};
 use crate::config::{EngineSettings, FsyncPolicy};
 use crate::event::{id_hash, payload_hash, write_canonical_json, IdHash, Position, UsageEvent, Validator};
-use crate::state::{LocalState, StateError, StoredEvent};
+use crate::state::{LocalState, ReadCores, StateError, StoredEvent};
 
 pub use lines::{read_bounded_line, Line};
 
@@ -276,38 +276,12 @@ pub fn run_dedupe_with_progress(
                     }
                 }
 
-                // Publish: accepted lines first, then the reports.
-                // Sized up front: a batch's events grew it by doubling, copying
-                // each event several times over (1% of the offline path).
-                let mut published: Vec<StoredEvent> = Vec::with_capacity(outcomes.len());
-                let mut accepted_in_batch: Vec<Option<usize>> = vec![None; outcomes.len()];
-                for (i, o) in outcomes.iter_mut().enumerate() {
-                    if let Outcome::Accepted { event, id_hash, payload_hash } = o {
-                        line_text.clear();
-                        write_canonical_json(event, &mut line_text);
-                        output.write_line(&line_text)?;
-                        let key = SeenKey {
-                            id_hash: *id_hash,
-                            payload_hash: *payload_hash,
-                            first_seen_ms: now_ms,
-                            source: Position::new(OFFLINE_PARTITION, first_offset + i as i64),
-                            output: Position::new(OFFLINE_PARTITION, output.next_offset),
-                        };
-                        output.next_offset += 1;
-                        accepted_in_batch[i] = Some(published.len());
-                        if event.event_id_derived {
-                            derived_ids += 1;
-                        }
-                        // Moved, not copied: from here on the outcome only counts
-                        // as accepted, and conflicts read the event from `published`.
-                        published.push(StoredEvent { key, event: std::mem::replace(event, UsageEvent::blank()) });
-                        summary.accepted += 1;
-                    }
-                }
-                output.end_batch()?;
-
                 // The originals of conflicts with earlier batches, read together
-                // (only when conflicts are reported): one read per segment.
+                // (only when conflicts are reported): one read per group. They
+                // are read on a thread of their own while this one writes and
+                // syncs the output and applies the batch, much of which is
+                // waiting on fsyncs; the usage store's lock is not held for
+                // the reads (see `LocalState::originals_seen_at`).
                 let wanted: Vec<(IdHash, i64)> = outcomes
                     .iter()
                     .filter_map(|o| match o {
@@ -319,9 +293,44 @@ pub fn run_dedupe_with_progress(
                         _ => None,
                     })
                     .collect();
-                let mut originals =
-                    if wanted.is_empty() { Vec::new() } else { state.originals_seen_at(OFFLINE_PARTITION, &wanted)? }
-                        .into_iter();
+                let (published, accepted_in_batch, originals) = std::thread::scope(|lookups| {
+                    let state = &state;
+                    // Without a state directory there are no originals to read.
+                    let reading = (!wanted.is_empty() && opts.state_dir.is_some()).then(|| {
+                        std::thread::Builder::new().name("dedupd-conflicts".into()).spawn_scoped(lookups, || {
+                            state.originals_seen_at(OFFLINE_PARTITION, &wanted, ReadCores::BesideTheBatch)
+                        })
+                    });
+                    let published = publish_accepted(
+                        &mut outcomes,
+                        &mut output,
+                        &mut line_text,
+                        (first_offset, now_ms),
+                        &mut summary,
+                        &mut derived_ids,
+                    );
+                    // Only now, with the batch's output visible, does state change.
+                    let applied = published.and_then(|(published, accepted_in_batch)| {
+                        state.apply_published(OFFLINE_PARTITION, &published, now_ms)?;
+                        Ok((published, accepted_in_batch))
+                    });
+                    // Joined whatever the apply did, so an error of either is
+                    // this batch's and the thread never outlives it.
+                    let originals = match reading {
+                        None => Ok(Vec::new()),
+                        Some(Ok(thread)) => match thread.join() {
+                            Ok(found) => found.map_err(OfflineError::from),
+                            Err(panic) => std::panic::resume_unwind(panic),
+                        },
+                        // No thread to be had: read here, as before.
+                        Some(Err(_)) => state
+                            .originals_seen_at(OFFLINE_PARTITION, &wanted, ReadCores::All)
+                            .map_err(OfflineError::from),
+                    };
+                    let (published, accepted_in_batch) = applied?;
+                    Ok::<_, OfflineError>((published, accepted_in_batch, originals?))
+                })?;
+                let mut originals = originals.into_iter();
                 for (i, o) in outcomes.iter().enumerate() {
                     let line_no = first_offset as u64 + i as u64 + 1;
                     match o {
@@ -357,9 +366,6 @@ pub fn run_dedupe_with_progress(
                 }
                 report::end_batch(rejected.as_mut())?;
                 report::end_batch(conflicts.as_mut())?;
-
-                // Only now, with the batch's output visible, does state change.
-                state.apply_published(OFFLINE_PARTITION, &published, now_ms)?;
                 state.maintain(now_ms)?;
                 progress(&Progress { records: batch.records_end, bytes: batch.bytes_end, summary });
                 match read_ahead {
@@ -379,6 +385,49 @@ pub fn run_dedupe_with_progress(
         tracing::info!(derived_ids, "accepted events whose event_id was derived from the business tuple");
     }
     Ok(summary)
+}
+
+/// Writes a batch's accepted events to the output (and syncs it, as the
+/// fsync policy says), moving each out of its outcome into what the state
+/// then applies. Returns those events, and for each record of the batch
+/// where its event is among them.
+fn publish_accepted(
+    outcomes: &mut [Outcome],
+    output: &mut OutputSink,
+    line_text: &mut String,
+    (first_offset, now_ms): (i64, i64),
+    summary: &mut Summary,
+    derived_ids: &mut u64,
+) -> Result<(Vec<StoredEvent>, Vec<Option<usize>>), OfflineError> {
+    // Sized up front: a batch's events grew it by doubling, copying each
+    // event several times over (1% of the offline path).
+    let mut published: Vec<StoredEvent> = Vec::with_capacity(outcomes.len());
+    let mut accepted_in_batch: Vec<Option<usize>> = vec![None; outcomes.len()];
+    for (i, o) in outcomes.iter_mut().enumerate() {
+        if let Outcome::Accepted { event, id_hash, payload_hash } = o {
+            line_text.clear();
+            write_canonical_json(event, line_text);
+            output.write_line(line_text)?;
+            let key = SeenKey {
+                id_hash: *id_hash,
+                payload_hash: *payload_hash,
+                first_seen_ms: now_ms,
+                source: Position::new(OFFLINE_PARTITION, first_offset + i as i64),
+                output: Position::new(OFFLINE_PARTITION, output.next_offset),
+            };
+            output.next_offset += 1;
+            accepted_in_batch[i] = Some(published.len());
+            if event.event_id_derived {
+                *derived_ids += 1;
+            }
+            // Moved, not copied: from here on the outcome only counts as
+            // accepted, and conflicts read the event from `published`.
+            published.push(StoredEvent { key, event: std::mem::replace(event, UsageEvent::blank()) });
+            summary.accepted += 1;
+        }
+    }
+    output.end_batch()?;
+    Ok((published, accepted_in_batch))
 }
 
 /// Where reading the input stands: the next line's offset and the bytes

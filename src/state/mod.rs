@@ -64,7 +64,7 @@ use crate::storage::{
     StorageObserver, StoreOptions, UsageStore,
 };
 
-pub use crate::storage::StoredEvent;
+pub use crate::storage::{ReadCores, StoredEvent};
 pub use tools::{inspect, period, usage, usage_from_events, verify_ledger, verify_state_dir, LedgerCheck};
 
 /// Failure of a state tier. Any of these stops the batch: guessing would
@@ -1098,14 +1098,20 @@ impl LocalState {
         &self,
         partition: i32,
         wanted: &[(IdHash, i64)],
+        cores: ReadCores,
     ) -> Result<Vec<Option<UsageEvent>>, StateError> {
         match &self.durable {
             None => Ok(vec![None; wanted.len()]),
-            Some(d) => Ok(locked(&d.usage)
-                .get_first_seen_many(partition, wanted)?
-                .into_iter()
-                .map(|s| s.map(|s| s.event))
-                .collect()),
+            Some(d) => {
+                // The store's lock is held to plan and to finish, not for
+                // the group reads between: this partition's apply and other
+                // partitions' appends go on while a storm's originals are
+                // read.
+                let mut lookup = locked(&d.usage).plan_first_seen_many(partition, wanted)?;
+                lookup.read(cores)?;
+                let found = locked(&d.usage).finish_first_seen_many(lookup)?;
+                Ok(found.into_iter().map(|s| s.map(|s| s.event)).collect())
+            }
         }
     }
 

@@ -133,7 +133,9 @@ pub fn write_file_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<(), Sto
 pub use lock::StateDirLock;
 pub use manifest::Manifest;
 pub use segment::SegmentMeta;
-pub use store::{CompactionJob, FlushJob, MaintainReport, RecoveryReport, TornTail, UsageStore};
+pub use store::{
+    CompactionJob, FirstSeenLookup, FlushJob, MaintainReport, ReadCores, RecoveryReport, TornTail, UsageStore,
+};
 pub use verify::{verify, verify_on, FileKind, FileReport, FileStatus, VerifyReport};
 pub use wal::writer::PendingSync;
 

@@ -120,6 +120,11 @@ pub struct UsageStore {
     /// group of up to 256 rows, about 125 KB per million stored events
     /// (more where compaction kept a flush's short last group).
     indexes: std::sync::Mutex<HashMap<u64, Option<Arc<SegmentIndex>>>>,
+    /// Segments a lookup planned under the store's lock is reading without
+    /// it ([`FirstSeenLookup`]), with how many lookups: garbage collection
+    /// leaves their files (a compaction may have just replaced them) to
+    /// the next collection after the last lookup is done.
+    being_read: Arc<std::sync::Mutex<HashMap<u64, usize>>>,
 }
 
 impl std::fmt::Debug for UsageStore {
@@ -603,6 +608,7 @@ impl UsageStore {
             in_flight: HashSet::new(),
             compacting: false,
             indexes: Default::default(),
+            being_read: Default::default(),
         };
         // The manifests just loaded may not be durable: a write whose
         // directory fsync failed leaves its rename in the page cache, where
@@ -1041,8 +1047,23 @@ impl UsageStore {
         partition: i32,
         wanted: &[(IdHash, i64)],
     ) -> Result<Vec<Option<StoredEvent>>, StorageError> {
+        let mut lookup = self.plan_first_seen_many(partition, wanted)?;
+        lookup.read(ReadCores::All)?;
+        self.finish_first_seen_many(lookup)
+    }
+
+    /// The first half of [`get_first_seen_many`](Self::get_first_seen_many),
+    /// under the store's lock: which groups of which segments to read. The
+    /// reads, most of a conflict storm's cost, are the lookup's
+    /// ([`FirstSeenLookup::read`]) and need no lock, so the partition's
+    /// apply and other partitions' appends go on meanwhile; what they miss
+    /// is looked up by [`finish_first_seen_many`](Self::finish_first_seen_many).
+    pub fn plan_first_seen_many(
+        &self,
+        partition: i32,
+        wanted: &[(IdHash, i64)],
+    ) -> Result<FirstSeenLookup, StorageError> {
         self.check_poison()?;
-        let mut found: Vec<Option<StoredEvent>> = vec![None; wanted.len()];
         // Each event, by the first segment whose first-seen range holds it.
         let mut by_segment: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
         let mut elsewhere = Vec::new();
@@ -1062,49 +1083,73 @@ impl UsageStore {
         let mut reads = Vec::new();
         let mut in_groups = Vec::new();
         let mut unindexed = Vec::new();
+        let mut read_segments = Vec::new();
         for (s, asked) in by_segment {
             let meta = &self.manifest.segments[s];
             match self.segment_index(meta)? {
                 Some(index) => {
                     reads.extend(self.group_reads(meta, &index, wanted, asked.iter().copied()));
                     in_groups.extend(asked);
+                    read_segments.push(meta.id);
                 }
-                None => unindexed.push((s, asked)),
+                None => unindexed.push((meta.id, asked)),
             }
         }
-        for (i, hit) in read_groups_on(group_readers(reads.len()), self.fs.as_ref(), partition, wanted, &reads)? {
-            found[i].get_or_insert(hit);
-        }
-        // Not in its first candidate: every candidate and the memtable, as
-        // the one-at-a-time path does.
-        for i in in_groups {
+        Ok(FirstSeenLookup {
+            fs: Arc::clone(&self.fs),
+            partition,
+            wanted: wanted.to_vec(),
+            found: vec![None; wanted.len()],
+            reads,
+            in_groups,
+            unindexed,
+            elsewhere,
+            _reading: SegmentsBeingRead::hold(&self.being_read, read_segments),
+        })
+    }
+
+    /// The second half of [`get_first_seen_many`](Self::get_first_seen_many),
+    /// under the store's lock again: each event the lookup's reads did not
+    /// find, looked up in the store as it is now (a flush or a compaction
+    /// may have moved it since the plan). Answers in the order asked.
+    pub fn finish_first_seen_many(&self, lookup: FirstSeenLookup) -> Result<Vec<Option<StoredEvent>>, StorageError> {
+        self.check_poison()?;
+        let FirstSeenLookup { partition, wanted, mut found, in_groups, unindexed, elsewhere, .. } = lookup;
+        let look_again = |found: &mut Vec<Option<StoredEvent>>, i: usize| -> Result<(), StorageError> {
             if found[i].is_none() {
                 found[i] = self.get_first_seen(partition, &wanted[i].0, wanted[i].1)?;
             }
+            Ok(())
+        };
+        // Not in its first candidate: every candidate and the memtable, as
+        // the one-at-a-time path does.
+        for i in in_groups {
+            look_again(&mut found, i)?;
         }
-        for (s, asked) in unindexed {
-            let meta = &self.manifest.segments[s];
-            let ids: HashSet<IdHash> = asked.iter().map(|&i| wanted[i].0).collect();
-            let rows = self.rows_in_segment(meta, partition, &ids)?;
-            if !rows.is_empty() {
-                let seg_path = segment::segment_path(&self.seg_dir, meta.id);
-                let segment = Segment::open(self.fs.as_ref(), &seg_path)?.keeping_columns();
-                for &i in &asked {
-                    if let Some(&row) = rows.get(&wanted[i].0) {
-                        found[i] = Some(self.row_of(&segment, &seg_path, row)?);
+        for (id, asked) in unindexed {
+            // A version-1 segment: its sidecar and the file read once. Gone
+            // from the manifest since the plan, its rows are elsewhere now.
+            if let Some(meta) = self.manifest.segments.iter().find(|m| m.id == id) {
+                let ids: HashSet<IdHash> = asked.iter().map(|&i| wanted[i].0).collect();
+                let rows = self.rows_in_segment(meta, partition, &ids)?;
+                if !rows.is_empty() {
+                    let seg_path = segment::segment_path(&self.seg_dir, meta.id);
+                    let segment = Segment::open(self.fs.as_ref(), &seg_path)?.keeping_columns();
+                    for &i in &asked {
+                        if let Some(&row) = rows.get(&wanted[i].0) {
+                            found[i] = Some(self.row_of(&segment, &seg_path, row)?);
+                        }
                     }
                 }
             }
-            // Not in its first candidate: the one-at-a-time path looks
-            // through every candidate and the memtable, as it always has.
             for &i in &asked {
-                if found[i].is_none() {
-                    found[i] = self.get_first_seen(partition, &wanted[i].0, wanted[i].1)?;
-                }
+                look_again(&mut found, i)?;
             }
         }
+        // In no segment when planned: the memtable, or the segment a flush
+        // has made of it since.
         for i in elsewhere {
-            found[i] = self.unflushed_get(Some(partition), &wanted[i].0);
+            look_again(&mut found, i)?;
         }
         Ok(found)
     }
@@ -1492,6 +1537,7 @@ impl UsageStore {
             manifest_keep_from = prev.generation;
         }
         let mut doomed: Vec<PathBuf> = Vec::new();
+        let being_read = self.being_read.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
         for path in self.fs.list_dir(&self.seg_dir).at(&self.seg_dir)? {
             let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
             let temp = name.strip_suffix(".tmp");
@@ -1499,8 +1545,9 @@ impl UsageStore {
             let id =
                 base.strip_suffix(".seg").or_else(|| base.strip_suffix(".idx")).and_then(|s| s.parse::<u64>().ok());
             // A job being written (flush or compaction) keeps its files,
-            // finished or temp, until it installs them.
-            let writing = id.is_some_and(|id| self.in_flight.contains(&id));
+            // finished or temp, until it installs them; a segment a lookup
+            // is reading keeps its files until the lookup is done.
+            let writing = id.is_some_and(|id| self.in_flight.contains(&id) || being_read.contains_key(&id));
             match (id, temp.is_some()) {
                 _ if writing => {}
                 (Some(id), false) if keep.contains(&id) => {}
@@ -1563,6 +1610,98 @@ struct GroupRead {
     index: Arc<SegmentIndex>,
     group: usize,
     asked: Vec<usize>,
+}
+
+/// A batch's conflict originals being looked up: planned under the
+/// store's lock ([`UsageStore::plan_first_seen_many`]), its group reads
+/// done without it ([`read`](Self::read)), and what they missed looked up
+/// under it again ([`UsageStore::finish_first_seen_many`]). It owns what
+/// its reads need, and the segments it reads are kept on disk until it is
+/// dropped.
+pub struct FirstSeenLookup {
+    fs: Arc<dyn FileSystem>,
+    partition: i32,
+    wanted: Vec<(IdHash, i64)>,
+    found: Vec<Option<StoredEvent>>,
+    reads: Vec<GroupRead>,
+    /// Events of `wanted` that an indexed segment's groups may hold.
+    in_groups: Vec<usize>,
+    /// Version-1 segments (by id) that may hold events of `wanted`: read
+    /// whole, under the lock.
+    unindexed: Vec<(u64, Vec<usize>)>,
+    /// Events in no segment's first-seen range when planned.
+    elsewhere: Vec<usize>,
+    _reading: SegmentsBeingRead,
+}
+
+impl std::fmt::Debug for FirstSeenLookup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FirstSeenLookup")
+            .field("partition", &self.partition)
+            .field("wanted", &self.wanted.len())
+            .field("group_reads", &self.reads.len())
+            .finish()
+    }
+}
+
+impl FirstSeenLookup {
+    /// Reads the planned groups (on several threads when there are many)
+    /// and keeps what they hold of the events asked. Needs no lock: the
+    /// segments are immutable and kept on disk while this lookup lives.
+    pub fn read(&mut self, cores: ReadCores) -> Result<(), StorageError> {
+        let reads = std::mem::take(&mut self.reads);
+        let most = match cores {
+            ReadCores::All => reader_cores(),
+            ReadCores::BesideTheBatch => reader_cores().saturating_sub(1).max(1),
+        };
+        let threads = group_readers(reads.len()).min(most);
+        let hits = read_groups_on(threads, self.fs.as_ref(), self.partition, &self.wanted, &reads)?;
+        for (i, hit) in hits {
+            self.found[i].get_or_insert(hit);
+        }
+        Ok(())
+    }
+}
+
+/// The cores a [`FirstSeenLookup`]'s reads may use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadCores {
+    /// One per core, at most four: the batch waits for the reads.
+    All,
+    /// One core fewer, one at least: the batch's thread goes on beside
+    /// the reads (`dedupd dedupe` writes and applies the batch meanwhile).
+    BesideTheBatch,
+}
+
+/// The segments one [`FirstSeenLookup`] reads, counted in the store's
+/// `being_read` while it lives.
+struct SegmentsBeingRead {
+    counts: Arc<std::sync::Mutex<HashMap<u64, usize>>>,
+    ids: Vec<u64>,
+}
+
+impl SegmentsBeingRead {
+    fn hold(counts: &Arc<std::sync::Mutex<HashMap<u64, usize>>>, ids: Vec<u64>) -> SegmentsBeingRead {
+        let mut held = counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for id in &ids {
+            *held.entry(*id).or_default() += 1;
+        }
+        SegmentsBeingRead { counts: Arc::clone(counts), ids }
+    }
+}
+
+impl Drop for SegmentsBeingRead {
+    fn drop(&mut self) {
+        let mut held = self.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for id in &self.ids {
+            if let Some(n) = held.get_mut(id) {
+                *n -= 1;
+                if *n == 0 {
+                    held.remove(id);
+                }
+            }
+        }
+    }
 }
 
 /// Reads the groups of `reads` in order (one positioned read each, its
@@ -1915,6 +2054,64 @@ mod tests {
         let all: Vec<(IdHash, i64)> = events.iter().map(|e| (e.key.id_hash, e.key.first_seen_ms)).collect();
         let got = store.get_first_seen_many(0, &all).expect("lookup");
         assert_eq!(got, events.iter().cloned().map(Some).collect::<Vec<_>>());
+    }
+
+    /// A batch's originals are planned under the store's lock and read
+    /// without it: a flush and a compaction may come between, and then
+    /// the segments planned are still read (garbage collection leaves them
+    /// until the lookup is done) and an original a flush moved out of the
+    /// memtable is found where it went.
+    #[test]
+    fn a_lookup_reads_what_it_planned_though_a_compaction_replaced_it() {
+        use crate::storage::testutil::sample_event_at;
+        let dir = tempfile::tempdir().expect("tmp");
+        let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
+        let opts = StoreOptions { compaction_target_rows: 1_000, ..jobs_options() };
+        let (mut store, _) = UsageStore::open_on(Arc::new(RealFs), dir.path(), opts, observer).expect("open");
+        let t0 = 1_700_000_000_000;
+        let minute = 60_000;
+        // Three segments of ten, a minute apart, and five in the memtable.
+        let events: Vec<StoredEvent> =
+            (0..35u64).map(|n| sample_event_at(n, 0, n as i64, t0 + (n / 10) as i64 * minute)).collect();
+        let flush = |store: &mut UsageStore| {
+            let mut job = store.start_flush().expect("start").expect("a flush");
+            job.write();
+            store.finish_flush(job).expect("finish");
+        };
+        for chunk in events[..30].chunks(10) {
+            store.append(chunk).expect("append");
+            flush(&mut store);
+        }
+        store.append(&events[30..]).expect("append");
+        let planned: Vec<u64> = store.segments().iter().map(|s| s.id).collect();
+        let wanted: Vec<(IdHash, i64)> =
+            [3usize, 14, 32].iter().map(|&i| (events[i].key.id_hash, events[i].key.first_seen_ms)).collect();
+        let mut lookup = store.plan_first_seen_many(0, &wanted).expect("plan");
+
+        // The memtable becomes a segment, the four merge into one, and a
+        // third manifest leaves the replaced segments in neither of the two
+        // garbage collection keeps.
+        flush(&mut store);
+        let mut job = store.start_compaction(t0).expect("plan").expect("the segments merge");
+        job.run();
+        store.finish_compaction(job).expect("install");
+        store.append(&[sample_event_at(99, 0, 99, t0 + 9 * minute)]).expect("append");
+        flush(&mut store);
+        assert!(store.segments().iter().all(|s| !planned.contains(&s.id)), "{:?}", store.segments());
+        let seg_dir = store.seg_dir.clone();
+        let on_disk = |id: u64| segment::segment_path(&seg_dir, id).exists();
+        // Segments 1 and 2 hold the planned groups; segment 3 was not to be read.
+        assert!(on_disk(planned[0]) && on_disk(planned[1]), "a planned segment was removed under the lookup");
+        assert!(!on_disk(planned[2]));
+
+        lookup.read(ReadCores::All).expect("read without the lock");
+        let found = store.finish_first_seen_many(lookup).expect("finish");
+        let expected: Vec<Option<StoredEvent>> = [3usize, 14, 32].iter().map(|&i| Some(events[i].clone())).collect();
+        assert_eq!(found, expected);
+        // Done with them, the lookup lets the next collection take them.
+        store.collect_garbage().expect("collect");
+        assert!(!on_disk(planned[0]) && !on_disk(planned[1]));
+        assert_verifies(dir.path());
     }
 
     /// A conflict's original in a large segment costs one group, not the
