@@ -291,6 +291,57 @@ fn through_a_pipe_each_batch_comes_out_before_the_next_is_written() {
 }
 
 #[test]
+fn through_a_pipe_each_batchs_reports_come_out_before_the_next_is_read() {
+    // A batch's conflicts report waits for its original to be read from the
+    // usage store; reading an input file it may wait for the next batch,
+    // but from a pipe it must not: the producer may be waiting for it.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (output, conflicts, rejected) =
+        (dir.path().join("out.ndjson"), dir.path().join("conflicts.ndjson"), dir.path().join("rejected.ndjson"));
+    let mut child = dedupd()
+        .args(["dedupe", "--batch-records", "1", "--input", "-", "--output"])
+        .arg(&output)
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .arg("--conflicts")
+        .arg(&conflicts)
+        .arg("--rejected")
+        .arg(&rejected)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn dedupd");
+    let mut stdin = child.stdin.take().expect("stdin");
+    let steps = [(event("p1", "1"), &output), (event("p1", "2"), &conflicts), ("{not json".to_owned(), &rejected)];
+    for (line, file) in steps {
+        writeln!(stdin, "{line}").expect("write stdin");
+        stdin.flush().expect("flush stdin");
+        // Generous: a wait, not a timing. Without the line this would hang,
+        // and a hung test says less than a failed one.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let written = loop {
+            let text = std::fs::read_to_string(file).unwrap_or_default();
+            if let Some(first) = text.lines().next() {
+                break Some(first.to_owned());
+            }
+            if std::time::Instant::now() > deadline {
+                break None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        let written =
+            written.unwrap_or_else(|| panic!("nothing in {} while its batch was all written", file.display()));
+        let v: serde_json::Value = serde_json::from_str(&written).expect("JSON line");
+        if file == &conflicts {
+            assert_eq!(v["differs"], serde_json::json!(["quantity"]), "{v}");
+        }
+    }
+    drop(stdin);
+    assert!(child.wait().expect("wait").success());
+}
+
+#[test]
 fn bad_configuration_fails_before_any_io_and_names_the_key() {
     let dir = tempfile::tempdir().expect("tempdir");
     let output = dir.path().join("never-created.ndjson");

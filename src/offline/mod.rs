@@ -187,7 +187,7 @@ pub fn run_dedupe_with_progress(
     let validator = settings.validator();
     let batch_records = opts.batch_records.max(1);
 
-    let (mut state, mut output) = match &opts.state_dir {
+    let (state, mut output) = match &opts.state_dir {
         None => {
             let mut state = LocalState::in_memory(settings.clone(), false);
             state.assign(OFFLINE_PARTITION, clock.now_ms())?;
@@ -256,6 +256,19 @@ pub fn run_dedupe_with_progress(
         };
         // Called at once: every `?` of the run lands in `close`, which ends
         // the validating thread before the scope judges it.
+        let state = &state;
+        // A batch's reports wait for its conflicts' originals, which are read
+        // on a thread of their own while this one writes, syncs and applies
+        // it and, reading ahead, classifies, writes, syncs and applies the
+        // next: much of that is waiting on fsyncs. They are then written
+        // after the next batch's apply, before its own reports. Offline that
+        // order is safe: a conflict or a reject never changes state, so a
+        // run stopped before its reports are written reports them again
+        // when the input is run again.
+        let mut waiting: Option<BatchReports<'_>> = None;
+        let mut reports = Reports { conflicts: conflicts.as_mut(), rejected: rejected.as_mut() };
+        // Called at once: every `?` of the run lands in `close`, which ends
+        // the validating thread before the scope judges it.
         let run = (|| -> Result<(), OfflineError> {
             read_next(&mut validation)?;
             while let Some((batch, checked)) = validation.take() {
@@ -264,6 +277,7 @@ pub fn run_dedupe_with_progress(
                 // it does when the next batch is read after it.
                 let read_ahead = validation.is_ahead().then(|| read_next(&mut validation));
                 let (first_offset, now_ms) = (batch.first_offset, batch.now_ms);
+                let (records_end, bytes_end) = (batch.records_end, batch.bytes_end);
                 let mut outcomes = state.classify_validated(OFFLINE_PARTITION, checked, now_ms)?.outcomes;
                 // A record longer than the limit was read only in part; its
                 // reason must say so whatever the part looks like.
@@ -275,99 +289,65 @@ pub fn run_dedupe_with_progress(
                         ));
                     }
                 }
-
-                // The originals of conflicts with earlier batches, read together
-                // (only when conflicts are reported): one read per group. They
-                // are read on a thread of their own while this one writes and
-                // syncs the output and applies the batch, much of which is
-                // waiting on fsyncs; the usage store's lock is not held for
-                // the reads (see `LocalState::originals_seen_at`).
-                let wanted: Vec<(IdHash, i64)> = outcomes
-                    .iter()
-                    .filter_map(|o| match o {
-                        Outcome::Conflict { id_hash, first, .. }
-                            if conflicts.is_some() && first.batch_index.is_none() =>
-                        {
-                            Some((*id_hash, first.first_seen_ms))
-                        }
-                        _ => None,
-                    })
-                    .collect();
-                let (published, accepted_in_batch, originals) = std::thread::scope(|lookups| {
-                    let state = &state;
-                    // Without a state directory there are no originals to read.
-                    let reading = (!wanted.is_empty() && opts.state_dir.is_some()).then(|| {
-                        std::thread::Builder::new().name("dedupd-conflicts".into()).spawn_scoped(lookups, || {
-                            state.originals_seen_at(OFFLINE_PARTITION, &wanted, ReadCores::BesideTheBatch)
-                        })
-                    });
-                    let published = publish_accepted(
-                        &mut outcomes,
-                        &mut output,
-                        &mut line_text,
-                        (first_offset, now_ms),
-                        &mut summary,
-                        &mut derived_ids,
-                    );
-                    // Only now, with the batch's output visible, does state change.
-                    let applied = published.and_then(|(published, accepted_in_batch)| {
-                        state.apply_published(OFFLINE_PARTITION, &published, now_ms)?;
-                        Ok((published, accepted_in_batch))
-                    });
-                    // Joined whatever the apply did, so an error of either is
-                    // this batch's and the thread never outlives it.
-                    let originals = match reading {
-                        None => Ok(Vec::new()),
-                        Some(Ok(thread)) => match thread.join() {
-                            Ok(found) => found.map_err(OfflineError::from),
-                            Err(panic) => std::panic::resume_unwind(panic),
-                        },
-                        // No thread to be had: read here, as before.
-                        Some(Err(_)) => state
-                            .originals_seen_at(OFFLINE_PARTITION, &wanted, ReadCores::All)
-                            .map_err(OfflineError::from),
-                    };
-                    let (published, accepted_in_batch) = applied?;
-                    Ok::<_, OfflineError>((published, accepted_in_batch, originals?))
-                })?;
-                let mut originals = originals.into_iter();
-                for (i, o) in outcomes.iter().enumerate() {
-                    let line_no = first_offset as u64 + i as u64 + 1;
+                for o in &outcomes {
                     match o {
                         Outcome::Accepted { .. } => {}
                         Outcome::Duplicate { .. } | Outcome::Replayed { .. } => summary.duplicates += 1,
-                        Outcome::Conflict { event, id_hash, payload_hash, tier, first } => {
-                            summary.conflicts += 1;
-                            if let Some(w) = conflicts.as_mut() {
-                                let original: Option<UsageEvent> = match first.batch_index {
-                                    Some(j) => accepted_in_batch[j].map(|k| published[k].event.clone()),
-                                    None => originals.next().flatten(),
-                                };
-                                let differs = original.as_ref().map(|orig| orig.differing_fields(event));
-                                w.conflict(
-                                    line_no,
-                                    event,
-                                    id_hash,
-                                    payload_hash,
-                                    *tier,
-                                    first,
-                                    differs.as_deref(),
-                                    &batch.lines[i],
-                                )?;
-                            }
-                        }
-                        Outcome::Rejected(rejection) => {
-                            summary.rejected += 1;
-                            if let Some(w) = rejected.as_mut() {
-                                w.rejected(line_no, rejection, &batch.lines[i])?;
-                            }
-                        }
+                        Outcome::Conflict { .. } => summary.conflicts += 1,
+                        Outcome::Rejected(_) => summary.rejected += 1,
                     }
                 }
-                report::end_batch(rejected.as_mut())?;
-                report::end_batch(conflicts.as_mut())?;
+
+                // The originals of conflicts with earlier batches, read together
+                // (only when conflicts are reported, and only from a usage
+                // store): one read per group, without the usage store's lock
+                // (see `LocalState::originals_seen_at`).
+                let wanted = if reports.conflicts.is_some() && opts.state_dir.is_some() {
+                    originals_wanted(&outcomes)
+                } else {
+                    Vec::new()
+                };
+                let originals = if wanted.is_empty() {
+                    Originals::Known(Vec::new())
+                } else {
+                    let read = move || state.originals_seen_at(OFFLINE_PARTITION, &wanted, ReadCores::BesideTheBatch);
+                    match std::thread::Builder::new().name("dedupd-conflicts".into()).spawn_scoped(scope, read) {
+                        Ok(thread) => Originals::Reading(thread),
+                        // No thread to be had: read here, on every core.
+                        Err(_) => Originals::Known(state.originals_seen_at(
+                            OFFLINE_PARTITION,
+                            &originals_wanted(&outcomes),
+                            ReadCores::All,
+                        )?),
+                    }
+                };
+                let (published, accepted_in_batch) = publish_accepted(
+                    &mut outcomes,
+                    &mut output,
+                    &mut line_text,
+                    (first_offset, now_ms),
+                    &mut summary,
+                    &mut derived_ids,
+                )?;
+                // Only now, with the batch's output visible, does state change.
+                state.apply_published(OFFLINE_PARTITION, &published, now_ms)?;
+                // Reading ahead (an input file), a batch whose originals are
+                // still being read has its reports wait for the next batch;
+                // from standard input each batch's reports are written before
+                // the next batch is read, so a producer waiting for them never
+                // waits on its own next batch.
+                let defer = validation.is_ahead() && matches!(originals, Originals::Reading(_));
+                let this = BatchReports { batch, outcomes, published, accepted_in_batch, originals };
+                if let Some(last) = waiting.take() {
+                    reports.write(last)?;
+                }
+                if defer {
+                    waiting = Some(this);
+                } else {
+                    reports.write(this)?;
+                }
                 state.maintain(now_ms)?;
-                progress(&Progress { records: batch.records_end, bytes: batch.bytes_end, summary });
+                progress(&Progress { records: records_end, bytes: bytes_end, summary });
                 match read_ahead {
                     Some(read) => read?,
                     None => read_next(&mut validation)?,
@@ -375,6 +355,16 @@ pub fn run_dedupe_with_progress(
             }
             Ok(())
         })();
+        // The last batch's reports; after an error, its reading joined, so
+        // that a panic there is raised as its own.
+        let run = match (run, waiting.take()) {
+            (Ok(()), Some(last)) => reports.write(last),
+            (run, Some(last)) => {
+                let _ = last.originals.wait();
+                run
+            }
+            (run, None) => run,
+        };
         validation.close(run)
     })?;
     output.finish()?;
@@ -385,6 +375,101 @@ pub fn run_dedupe_with_progress(
         tracing::info!(derived_ids, "accepted events whose event_id was derived from the business tuple");
     }
     Ok(summary)
+}
+
+/// The originals a batch's conflicts report: of each conflict with an
+/// earlier batch, its id and the time it was first seen (which picks the
+/// usage store's group to read).
+fn originals_wanted(outcomes: &[Outcome]) -> Vec<(IdHash, i64)> {
+    outcomes
+        .iter()
+        .filter_map(|o| match o {
+            Outcome::Conflict { id_hash, first, .. } if first.batch_index.is_none() => {
+                Some((*id_hash, first.first_seen_ms))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// A batch's conflicts' originals: read already (or none to read), or
+/// being read on a thread of their own.
+enum Originals<'scope> {
+    Known(Vec<Option<UsageEvent>>),
+    Reading(ScopedJoinHandle<'scope, Result<Vec<Option<UsageEvent>>, StateError>>),
+}
+
+impl Originals<'_> {
+    /// The originals, in the order asked, once read; a panic while reading
+    /// is raised here as its own.
+    fn wait(self) -> Result<Vec<Option<UsageEvent>>, OfflineError> {
+        match self {
+            Originals::Known(found) => Ok(found),
+            Originals::Reading(thread) => match thread.join() {
+                Ok(found) => Ok(found?),
+                Err(panic) => std::panic::resume_unwind(panic),
+            },
+        }
+    }
+}
+
+/// A batch written and applied, its reports not yet: what they are made of.
+struct BatchReports<'scope> {
+    batch: ReadBatch,
+    outcomes: Vec<Outcome>,
+    /// The batch's accepted events (the originals of conflicts within it)
+    /// and, per record, where its event is among them.
+    published: Vec<StoredEvent>,
+    accepted_in_batch: Vec<Option<usize>>,
+    originals: Originals<'scope>,
+}
+
+/// Where a run's reports go: the conflicts and rejected files asked for.
+struct Reports<'w> {
+    conflicts: Option<&'w mut report::ReportWriter>,
+    rejected: Option<&'w mut report::ReportWriter>,
+}
+
+impl Reports<'_> {
+    /// Writes one batch's conflicts (with the fields that differ from their
+    /// originals, once read) and rejects, and ends the batch in each file.
+    fn write(&mut self, done: BatchReports<'_>) -> Result<(), OfflineError> {
+        let BatchReports { batch, outcomes, published, accepted_in_batch, originals } = done;
+        let mut originals = originals.wait()?.into_iter();
+        for (i, o) in outcomes.iter().enumerate() {
+            let line_no = batch.first_offset as u64 + i as u64 + 1;
+            match o {
+                Outcome::Conflict { event, id_hash, payload_hash, tier, first } => {
+                    if let Some(w) = self.conflicts.as_deref_mut() {
+                        let original: Option<UsageEvent> = match first.batch_index {
+                            Some(j) => accepted_in_batch[j].map(|k| published[k].event.clone()),
+                            None => originals.next().flatten(),
+                        };
+                        let differs = original.as_ref().map(|orig| orig.differing_fields(event));
+                        w.conflict(
+                            line_no,
+                            event,
+                            id_hash,
+                            payload_hash,
+                            *tier,
+                            first,
+                            differs.as_deref(),
+                            &batch.lines[i],
+                        )?;
+                    }
+                }
+                Outcome::Rejected(rejection) => {
+                    if let Some(w) = self.rejected.as_deref_mut() {
+                        w.rejected(line_no, rejection, &batch.lines[i])?;
+                    }
+                }
+                Outcome::Accepted { .. } | Outcome::Duplicate { .. } | Outcome::Replayed { .. } => {}
+            }
+        }
+        report::end_batch(self.rejected.as_deref_mut())?;
+        report::end_batch(self.conflicts.as_deref_mut())?;
+        Ok(())
+    }
 }
 
 /// Writes a batch's accepted events to the output (and syncs it, as the

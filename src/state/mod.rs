@@ -50,6 +50,7 @@ mod tools;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::classify::{
@@ -463,7 +464,8 @@ pub struct LocalState {
     /// the state alone, are the exception and cannot meet another thread).
     /// The durable ledger locks each partition alone (see [`LedgerStore`]).
     ledger: Option<Ledger>,
-    last_age_out_ms: i64,
+    /// When the key store last aged out (only `maintain` reads or moves it).
+    last_age_out_ms: AtomicI64,
     /// Evictions of hot caches already dropped (revoked partitions), so the
     /// process-wide count never goes back.
     revoked_evictions: crate::classify::HotEvictions,
@@ -551,7 +553,7 @@ impl LocalState {
             partitions: BTreeMap::new(),
             durable: None,
             memory_checkpoints: Mutex::new(BTreeMap::new()),
-            last_age_out_ms: i64::MIN,
+            last_age_out_ms: AtomicI64::new(i64::MIN),
             revoked_evictions: crate::classify::HotEvictions::default(),
         }
     }
@@ -1148,9 +1150,11 @@ impl LocalState {
 
     /// Periodic upkeep between batches: expire hot keys, flush and compact
     /// the usage store, age out the key store.
-    pub fn maintain(&mut self, now_ms: i64) -> Result<(), StateError> {
-        for c in self.partitions.values_mut() {
-            owned(c).evict_expired(now_ms);
+    /// Takes the state shared: `dedupd dedupe` keeps a batch's conflict
+    /// originals reading on another thread meanwhile.
+    pub fn maintain(&self, now_ms: i64) -> Result<(), StateError> {
+        for c in self.partitions.values() {
+            locked(c).evict_expired(now_ms);
         }
         if let Some(d) = &self.durable {
             let mut usage = locked(&d.usage);
@@ -1164,9 +1168,9 @@ impl LocalState {
             usage.maintain(now_ms)?;
             d.start_compaction(&mut usage, now_ms)?;
             drop(usage);
-            if now_ms.saturating_sub(self.last_age_out_ms) >= AGE_OUT_EVERY_MS {
+            if now_ms.saturating_sub(self.last_age_out_ms.load(Ordering::Relaxed)) >= AGE_OUT_EVERY_MS {
                 d.keys.age_out(now_ms)?;
-                self.last_age_out_ms = now_ms;
+                self.last_age_out_ms.store(now_ms, Ordering::Relaxed);
             }
         }
         Ok(())
@@ -1441,7 +1445,7 @@ mod tests {
         let fresh = |n: u64| sample_event_at(n, 0, n as i64, NOW);
         let old = |n: u64| sample_event_at(n, 0, n as i64, NOW - retention_ms + 60_000);
         {
-            let mut state = open();
+            let state = open();
             // The first fold writes at once; four events fill the memtable.
             state.apply_published(0, &[fresh(1), fresh(2), fresh(3), fresh(4)], NOW).expect("apply");
             settle(&state);
