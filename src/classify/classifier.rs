@@ -230,6 +230,8 @@ impl PartitionClassifier {
     /// Remembers keys whose events are now durably published. Idempotent:
     /// committing a key already remembered changes nothing.
     pub fn commit<'a>(&mut self, keys: impl IntoIterator<Item = &'a SeenKey>, now_ms: i64) {
+        let keys = keys.into_iter();
+        self.hot.reserve(keys.size_hint().0);
         for k in keys {
             self.hot.insert(k, now_ms);
         }

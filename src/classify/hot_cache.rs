@@ -175,6 +175,19 @@ impl HotCache {
         }
     }
 
+    /// Makes room for `additional` more keys (up to the capacity) at once.
+    /// A start that recovers millions of keys from the sidecars otherwise
+    /// grows the table by doubling, moving every key each time: a quarter
+    /// of opening a state directory of 2M events (perf, 2026-11-29).
+    pub fn reserve(&mut self, additional: usize) {
+        let room = additional.min(self.capacity.saturating_sub(self.len()));
+        let (chunks, first, per) = (&self.chunks, self.first_chunk_seq, self.chunk_entries);
+        self.table.reserve(room, |&s| {
+            let rel = (s - first) as usize;
+            chunks[rel / per][rel % per].id_hash.low_u64()
+        });
+    }
+
     /// Remembers `key` unless its id is already remembered (applying the same
     /// key twice is a no-op, which keeps repair idempotent) or it is already
     /// past the TTL. Evicts expired keys and, at capacity, the oldest key.
@@ -310,6 +323,33 @@ mod tests {
     #[test]
     fn entry_is_56_bytes() {
         assert_eq!(std::mem::size_of::<Entry>(), 56);
+    }
+
+    /// A commit of many keys grows the table once, never by doubling
+    /// under them, and never beyond what the capacity lets in.
+    #[test]
+    fn a_reserved_table_takes_its_keys_without_growing() {
+        let mut c = HotCache::new(3, i64::MAX / 2, 50_000);
+        c.insert(&key(0, 1, 10), 10);
+        c.reserve(40_000);
+        let room = c.table.capacity();
+        assert!(room >= 40_001, "{room}");
+        for n in 1..=40_000 {
+            c.insert(&key(n, 1, 10), 10);
+        }
+        assert_eq!(c.table.capacity(), room, "the table grew under the keys it had room for");
+        // Near the capacity, room for what it may still take only.
+        let mut small = HotCache::new(3, i64::MAX / 2, 100);
+        small.reserve(1_000_000);
+        assert!(small.table.capacity() < 1_000, "{}", small.table.capacity());
+        let mut model = HotCache::new(3, i64::MAX / 2, 100);
+        for n in 0..300 {
+            small.insert(&key(n, 1, n as i64), 10);
+            model.insert(&key(n, 1, n as i64), 10);
+        }
+        for n in 0..300 {
+            assert_eq!(small.get(&key(n, 1, 0).id_hash, 10), model.get(&key(n, 1, 0).id_hash, 10));
+        }
     }
 
     #[test]
