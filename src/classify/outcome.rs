@@ -46,6 +46,20 @@ impl Outcome {
             Outcome::Rejected(_) => "rejected",
         }
     }
+
+    /// For a conflict with an event of an earlier batch: its id and the
+    /// time that event was first seen, which is how local state finds the
+    /// original a conflict report compares against. `None` for anything
+    /// else, a conflict within the batch included (its original is the
+    /// batch's own accepted event).
+    pub fn original_to_read(&self) -> Option<(IdHash, i64)> {
+        match self {
+            Outcome::Conflict { id_hash, tier, first, .. } if *tier != Tier::Batch => {
+                Some((*id_hash, first.first_seen_ms))
+            }
+            _ => None,
+        }
+    }
 }
 
 /// What to do with a record on an input partition other than the one its

@@ -158,15 +158,7 @@ pub fn classify_batch(
     let outcomes = classified.outcomes;
     // The originals of conflicts with earlier batches, read together: a
     // storm of them against one segment reads it once.
-    let wanted: Vec<(IdHash, i64)> = outcomes
-        .iter()
-        .filter_map(|o| match o {
-            Outcome::Conflict { id_hash, tier, first, .. } if *tier != Tier::Batch => {
-                Some((*id_hash, first.first_seen_ms))
-            }
-            _ => None,
-        })
-        .collect();
+    let wanted: Vec<(IdHash, i64)> = outcomes.iter().filter_map(Outcome::original_to_read).collect();
     let mut originals =
         if wanted.is_empty() { Vec::new() } else { using(with, |e| e.originals(partition, &wanted)) }.into_iter();
     let mut summary = BatchClassified { partition, misrouted: classified.misrouted, ..Default::default() };

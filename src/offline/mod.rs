@@ -254,8 +254,6 @@ pub fn run_dedupe_with_progress(
             }
             Ok(())
         };
-        // Called at once: every `?` of the run lands in `close`, which ends
-        // the validating thread before the scope judges it.
         let state = &state;
         // A batch's reports wait for its conflicts' originals, which are read
         // on a thread of their own while this one writes, syncs and applies
@@ -266,6 +264,7 @@ pub fn run_dedupe_with_progress(
         // run stopped before its reports are written reports them again
         // when the input is run again.
         let mut waiting: Option<BatchReports<'_>> = None;
+        let mut reading_now: Option<Originals<'_>> = None;
         let mut reports = Reports { conflicts: conflicts.as_mut(), rejected: rejected.as_mut() };
         // Called at once: every `?` of the run lands in `close`, which ends
         // the validating thread before the scope judges it.
@@ -301,26 +300,27 @@ pub fn run_dedupe_with_progress(
                 // The originals of conflicts with earlier batches, read together
                 // (only when conflicts are reported, and only from a usage
                 // store): one read per group, without the usage store's lock
-                // (see `LocalState::originals_seen_at`).
-                let wanted = if reports.conflicts.is_some() && opts.state_dir.is_some() {
-                    originals_wanted(&outcomes)
+                // (see `LocalState::originals_seen_at`). Held outside the batch
+                // until its reports are made, so an error on the way still
+                // joins the thread (see below).
+                let wanted: Vec<(IdHash, i64)> = if reports.conflicts.is_some() && opts.state_dir.is_some() {
+                    outcomes.iter().filter_map(Outcome::original_to_read).collect()
                 } else {
                     Vec::new()
                 };
-                let originals = if wanted.is_empty() {
+                reading_now = Some(if wanted.is_empty() {
                     Originals::Known(Vec::new())
                 } else {
-                    let read = move || state.originals_seen_at(OFFLINE_PARTITION, &wanted, ReadCores::BesideTheBatch);
+                    let asked = wanted.clone();
+                    let read = move || state.originals_seen_at(OFFLINE_PARTITION, &asked, ReadCores::BesideTheBatch);
                     match std::thread::Builder::new().name("dedupd-conflicts".into()).spawn_scoped(scope, read) {
                         Ok(thread) => Originals::Reading(thread),
                         // No thread to be had: read here, on every core.
-                        Err(_) => Originals::Known(state.originals_seen_at(
-                            OFFLINE_PARTITION,
-                            &originals_wanted(&outcomes),
-                            ReadCores::All,
-                        )?),
+                        Err(_) => {
+                            Originals::Known(state.originals_seen_at(OFFLINE_PARTITION, &wanted, ReadCores::All)?)
+                        }
                     }
-                };
+                });
                 let (published, accepted_in_batch) = publish_accepted(
                     &mut outcomes,
                     &mut output,
@@ -331,16 +331,32 @@ pub fn run_dedupe_with_progress(
                 )?;
                 // Only now, with the batch's output visible, does state change.
                 state.apply_published(OFFLINE_PARTITION, &published, now_ms)?;
+                if let Some(last) = waiting.take() {
+                    reports.write(last)?;
+                }
+                // The originals of conflicts within the batch are its own
+                // accepted events: copied now, so the batch's events need not
+                // wait with its reports.
+                let in_batch = outcomes
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, o)| match o {
+                        Outcome::Conflict { first, .. } => first
+                            .batch_index
+                            .and_then(|j| accepted_in_batch[j])
+                            .map(|k| (i, published[k].event.clone())),
+                        _ => None,
+                    })
+                    .collect();
+                drop(published);
+                let originals = reading_now.take().unwrap_or(Originals::Known(Vec::new()));
                 // Reading ahead (an input file), a batch whose originals are
                 // still being read has its reports wait for the next batch;
                 // from standard input each batch's reports are written before
                 // the next batch is read, so a producer waiting for them never
                 // waits on its own next batch.
                 let defer = validation.is_ahead() && matches!(originals, Originals::Reading(_));
-                let this = BatchReports { batch, outcomes, published, accepted_in_batch, originals };
-                if let Some(last) = waiting.take() {
-                    reports.write(last)?;
-                }
+                let this = BatchReports { batch, outcomes, in_batch, originals };
                 if defer {
                     waiting = Some(this);
                 } else {
@@ -355,15 +371,26 @@ pub fn run_dedupe_with_progress(
             }
             Ok(())
         })();
-        // The last batch's reports; after an error, its reading joined, so
-        // that a panic there is raised as its own.
-        let run = match (run, waiting.take()) {
-            (Ok(()), Some(last)) => reports.write(last),
-            (run, Some(last)) => {
-                let _ = last.originals.wait();
-                run
+        // The last batch's reports. After an error: the failed batch's
+        // reading is joined (a panic there logged, the run's error kept, as
+        // `close` does for the validating thread), and a batch written and
+        // applied before it still gets its reports.
+        let run = match run {
+            Ok(()) => waiting.take().map_or(Ok(()), |last| reports.write(last)),
+            Err(e) => {
+                if let Some(failed) = reading_now.take() {
+                    drop(failed.settle());
+                }
+                if let Some(mut last) = waiting.take() {
+                    if let Some(found) = last.originals.settle() {
+                        last.originals = Originals::Known(found);
+                        if let Err(w) = reports.write(last) {
+                            tracing::warn!(error = %w, "writing the reports of the batch before the failed one");
+                        }
+                    }
+                }
+                Err(e)
             }
-            (run, None) => run,
         };
         validation.close(run)
     })?;
@@ -375,21 +402,6 @@ pub fn run_dedupe_with_progress(
         tracing::info!(derived_ids, "accepted events whose event_id was derived from the business tuple");
     }
     Ok(summary)
-}
-
-/// The originals a batch's conflicts report: of each conflict with an
-/// earlier batch, its id and the time it was first seen (which picks the
-/// usage store's group to read).
-fn originals_wanted(outcomes: &[Outcome]) -> Vec<(IdHash, i64)> {
-    outcomes
-        .iter()
-        .filter_map(|o| match o {
-            Outcome::Conflict { id_hash, first, .. } if first.batch_index.is_none() => {
-                Some((*id_hash, first.first_seen_ms))
-            }
-            _ => None,
-        })
-        .collect()
 }
 
 /// A batch's conflicts' originals: read already (or none to read), or
@@ -411,16 +423,39 @@ impl Originals<'_> {
             },
         }
     }
+
+    /// The originals once read, after the run has already failed: a read
+    /// error or a panic is logged, not raised, so the run's own error is
+    /// the one reported.
+    fn settle(self) -> Option<Vec<Option<UsageEvent>>> {
+        match self {
+            Originals::Known(found) => Some(found),
+            Originals::Reading(thread) => match thread.join() {
+                Ok(Ok(found)) => Some(found),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "reading conflicts' originals failed after the run had");
+                    None
+                }
+                Err(panic) => {
+                    let what = (panic.downcast_ref::<&str>().copied())
+                        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+                        .unwrap_or("(no message)");
+                    tracing::error!(panic = %what, "reading conflicts' originals panicked after the run had failed");
+                    None
+                }
+            },
+        }
+    }
 }
 
 /// A batch written and applied, its reports not yet: what they are made of.
 struct BatchReports<'scope> {
     batch: ReadBatch,
     outcomes: Vec<Outcome>,
-    /// The batch's accepted events (the originals of conflicts within it)
-    /// and, per record, where its event is among them.
-    published: Vec<StoredEvent>,
-    accepted_in_batch: Vec<Option<usize>>,
+    /// The originals of conflicts within the batch, by record: the batch's
+    /// own accepted events.
+    in_batch: std::collections::HashMap<usize, UsageEvent>,
+    /// The originals of conflicts with earlier batches, in record order.
     originals: Originals<'scope>,
 }
 
@@ -434,7 +469,7 @@ impl Reports<'_> {
     /// Writes one batch's conflicts (with the fields that differ from their
     /// originals, once read) and rejects, and ends the batch in each file.
     fn write(&mut self, done: BatchReports<'_>) -> Result<(), OfflineError> {
-        let BatchReports { batch, outcomes, published, accepted_in_batch, originals } = done;
+        let BatchReports { batch, outcomes, mut in_batch, originals } = done;
         let mut originals = originals.wait()?.into_iter();
         for (i, o) in outcomes.iter().enumerate() {
             let line_no = batch.first_offset as u64 + i as u64 + 1;
@@ -442,7 +477,7 @@ impl Reports<'_> {
                 Outcome::Conflict { event, id_hash, payload_hash, tier, first } => {
                     if let Some(w) = self.conflicts.as_deref_mut() {
                         let original: Option<UsageEvent> = match first.batch_index {
-                            Some(j) => accepted_in_batch[j].map(|k| published[k].event.clone()),
+                            Some(_) => in_batch.remove(&i),
                             None => originals.next().flatten(),
                         };
                         let differs = original.as_ref().map(|orig| orig.differing_fields(event));
@@ -612,8 +647,10 @@ impl<'scope, 'v: 'scope> Validation<'scope, 'v> {
         validator: &'v Validator,
     ) -> Result<Self, OfflineError> {
         // One batch at a time is submitted and not taken back: the lines in
-        // memory are at most two batches' (the one being written, the one
-        // being validated), beside the next batch's decoded events.
+        // memory are at most three batches' (the one being validated, the
+        // one being written, and the one before it while its reports wait
+        // for its conflicts' originals), beside the next batch's decoded
+        // events.
         let (to_validate, validating) = sync_channel::<ReadBatch>(1);
         let (to_classify, validated) = sync_channel::<(ReadBatch, Validated)>(1);
         let worker = std::thread::Builder::new()

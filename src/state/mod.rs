@@ -450,8 +450,8 @@ pub struct LocalState {
     settings: EngineSettings,
     detect_replays: bool,
     /// Each partition's classifier behind a lock of its own: its one task
-    /// classifies and applies, so only the metrics' `stats` ever waits on
-    /// it; it is there so other partitions can apply at the same time
+    /// classifies and applies, so only the metrics' `stats` and upkeep
+    /// (`maintain`) ever wait on it; it is there so other partitions can apply at the same time
     /// (`&self`).
     partitions: BTreeMap<i32, Mutex<PartitionClassifier>>,
     durable: Option<Durable>,

@@ -1055,8 +1055,9 @@ impl UsageStore {
     /// The first half of [`get_first_seen_many`](Self::get_first_seen_many),
     /// under the store's lock: which groups of which segments to read. The
     /// reads, most of a conflict storm's cost, are the lookup's
-    /// ([`FirstSeenLookup::read`]) and need no lock, so the partition's
-    /// apply and other partitions' appends go on meanwhile; what they miss
+    /// ([`FirstSeenLookup::read`]) and need no lock, so other partitions'
+    /// appends go on meanwhile (and, in `dedupd dedupe`, the partition's own
+    /// apply); what they miss
     /// is looked up by [`finish_first_seen_many`](Self::finish_first_seen_many).
     pub fn plan_first_seen_many(
         &self,
@@ -1078,8 +1079,9 @@ impl UsageStore {
                 None => elsewhere.push(i),
             }
         }
-        // Every group of an indexed segment that may hold one of them, read
-        // (on several threads when there are many) before anything else.
+        // Every group of an indexed segment that may hold one of them, to be
+        // read first (by the lookup, without the lock; on several threads
+        // when there are many).
         let mut reads = Vec::new();
         let mut in_groups = Vec::new();
         let mut unindexed = Vec::new();
@@ -1806,8 +1808,8 @@ fn parts_of(reads: &[GroupRead], threads: usize) -> Vec<&[GroupRead]> {
 
 /// [`read_groups`] on up to `threads` threads (this one included; 0 or 1:
 /// this one alone), each taking one of [`parts_of`] `reads`; the others are
-/// scoped threads. The caller holds the usage store's lock throughout, as
-/// for one thread. A thread that cannot be started leaves its part to this
+/// scoped threads. The caller need not hold the usage store's lock: a
+/// [`FirstSeenLookup`] keeps the files on disk while it reads. A thread that cannot be started leaves its part to this
 /// one; a panic in one is raised again here. Results keep the order of
 /// `reads`, and hits and the first error are those of one thread.
 fn read_groups_on(
@@ -2060,14 +2062,15 @@ mod tests {
     /// without it: a flush and a compaction may come between, and then
     /// the segments planned are still read (garbage collection leaves them
     /// until the lookup is done) and an original a flush moved out of the
-    /// memtable is found where it went.
+    /// memtable is found where it went. The compaction also drops the two
+    /// planned segments past retention, so only the lookup's own reads of
+    /// their kept files can answer for them.
     #[test]
     fn a_lookup_reads_what_it_planned_though_a_compaction_replaced_it() {
         use crate::storage::testutil::sample_event_at;
         let dir = tempfile::tempdir().expect("tmp");
         let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
-        let opts = StoreOptions { compaction_target_rows: 1_000, ..jobs_options() };
-        let (mut store, _) = UsageStore::open_on(Arc::new(RealFs), dir.path(), opts, observer).expect("open");
+        let (mut store, _) = UsageStore::open_on(Arc::new(RealFs), dir.path(), jobs_options(), observer).expect("open");
         let t0 = 1_700_000_000_000;
         let minute = 60_000;
         // Three segments of ten, a minute apart, and five in the memtable.
@@ -2088,11 +2091,13 @@ mod tests {
             [3usize, 14, 32].iter().map(|&i| (events[i].key.id_hash, events[i].key.first_seen_ms)).collect();
         let mut lookup = store.plan_first_seen_many(0, &wanted).expect("plan");
 
-        // The memtable becomes a segment, the four merge into one, and a
-        // third manifest leaves the replaced segments in neither of the two
+        // The memtable becomes a segment; with a minute's retention the
+        // first two segments expire and the last two merge; a third
+        // manifest leaves the replaced segments in neither of the two
         // garbage collection keeps.
         flush(&mut store);
-        let mut job = store.start_compaction(t0).expect("plan").expect("the segments merge");
+        store.opts.retention_ms = minute;
+        let mut job = store.start_compaction(t0 + 3 * minute - 1).expect("plan").expect("a compaction");
         job.run();
         store.finish_compaction(job).expect("install");
         store.append(&[sample_event_at(99, 0, 99, t0 + 9 * minute)]).expect("append");
