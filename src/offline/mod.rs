@@ -925,6 +925,30 @@ mod tests {
         assert!(matches!(result, Err(OfflineError::StateNeedsOutputFile)), "{result:?}");
     }
 
+    /// A batch's originals read on a thread that panicked: waited for on
+    /// a run going well, the panic is raised with its own message; settled
+    /// after the run has failed, it is logged and the run's error stands.
+    #[test]
+    fn a_panic_reading_originals_is_its_own_and_never_hides_a_run_error() {
+        fn reading<'scope>(scope: &'scope std::thread::Scope<'scope, '_>) -> Originals<'scope> {
+            let thread = std::thread::Builder::new()
+                .spawn_scoped(scope, || -> Result<Vec<Option<UsageEvent>>, StateError> {
+                    panic!("a bug in reading originals")
+                })
+                .expect("thread");
+            Originals::Reading(thread)
+        }
+        let raised = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            std::thread::scope(|scope| reading(scope).wait().map(|found| found.len()))
+        }));
+        let message = raised.expect_err("waited for, the panic is raised");
+        assert_eq!(message.downcast_ref::<&str>(), Some(&"a bug in reading originals"));
+        let settled = std::thread::scope(|scope| reading(scope).settle());
+        assert!(settled.is_none());
+        let known = std::thread::scope(|_| Originals::Known(vec![None, None]).settle());
+        assert_eq!(known.map(|found| found.len()), Some(2));
+    }
+
     /// A run that went well ends the validating thread and stays well:
     /// the join comes after the channels close (joined before, the thread
     /// would wait for its next batch and this test would hang).
