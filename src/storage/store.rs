@@ -2119,6 +2119,37 @@ mod tests {
         assert_verifies(dir.path());
     }
 
+    /// A version-1 segment, which a lookup reads whole under the lock at
+    /// its finish, may be merged away between the plan and the finish: its
+    /// originals are then found where the merge put them.
+    #[test]
+    fn an_original_in_a_version_1_segment_merged_before_the_lookup_finishes_is_found() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let (store, events) = segments_of(dir.path(), &jobs_options(), 2, 10);
+        let planned: Vec<SegmentMeta> = store.segments().to_vec();
+        drop(store);
+        // The same rows as version-1 files (what dedupd wrote before row
+        // groups), under the same sidecars.
+        for (meta, rows) in planned.iter().zip(events.chunks(10)) {
+            let refs: Vec<&StoredEvent> = rows.iter().collect();
+            let (v1, _, _) = segment::encode_image(&refs).expect("encode");
+            std::fs::write(segment::segment_path(&dir.path().join("segments"), meta.id), v1).expect("write v1");
+        }
+        let observer: Arc<dyn StorageObserver> = Arc::new(super::super::NoopObserver);
+        let (mut store, _) = UsageStore::open_on(Arc::new(RealFs), dir.path(), jobs_options(), observer).expect("open");
+        let wanted: Vec<(IdHash, i64)> =
+            [2usize, 15].iter().map(|&i| (events[i].key.id_hash, events[i].key.first_seen_ms)).collect();
+        let mut lookup = store.plan_first_seen_many(0, &wanted).expect("plan");
+        assert_eq!(lookup.unindexed.len(), 2, "both segments are read whole, at the finish");
+        let mut job = store.start_compaction(events[0].key.first_seen_ms).expect("plan").expect("the two merge");
+        job.run();
+        store.finish_compaction(job).expect("install");
+        assert!(store.segments().iter().all(|s| planned.iter().all(|p| p.id != s.id)), "{:?}", store.segments());
+        lookup.read(ReadCores::All).expect("read");
+        let found = store.finish_first_seen_many(lookup).expect("finish");
+        assert_eq!(found, vec![Some(events[2].clone()), Some(events[15].clone())]);
+    }
+
     /// A conflict's original in a large segment costs one group, not the
     /// file; a version-1 file left by an older dedupd is still found (its
     /// sidecar and the whole file, as before) until compaction rewrites it.
