@@ -335,19 +335,23 @@ pub fn run_dedupe_with_progress(
                     reports.write(last)?;
                 }
                 // The originals of conflicts within the batch are its own
-                // accepted events: copied now, so the batch's events need not
-                // wait with its reports.
-                let in_batch = outcomes
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(i, o)| match o {
-                        Outcome::Conflict { first, .. } => first
-                            .batch_index
-                            .and_then(|j| accepted_in_batch[j])
-                            .map(|k| (i, published[k].event.clone())),
-                        _ => None,
-                    })
-                    .collect();
+                // accepted events: copied now (only when conflicts are
+                // reported), so the batch's events need not wait with its
+                // reports.
+                let in_batch = match reports.conflicts {
+                    None => Default::default(),
+                    Some(_) => outcomes
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, o)| match o {
+                            Outcome::Conflict { first, .. } => first
+                                .batch_index
+                                .and_then(|j| accepted_in_batch[j])
+                                .map(|k| (i, published[k].event.clone())),
+                            _ => None,
+                        })
+                        .collect(),
+                };
                 drop(published);
                 let originals = reading_now.take().unwrap_or(Originals::Known(Vec::new()));
                 // Reading ahead (an input file), a batch whose originals are
