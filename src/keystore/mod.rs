@@ -49,6 +49,8 @@
 //!
 //! # Files
 //!
+//! - `absent.rs`: what a partition's last lookup found absent, so its
+//!   batch's apply need not read those keys again.
 //! - `codec.rs`: key/value/meta encodings (the format block).
 //! - `histogram.rs`: first-seen histogram and the meta merge operator.
 //! - `horizon.rs`: the floor and the compaction filter.
@@ -56,6 +58,7 @@
 //! - `options.rs`: settings and the RocksDB options they become.
 //! - `store.rs`: [`KeyStore`].
 
+mod absent;
 mod codec;
 #[cfg(test)]
 mod contract;

@@ -13,6 +13,7 @@ use rocksdb::{
 use crate::classify::{HorizonError, IdBuildHasher, LongHorizon, SeenKey};
 use crate::event::IdHash;
 
+use super::absent::{AbsentNotes, BumpOnDrop};
 use super::codec::{
     checkpoint_key, decode_key, decode_value, encode_key, encode_value, partition_range, FORMAT_VERSION, KEY_LEN,
     MAX_VALUE_LEN, META_FLOOR, META_HISTOGRAM, META_VERSION,
@@ -91,6 +92,12 @@ pub struct KeyStore {
     /// Each partition's apply lock (created on its first apply).
     partition_writes: Mutex<hashbrown::HashMap<i32, Arc<Mutex<()>>>>,
     state: Mutex<WriteState>,
+    /// What each partition's last lookup found absent, so the apply of the
+    /// batch that lookup classified need not read those keys again (see
+    /// `absent.rs` for why a note can be trusted).
+    absent: AbsentNotes,
+    /// Ids applies have looked up (those no note vouched for), since open.
+    apply_reads: std::sync::atomic::AtomicU64,
     /// Kept so the block cache outlives every table reader using it.
     _cache: Cache,
 }
@@ -134,6 +141,8 @@ impl KeyStore {
             writes: RwLock::new(()),
             partition_writes: Mutex::new(hashbrown::HashMap::new()),
             state: Mutex::new(WriteState { histogram: Histogram::new(opts.histogram_bucket_ms), size_limited: false }),
+            absent: AbsentNotes::default(),
+            apply_reads: std::sync::atomic::AtomicU64::new(0),
             opts,
             _cache: cache,
         };
@@ -236,6 +245,11 @@ impl KeyStore {
         let _store_wide = self.apply_writes();
         let mine = self.partition_writes(partition);
         let _partition = mine.lock().unwrap_or_else(PoisonError::into_inner);
+        // Declared after the locks, so dropped before them: the partition's
+        // mark moves once this apply's write is visible (or it failed),
+        // before another apply of the partition can take its note.
+        let known_absent = self.absent.take(partition);
+        let _bump = BumpOnDrop::partition(&self.absent, partition);
         let stored = self.checkpoint(partition)?;
         if stored.is_some_and(|c| c >= checkpoint) {
             // The whole batch is at or below the checkpoint: a replay.
@@ -255,12 +269,21 @@ impl KeyStore {
         let mut fresh = fresh;
         fresh.sort_unstable_by_key(|k| k.id_hash);
         let encoded: Vec<[u8; KEY_LEN]> = fresh.iter().map(|k| encode_key(partition, &k.id_hash)).collect();
-        // Which of them are remembered above the floor already: a lookup
-        // like a batch's classification, read in parts beside the helpers
-        // (the floor cannot move under it: age-out waits for this apply).
-        let ids: Vec<IdHash> = fresh.iter().map(|k| k.id_hash).collect();
-        let mut existing = Vec::with_capacity(ids.len());
-        self.get_many(partition, &ids, &mut existing)?;
+        // Which of them are remembered above the floor already. The ids the
+        // batch's own classification found absent, with nothing written to
+        // the partition since, are known; the rest are read like a batch's
+        // classification, in parts beside the helpers (the floor cannot
+        // move under it: age-out waits for this apply).
+        let known = |id: &IdHash| known_absent.as_ref().is_some_and(|a| a.contains(id));
+        let ids: Vec<IdHash> = fresh.iter().map(|k| k.id_hash).filter(|id| !known(id)).collect();
+        let mut read = Vec::with_capacity(ids.len());
+        if !ids.is_empty() {
+            self.get_many(partition, &ids, &mut read)?;
+            self.apply_reads.fetch_add(ids.len() as u64, Ordering::Relaxed);
+        }
+        let mut read = read.into_iter();
+        let existing: Vec<Option<SeenKey>> =
+            fresh.iter().map(|k| if known(&k.id_hash) { None } else { read.next().flatten() }).collect();
 
         let mut batch = WriteBatch::default();
         let mut cells: Vec<(i64, BucketStats)> = Vec::new();
@@ -424,6 +447,7 @@ impl KeyStore {
         let keys_cf = self.keys_cf()?;
         let meta_cf = self.meta_cf()?;
         let _store_wide = self.store_writes();
+        let _bump = BumpOnDrop::store_wide(&self.absent, Some(partition));
         let mut st = self.lock();
         let (start, end) = partition_range(partition);
         let cells = st.histogram.remove_partition(partition);
@@ -513,6 +537,7 @@ impl KeyStore {
         let keys_cf = self.keys_cf()?;
         let meta_cf = self.meta_cf()?;
         let _store_wide = self.store_writes();
+        let _bump = BumpOnDrop::store_wide(&self.absent, None);
         let mut st = self.lock();
         let (start, end) = partition_range(partition);
         {
@@ -594,6 +619,13 @@ impl KeyStore {
         Ok(loaded)
     }
 
+    /// Ids applies have read from the store since open to check that they
+    /// were not remembered already: those the batch's own lookup had not
+    /// just found absent (see `absent.rs`).
+    pub fn ids_read_by_applies(&self) -> u64 {
+        self.apply_reads.load(Ordering::Relaxed)
+    }
+
     /// Keys compactions have dropped below the floor since open.
     pub fn reclaimed_keys(&self) -> u64 {
         self.floor.reclaimed.load(Ordering::Relaxed)
@@ -643,8 +675,13 @@ impl KeyStore {
 }
 
 impl LongHorizon for KeyStore {
+    /// A classification's lookup: what it finds absent is noted for the
+    /// batch's apply (see `absent.rs`).
     fn lookup_many(&self, partition: i32, ids: &[IdHash], out: &mut Vec<Option<SeenKey>>) -> Result<(), HorizonError> {
-        self.get_many(partition, ids, out).map_err(|e| HorizonError(Box::new(e)))
+        let marks = self.absent.marks(partition);
+        self.get_many(partition, ids, out).map_err(|e| HorizonError(Box::new(e)))?;
+        self.absent.note(partition, marks, ids, out);
+        Ok(())
     }
 }
 
@@ -799,6 +836,51 @@ mod tests {
         assert_eq!(ks.get(0, &a.id_hash)?, Some(a));
         assert_eq!(ks.partition_key_count(0)?, 1);
         assert_eq!(ks.checkpoint(0)?, Some(3));
+        Ok(())
+    }
+
+    /// The batch's classification looked its keys up and found them
+    /// absent: its apply reads none of them again, only the one it did not
+    /// look up, and still writes them all.
+    #[test]
+    fn an_apply_reads_only_the_ids_its_batchs_lookup_did_not_find_absent() -> Result<(), KeystoreError> {
+        let dir = tempfile::tempdir().map_err(|source| KeystoreError::Io { path: "tmp".into(), source })?;
+        let ks = KeyStore::open(dir.path(), opts())?;
+        let (a, b, c, known) = (key(1, HOUR, 1), key(2, HOUR, 2), key(3, HOUR, 3), key(4, HOUR, 0));
+        ks.apply_batch(0, &[known], 0)?;
+        let before = ks.ids_read_by_applies();
+        let mut answers = Vec::new();
+        ks.lookup_many(0, &[a.id_hash, b.id_hash, known.id_hash], &mut answers).expect("lookup");
+        assert_eq!(answers, [None, None, Some(known)]);
+        ks.apply_batch(0, &[a, b, c], 3)?;
+        assert_eq!(ks.ids_read_by_applies() - before, 1, "only c was read again");
+        for k in [a, b, c, known] {
+            assert_eq!(ks.get(0, &k.id_hash)?, Some(k));
+        }
+        // The note served that apply: the next one reads its ids.
+        let a_again = SeenKey { output: Position::new(0, 4), first_seen_ms: 2 * HOUR, ..a };
+        ks.apply_batch(0, &[a_again], 4)?;
+        assert_eq!(ks.ids_read_by_applies() - before, 2);
+        assert_eq!(ks.get(0, &a.id_hash)?, Some(a), "the first delivery wins");
+        Ok(())
+    }
+
+    /// A lookup found an id absent; then a bulk load (a store-wide write)
+    /// remembered it. The next apply may not take the lookup's word: the
+    /// id keeps the value the load gave it.
+    #[test]
+    fn a_store_wide_write_after_a_lookup_makes_its_note_stale() -> Result<(), KeystoreError> {
+        let dir = tempfile::tempdir().map_err(|source| KeystoreError::Io { path: "tmp".into(), source })?;
+        let ks = KeyStore::open(dir.path(), opts())?;
+        let loaded = key(1, HOUR, 1);
+        let mut answers = Vec::new();
+        ks.lookup_many(0, &[loaded.id_hash], &mut answers).expect("lookup");
+        assert_eq!(answers, [None]);
+        ks.bulk_load(0, [loaded], Some(1))?;
+        let again = SeenKey { output: Position::new(0, 2), first_seen_ms: 2 * HOUR, ..loaded };
+        ks.apply_batch(0, &[again], 2)?;
+        assert_eq!(ks.get(0, &loaded.id_hash)?, Some(loaded));
+        assert_eq!(ks.partition_key_count(0)?, 1);
         Ok(())
     }
 
