@@ -1696,6 +1696,83 @@ mod tests {
         state.close().expect("close");
     }
 
+    /// A storm's originals are read without the usage store's lock while
+    /// the partition goes on applying: flushes and compactions on their own
+    /// threads replace the segments a lookup planned to read, and each
+    /// install collects the files it replaced. Every lookup, made over and
+    /// over beside the applies, finds every original it asks for, whole.
+    #[test]
+    fn originals_are_found_whole_while_batches_flush_compact_and_collect_beside_the_reads() {
+        const BATCHES: u64 = 80;
+        const PER_BATCH: u64 = 25;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let settings = EngineSettings::default();
+        let store = StoreOptions {
+            memtable_max_events: 50,
+            compaction_min_segments: 2,
+            compaction_target_rows: 400,
+            ..store_options(&settings)
+        };
+        let keys = crate::sim::disk::SimKeyStore::new(settings.horizon_ms(), 7);
+        let mut state =
+            LocalState::open_on(Arc::new(crate::storage::RealFs), dir.path(), Box::new(keys), settings, store, true)
+                .expect("open");
+        // Flushes and compactions on threads, as on a state directory.
+        if let Some(d) = state.durable.as_mut() {
+            d.flusher = JobThread::default();
+            d.compactor = JobThread::default();
+        }
+        state.assign(0, NOW).expect("assign");
+        let event = |n: u64| sample_event_at(n, 0, n as i64, NOW);
+        let applied = std::sync::atomic::AtomicU64::new(0);
+        let mut lookups = 0u64;
+        std::thread::scope(|scope| {
+            let (state, applied) = (&state, &applied);
+            let writer = scope.spawn(move || {
+                for b in 0..BATCHES {
+                    let batch: Vec<StoredEvent> = (b * PER_BATCH..(b + 1) * PER_BATCH).map(event).collect();
+                    state.apply_published(0, &batch, NOW).expect("apply");
+                    state.maintain(NOW).expect("maintain");
+                    applied.store((b + 1) * PER_BATCH, Ordering::Release);
+                }
+            });
+            let mut look = |round: u64| {
+                let n = applied.load(Ordering::Acquire);
+                if n == 0 {
+                    return;
+                }
+                // Spread over everything applied so far: old originals in
+                // merged segments, new ones in the memtable.
+                let asked: Vec<u64> = (0..50).map(|i| (round * 7 + i * 13) % n).collect();
+                let wanted: Vec<(IdHash, i64)> =
+                    asked.iter().map(|&k| (event(k).key.id_hash, event(k).key.first_seen_ms)).collect();
+                let found = state.originals_seen_at(0, &wanted, ReadCores::All).expect("originals");
+                for (k, f) in asked.iter().zip(found) {
+                    assert_eq!(f.as_ref(), Some(&event(*k).event), "round {round}: event {k} of {n} applied");
+                }
+                lookups += 1;
+            };
+            let mut round = 0;
+            while !writer.is_finished() {
+                look(round);
+                round += 1;
+            }
+            writer.join().expect("writer");
+            look(round);
+        });
+        assert!(lookups > 0);
+        let d = state.durable.as_ref().expect("durable");
+        while !(d.flusher.idle() && d.compactor.idle()) {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let (segments, next) = {
+            let usage = locked(&d.usage);
+            (usage.segments().len() as u64, usage.next_segment_id())
+        };
+        assert!(segments + 2 < next, "compactions merged segments: {segments} left of {next} ids");
+        state.close().expect("close");
+    }
+
     /// On the simulator's disk a flush waits to be run: close runs it (the
     /// segment is installed), an append that needs the memtable's room runs
     /// it, and a crash drops it unrun or written and not installed (the WAL
