@@ -32,6 +32,8 @@ pub enum KeystoreError {
         #[source]
         source: std::io::Error,
     },
+    #[error("key store lookup answered {answered} of {asked} ids")]
+    ShortLookup { asked: usize, answered: usize },
     #[error("key store lookup failed on a helper thread: {detail}")]
     LookupHelper { detail: String },
     #[error("invalid key store option {key}: {detail}")]

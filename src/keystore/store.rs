@@ -75,7 +75,10 @@ struct WriteState {
 /// at the same time (RocksDB takes concurrent writers). Store-wide writes
 /// (`age_out`, `drop_partition`, `bulk_load`) take the store-wide lock
 /// alone. The in-memory histogram has a lock of its own, held only to read
-/// or change the counts. Locks are std locks, held across no I/O other than
+/// or change the counts. So have the notes of what lookups found absent
+/// (`absent.rs`): one mutex for every partition, taken twice by each lookup
+/// and each apply, held only to read or swap a note, never across I/O, and
+/// always the last lock taken. Locks are std locks, held across no I/O other than
 /// the RocksDB reads and write batch of one call, never across an await.
 pub struct KeyStore {
     db: Arc<DB>,
@@ -280,6 +283,11 @@ impl KeyStore {
         if !ids.is_empty() {
             self.get_many(partition, &ids, &mut read)?;
             self.apply_reads.fetch_add(ids.len() as u64, Ordering::Relaxed);
+        }
+        // An answer missing would read as "not remembered" and overwrite
+        // the key: refuse instead.
+        if read.len() != ids.len() {
+            return Err(KeystoreError::ShortLookup { asked: ids.len(), answered: read.len() });
         }
         let mut read = read.into_iter();
         let existing: Vec<Option<SeenKey>> =
@@ -622,7 +630,7 @@ impl KeyStore {
     /// Ids applies have read from the store since open to check that they
     /// were not remembered already: those the batch's own lookup had not
     /// just found absent (see `absent.rs`).
-    pub fn ids_read_by_applies(&self) -> u64 {
+    pub(crate) fn ids_read_by_applies(&self) -> u64 {
         self.apply_reads.load(Ordering::Relaxed)
     }
 
@@ -881,6 +889,54 @@ mod tests {
         ks.apply_batch(0, &[again], 2)?;
         assert_eq!(ks.get(0, &loaded.id_hash)?, Some(loaded));
         assert_eq!(ks.partition_key_count(0)?, 1);
+        Ok(())
+    }
+
+    /// Lookups of a partition's ids on one thread, over and over, while
+    /// another applies each batch twice: first delivered, then delivered
+    /// again later with a later first-seen time. A lookup that found a
+    /// batch's ids absent before its first apply must not vouch for them at
+    /// the second: every id keeps its first value, and is counted once.
+    #[test]
+    fn lookups_racing_applies_of_their_partition_never_let_a_later_delivery_win() -> Result<(), KeystoreError> {
+        const BATCHES: u64 = 150;
+        const PER_BATCH: u64 = 20;
+        let dir = tempfile::tempdir().map_err(|source| KeystoreError::Io { path: "tmp".into(), source })?;
+        let ks = KeyStore::open(dir.path(), KeyStoreOptions { lookup_helpers: 1, ..opts() })?;
+        let span = 2 * PER_BATCH as i64;
+        let first = |n: u64| key(n, HOUR, (n / PER_BATCH) as i64 * span + (n % PER_BATCH) as i64);
+        let again = |n: u64| {
+            let f = first(n);
+            SeenKey { first_seen_ms: 2 * HOUR, output: Position::new(0, f.output.offset + PER_BATCH as i64), ..f }
+        };
+        let batch_ids = |b: u64| b * PER_BATCH..(b + 1) * PER_BATCH;
+        let applying = std::sync::atomic::AtomicU64::new(0);
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|scope| -> Result<(), KeystoreError> {
+            let (ks, applying, done) = (&ks, &applying, &done);
+            scope.spawn(move || {
+                let mut answers = Vec::new();
+                while !done.load(Ordering::Acquire) {
+                    let b = applying.load(Ordering::Acquire);
+                    let ids: Vec<IdHash> = batch_ids(b).map(|n| first(n).id_hash).collect();
+                    ks.lookup_many(0, &ids, &mut answers).expect("lookup");
+                }
+            });
+            for b in 0..BATCHES {
+                applying.store(b, Ordering::Release);
+                let firsts: Vec<SeenKey> = batch_ids(b).map(first).collect();
+                let agains: Vec<SeenKey> = batch_ids(b).map(again).collect();
+                ks.apply_batch(0, &firsts, firsts.last().expect("keys").output.offset)?;
+                ks.apply_batch(0, &agains, agains.last().expect("keys").output.offset)?;
+            }
+            done.store(true, Ordering::Release);
+            Ok(())
+        })?;
+        for n in 0..BATCHES * PER_BATCH {
+            assert_eq!(ks.get(0, &first(n).id_hash)?, Some(first(n)), "key {n}");
+        }
+        assert_eq!(ks.partition_key_count(0)?, BATCHES * PER_BATCH);
+        assert_eq!(ks.key_count(), BATCHES * PER_BATCH, "each key counted once");
         Ok(())
     }
 
