@@ -630,7 +630,7 @@ impl KeyStore {
     /// Ids applies have read from the store since open to check that they
     /// were not remembered already: those the batch's own lookup had not
     /// just found absent (see `absent.rs`).
-    pub(crate) fn ids_read_by_applies(&self) -> u64 {
+    pub fn ids_read_by_applies(&self) -> u64 {
         self.apply_reads.load(Ordering::Relaxed)
     }
 
