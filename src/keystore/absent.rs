@@ -98,8 +98,8 @@ impl AbsentNotes {
         if ids.len() > MAX_NOTED_IDS || ids.len() != answers.len() {
             return;
         }
-        let absent: HashSet<IdHash, IdBuildHasher> =
-            ids.iter().zip(answers).filter(|(_, a)| a.is_none()).map(|(id, _)| *id).collect();
+        let mut absent: HashSet<IdHash, IdBuildHasher> = HashSet::with_capacity_and_hasher(ids.len(), IdBuildHasher);
+        absent.extend(ids.iter().zip(answers).filter(|(_, a)| a.is_none()).map(|(id, _)| *id));
         let mut n = self.lock();
         let epoch = n.epoch;
         let Some(p) = n.partitions.get_mut(&partition) else { return };

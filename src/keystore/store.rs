@@ -277,8 +277,9 @@ impl KeyStore {
         // the partition since, are known; the rest are read like a batch's
         // classification, in parts beside the helpers (the floor cannot
         // move under it: age-out waits for this apply).
-        let known = |id: &IdHash| known_absent.as_ref().is_some_and(|a| a.contains(id));
-        let ids: Vec<IdHash> = fresh.iter().map(|k| k.id_hash).filter(|id| !known(id)).collect();
+        let known: Vec<bool> =
+            fresh.iter().map(|k| known_absent.as_ref().is_some_and(|a| a.contains(&k.id_hash))).collect();
+        let ids: Vec<IdHash> = fresh.iter().zip(&known).filter(|(_, &k)| !k).map(|(k, _)| k.id_hash).collect();
         let mut read = Vec::with_capacity(ids.len());
         if !ids.is_empty() {
             self.get_many(partition, &ids, &mut read)?;
@@ -291,7 +292,7 @@ impl KeyStore {
         }
         let mut read = read.into_iter();
         let existing: Vec<Option<SeenKey>> =
-            fresh.iter().map(|k| if known(&k.id_hash) { None } else { read.next().flatten() }).collect();
+            known.iter().map(|&known| if known { None } else { read.next().flatten() }).collect();
 
         let mut batch = WriteBatch::default();
         let mut cells: Vec<(i64, BucketStats)> = Vec::new();
