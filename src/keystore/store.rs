@@ -923,15 +923,17 @@ mod tests {
                     ks.lookup_many(0, &ids, &mut answers).expect("lookup");
                 }
             });
-            for b in 0..BATCHES {
+            let applied = (0..BATCHES).try_for_each(|b| {
                 applying.store(b, Ordering::Release);
                 let firsts: Vec<SeenKey> = batch_ids(b).map(first).collect();
                 let agains: Vec<SeenKey> = batch_ids(b).map(again).collect();
                 ks.apply_batch(0, &firsts, firsts.last().expect("keys").output.offset)?;
-                ks.apply_batch(0, &agains, agains.last().expect("keys").output.offset)?;
-            }
+                ks.apply_batch(0, &agains, agains.last().expect("keys").output.offset)
+            });
+            // Whatever the applies did, so the lookups end and the scope
+            // can join them.
             done.store(true, Ordering::Release);
-            Ok(())
+            applied
         })?;
         for n in 0..BATCHES * PER_BATCH {
             assert_eq!(ks.get(0, &first(n).id_hash)?, Some(first(n)), "key {n}");

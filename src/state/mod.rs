@@ -1762,7 +1762,9 @@ mod tests {
         });
         assert!(lookups > 0);
         let d = state.durable.as_ref().expect("durable");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         while !(d.flusher.idle() && d.compactor.idle()) {
+            assert!(std::time::Instant::now() < deadline, "the usage store's jobs did not end within 60 s");
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         let (segments, next) = {
