@@ -641,6 +641,15 @@ impl EngineSettings {
         if self.hot_capacity == 0 {
             return Err(invalid("hot_capacity", "must be at least 1"));
         }
+        if self.hot_capacity > crate::classify::MAX_HOT_CACHE_KEYS {
+            return Err(invalid(
+                "hot_capacity",
+                format!(
+                    "must be at most {}: a partition's hot cache numbers its keys in 32 bits",
+                    crate::classify::MAX_HOT_CACHE_KEYS
+                ),
+            ));
+        }
         let d = |d: Duration| humantime::format_duration(d).to_string();
         let ms_d = |ms: i64| d(Duration::from_millis(u64::try_from(ms).unwrap_or(0)));
         if self.horizon < self.hot_ttl {
@@ -809,6 +818,10 @@ mod tests {
         let s = resolve(TuningArgs { keystore_lookup_threads: Some("0".into()), ..Default::default() }, "")
             .expect("no helpers is valid");
         assert_eq!(s.keystore_lookup_threads, 0);
+
+        let e = resolve(TuningArgs::default(), "hot_capacity = 4294967296").expect_err("beyond 32 bits");
+        assert!(e.to_string().contains("`hot_capacity`") && e.to_string().contains("at most 4294967295"), "{e}");
+        resolve(TuningArgs::default(), "hot_capacity = 4294967295").expect("the largest cache is valid");
 
         let e = resolve(TuningArgs { horizon: Some("1d".into()), ..Default::default() }, "").expect_err("short");
         assert!(e.to_string().contains("`horizon`"), "{e}");

@@ -1,10 +1,11 @@
 //! The hot cache: recent keys of one partition, in memory.
 //!
 //! ```text
-//! table: HashTable<u64 seq>         ring of entries in insertion order, in chunks
-//!   hash = low 64 bits of id_hash   ┌────────┬────────┬─────┐
-//!   value = sequence number  ─────► │chunk 0 │chunk 1 │ ... │  head_seq .. next_seq
-//!                                   └────────┴────────┴─────┘
+//! table: HashTable<u64 slot>        ring of entries in insertion order, in chunks
+//!   slot = tag 32 | seq 32          ┌────────┬────────┬─────┐
+//!   tag = low 32 bits of id_hash    │chunk 0 │chunk 1 │ ... │  head_seq .. next_seq
+//!   seq = sequence number  ───────► └────────┴────────┴─────┘
+//!         (low 32 bits)
 //! entry (56 bytes): id_hash 16 | payload_hash 16 | first_seen_ms 8 | source_offset 8 | output_offset 8
 //! ```
 //!
@@ -12,8 +13,21 @@
 //! `HashMap<IdHash, Value>` plus a separate eviction queue costs ~130 bytes at
 //! the low point of the table's load factor. Here each key lives once, in a
 //! ring that is also the eviction order; the table holds only an 8-byte
-//! sequence number per slot. Ids are blake3 output, so their low 64 bits are
-//! used as the table hash directly, with no hashing work.
+//! slot per key: 32 bits of the id (the tag) beside the low 32 bits of the
+//! key's sequence number. Ids are blake3 output, so the tag needs no hashing
+//! work, only a multiply that spreads it over the 64 bits the table uses.
+//!
+//! Why the tag is in the slot: growing the table re-hashes every key, and
+//! a table of sequence numbers alone had to read each key's entry in the
+//! ring to do it, a cache miss per key. That was a tenth of the offline
+//! path's time over a million new ids (perf, 2026-11-29). With the tag, a
+//! growth reads the slots only, in order, and a lookup compares the tag
+//! before it reads an entry.
+//!
+//! A slot holds 32 bits of the sequence number; the full number is the one
+//! within 2^32 at or after `head_seq`. That is exact because a cache never
+//! holds more than 2^32 - 1 keys ([`MAX_KEYS`]; `hot_capacity` is checked
+//! against it).
 //!
 //! Eviction is oldest-first, by insertion order, for both the TTL and the
 //! capacity bound. Insertion order is `first_seen_ms` order while the clock
@@ -32,6 +46,39 @@ use crate::classify::seen::SeenKey;
 use crate::event::{IdHash, PayloadHash, Position};
 
 const MAX_CHUNK_ENTRIES: usize = 1 << 16;
+
+/// The most keys one partition's hot cache holds: its slots number keys in
+/// 32 bits. At 56 bytes an entry that is 240 GB, beyond any deployment.
+pub const MAX_KEYS: usize = u32::MAX as usize;
+
+/// The table's 64-bit hash of a tag. The multiply by an odd constant is a
+/// bijection that spreads the tag's bits into the top seven (the table's
+/// control byte) as well as the low ones (the bucket).
+fn tag_hash(tag: u32) -> u64 {
+    u64::from(tag).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+fn tag_of(id_hash: &IdHash) -> u32 {
+    id_hash.low_u64() as u32
+}
+
+fn slot_of(tag: u32, seq: u64) -> u64 {
+    (u64::from(tag) << 32) | (seq & 0xFFFF_FFFF)
+}
+
+fn slot_tag(slot: u64) -> u32 {
+    (slot >> 32) as u32
+}
+
+fn slot_hash(slot: &u64) -> u64 {
+    tag_hash(slot_tag(*slot))
+}
+
+/// The full sequence number of a slot's key: the one at or after `head_seq`
+/// whose low 32 bits the slot holds (see the module doc).
+fn slot_seq(slot: u64, head_seq: u64) -> u64 {
+    head_seq + u64::from((slot as u32).wrapping_sub(head_seq as u32))
+}
 
 #[derive(Clone, Copy)]
 struct Entry {
@@ -92,9 +139,10 @@ impl std::fmt::Debug for HotCache {
 
 impl HotCache {
     /// A cache for `partition` keeping keys for `ttl_ms` after first seen, at
-    /// most `capacity` of them (a capacity of 0 is treated as 1).
+    /// most `capacity` of them (a capacity of 0 is treated as 1, one above
+    /// [`MAX_KEYS`] as `MAX_KEYS`; the configuration refuses both).
     pub fn new(partition: i32, ttl_ms: i64, capacity: usize) -> HotCache {
-        let capacity = capacity.max(1);
+        let capacity = capacity.clamp(1, MAX_KEYS);
         HotCache {
             partition,
             ttl_ms,
@@ -107,6 +155,16 @@ impl HotCache {
             next_seq: 0,
             evictions: HotEvictions::default(),
         }
+    }
+
+    /// An empty cache whose first key gets sequence number `seq`, as if
+    /// `seq` keys had come and gone: lets tests cross the 32-bit boundary
+    /// of the slots' sequence numbers.
+    #[cfg(test)]
+    fn numbering_from(mut self, seq: u64) -> HotCache {
+        assert!(self.is_empty());
+        (self.first_chunk_seq, self.head_seq, self.next_seq) = (seq, seq, seq);
+        self
     }
 
     /// Keys dropped since the cache was made.
@@ -154,15 +212,11 @@ impl HotCache {
     }
 
     fn find_seq(&self, id_hash: &IdHash) -> Option<u64> {
-        let chunks = &self.chunks;
-        let first = self.first_chunk_seq;
-        let per = self.chunk_entries;
+        let tag = tag_of(id_hash);
+        let head = self.head_seq;
         self.table
-            .find(id_hash.low_u64(), |&seq| {
-                let rel = (seq - first) as usize;
-                chunks[rel / per][rel % per].id_hash == *id_hash
-            })
-            .copied()
+            .find(tag_hash(tag), |&slot| slot_tag(slot) == tag && self.entry(slot_seq(slot, head)).id_hash == *id_hash)
+            .map(|&slot| slot_seq(slot, head))
     }
 
     fn to_seen(&self, e: &Entry) -> SeenKey {
@@ -181,11 +235,7 @@ impl HotCache {
     /// of opening a state directory of 2M events (perf, 2026-11-29).
     pub fn reserve(&mut self, additional: usize) {
         let room = additional.min(self.capacity.saturating_sub(self.len()));
-        let (chunks, first, per) = (&self.chunks, self.first_chunk_seq, self.chunk_entries);
-        self.table.reserve(room, |&s| {
-            let rel = (s - first) as usize;
-            chunks[rel / per][rel % per].id_hash.low_u64()
-        });
+        self.table.reserve(room, slot_hash);
     }
 
     /// Remembers `key` unless its id is already remembered (applying the same
@@ -210,17 +260,16 @@ impl HotCache {
         // the slot a new one goes in: a new key's probe is a cache miss or
         // two in a table of millions, and looking twice (find, then insert)
         // was a third of the insert.
-        let chunks = &self.chunks;
-        let first = self.first_chunk_seq;
-        let per = self.chunk_entries;
-        let at = |s: u64| {
-            let rel = (s - first) as usize;
-            &chunks[rel / per][rel % per]
+        let tag = tag_of(&key.id_hash);
+        let (chunks, first, per, head) = (&self.chunks, self.first_chunk_seq, self.chunk_entries, self.head_seq);
+        let same_id = |&slot: &u64| {
+            let rel = (slot_seq(slot, head) - first) as usize;
+            slot_tag(slot) == tag && chunks[rel / per][rel % per].id_hash == key.id_hash
         };
-        match self.table.entry(key.id_hash.low_u64(), |&s| at(s).id_hash == key.id_hash, |&s| at(s).id_hash.low_u64()) {
+        match self.table.entry(tag_hash(tag), same_id, slot_hash) {
             hashbrown::hash_table::Entry::Occupied(_) => return false,
-            hashbrown::hash_table::Entry::Vacant(slot) => {
-                slot.insert(seq);
+            hashbrown::hash_table::Entry::Vacant(vacant) => {
+                vacant.insert(slot_of(tag, seq));
             }
         }
         let rel = (seq - self.first_chunk_seq) as usize;
@@ -262,8 +311,8 @@ impl HotCache {
             return;
         }
         let seq = self.head_seq;
-        let hash = self.entry(seq).id_hash.low_u64();
-        if let Ok(found) = self.table.find_entry(hash, |&s| s == seq) {
+        let slot = slot_of(tag_of(&self.entry(seq).id_hash), seq);
+        if let Ok(found) = self.table.find_entry(slot_hash(&slot), |&s| s == slot) {
             found.remove();
         }
         self.head_seq += 1;
@@ -318,6 +367,27 @@ mod tests {
             source: Position::new(3, n as i64),
             output: Position::new(3, 100 + n as i64),
         }
+    }
+
+    /// Keys numbered across 2^32, where the slots' sequence numbers wrap:
+    /// each is found with its own entry, pushed out oldest first, and a
+    /// growth of the table (which hashes the slots alone) loses none.
+    #[test]
+    fn keys_numbered_across_two_to_the_32_are_found_and_evicted_in_order() {
+        let mut c = HotCache::new(3, 1_000, 1_000).numbering_from((1 << 32) - 500);
+        for n in 0..1_500 {
+            assert!(c.insert(&key(n, 1, 10), 20));
+        }
+        assert_eq!(c.len(), 1_000);
+        assert_eq!(c.evictions().at_capacity, 500);
+        for n in 0..500 {
+            assert_eq!(c.get(&key(n, 1, 10).id_hash, 20), None, "key {n} was pushed out");
+        }
+        for n in 500..1_500 {
+            assert_eq!(c.get(&key(n, 1, 10).id_hash, 20), Some(key(n, 1, 10)), "key {n}");
+            assert!(!c.insert(&key(n, 2, 10), 20), "key {n} is remembered");
+        }
+        assert_eq!(c.iter().collect::<Vec<_>>(), (500..1_500).map(|n| key(n, 1, 10)).collect::<Vec<_>>());
     }
 
     #[test]
@@ -457,14 +527,17 @@ mod tests {
         /// Inserts, lookups and a clock that moves (and sometimes steps
         /// back), against the model. Ids are drawn from a few low halves,
         /// so different ids share a table hash and the probe must compare
-        /// whole ids; small capacities cross chunk boundaries often.
+        /// whole ids; small capacities cross chunk boundaries often. Half
+        /// the runs number their keys from just below 2^32, so the slots'
+        /// 32-bit sequence numbers wrap while keys are held.
         #[test]
         fn behaves_as_the_model(
             cap in 1usize..12,
             ttl in 1i64..40,
             ops in proptest::collection::vec((0u8..3, 0u64..24, 0u64..3, 0i64..12, 0u8..3), 1..300),
+            first_seq in proptest::prop_oneof![proptest::strategy::Just(0u64), (1u64 << 32) - 40..(1u64 << 32) + 3],
         ) {
-            let mut cache = HotCache::new(5, ttl, cap);
+            let mut cache = HotCache::new(5, ttl, cap).numbering_from(first_seq);
             let mut model = Model::default();
             let mut now = 100i64;
             for (op, n, low, back, payload) in ops {

@@ -14,7 +14,7 @@ pub use classifier::{
     PartitionClassifier, Tier, Verdict,
 };
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use hot_cache::{HotCache, HotEvictions};
+pub use hot_cache::{HotCache, HotEvictions, MAX_KEYS as MAX_HOT_CACHE_KEYS};
 pub use outcome::{
     classify_records, classify_validated, validate_records, Classified, InputRecord, OnMisrouted, Outcome, Placement,
     Validated,
