@@ -42,6 +42,9 @@ struct Args {
     events_per_partition: usize,
     fsync: FsyncPolicy,
     rounds: usize,
+    /// The key store's memtable size (`--keystore-write-buffer`), to weigh
+    /// a smaller one against its flushes and compactions.
+    keystore_write_buffer_bytes: u64,
 }
 
 fn args() -> Args {
@@ -51,6 +54,7 @@ fn args() -> Args {
         events_per_partition: 100_000,
         fsync: FsyncPolicy::Always,
         rounds: 1,
+        keystore_write_buffer_bytes: EngineSettings::default().keystore_write_buffer_bytes,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -62,6 +66,7 @@ fn args() -> Args {
             "--threads" => a.threads = value().parse().expect("--threads: a number"),
             "--events-per-partition" => a.events_per_partition = value().parse().expect("a number"),
             "--rounds" => a.rounds = value().parse().expect("--rounds: a number"),
+            "--keystore-write-buffer" => a.keystore_write_buffer_bytes = value().parse().expect("bytes: a number"),
             "--fsync" => {
                 a.fsync = match value().as_str() {
                     "always" => FsyncPolicy::Always,
@@ -129,7 +134,11 @@ fn add(counter: &AtomicU64, since: Instant) {
 /// the time went, WAL fsyncs per batch and their mean time in ms.
 fn run(partitions: usize, a: &Args) -> (f64, Spent, f64, f64) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let settings = EngineSettings { fsync: a.fsync.clone(), ..EngineSettings::default() };
+    let settings = EngineSettings {
+        fsync: a.fsync.clone(),
+        keystore_write_buffer_bytes: a.keystore_write_buffer_bytes,
+        ..EngineSettings::default()
+    };
     let fsyncs = Arc::new(Fsyncs::default());
     let state =
         LocalState::open_observed(Some(dir.path()), settings.clone(), true, fsyncs.clone()).expect("open local state");
