@@ -4,6 +4,10 @@
 //! counting allocator (what the process really asked for, table slack
 //! included).
 //!
+//! A third group holds the keys of one partition of 16 under the default
+//! partitioner (`low_u64 % 16 == 0`), as a worker's cache does: ids that are
+//! not uniform in the bits the partitioner reads.
+//!
 //! Run: `cargo bench --bench classify`. Figures go in the note.
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -12,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use rust_decimal::Decimal;
 
-use dedupd::classify::{Candidate, ClassifierSettings, NoLongHorizon, PartitionClassifier, SeenKey};
+use dedupd::classify::{Candidate, ClassifierSettings, HotCache, NoLongHorizon, PartitionClassifier, SeenKey};
 use dedupd::event::{id_hash, payload_hash_with, EventKind, IdHash, PayloadHash, Position, UsageEvent};
 
 struct Counting;
@@ -143,5 +147,53 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench);
+/// `count` keys whose ids the default partitioner sends to partition 0 of
+/// `partitions`, starting the search at `n`.
+fn keys_of_partition_zero(partitions: u64, mut n: u64, count: usize) -> Vec<SeenKey> {
+    let mut keys = Vec::with_capacity(count);
+    while keys.len() < count {
+        let k = resident_key(n);
+        if k.id_hash.low_u64() % partitions == 0 {
+            keys.push(k);
+        }
+        n += 1;
+    }
+    keys
+}
+
+/// The hot cache alone, holding 1M keys of one partition of 16: filling it
+/// (printed, one pass), then looking up ids it holds and ids it does not.
+fn one_partition_of_sixteen(c: &mut Criterion) {
+    const RESIDENT: usize = 1_000_000;
+    let resident = keys_of_partition_zero(16, 0, RESIDENT);
+    let absent = keys_of_partition_zero(16, 1 << 40, 50 * BATCH);
+    let mut cache = HotCache::new(0, 7 * 86_400_000, RESIDENT);
+    let t = std::time::Instant::now();
+    for k in &resident {
+        cache.insert(k, NOW_MS);
+    }
+    eprintln!(
+        "hot cache, one partition of 16: {RESIDENT} inserts in {:.0} ms ({:.0} ns each)",
+        t.elapsed().as_secs_f64() * 1e3,
+        t.elapsed().as_nanos() as f64 / RESIDENT as f64
+    );
+    let mut group = c.benchmark_group("hot_cache_1M_one_partition_of_16");
+    group.throughput(Throughput::Elements(BATCH as u64));
+    group.sample_size(20);
+    let stride = RESIDENT / (50 * BATCH);
+    let hits: Vec<IdHash> = (0..50 * BATCH).map(|i| resident[i * stride].id_hash).collect();
+    let misses: Vec<IdHash> = absent.iter().map(|k| k.id_hash).collect();
+    for (name, ids) in [("get_resident", &hits), ("get_absent", &misses)] {
+        let mut start = 0usize;
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                start = (start + BATCH) % (ids.len() - BATCH);
+                ids[start..start + BATCH].iter().filter(|id| cache.get(id, NOW_MS).is_some()).count()
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench, one_partition_of_sixteen);
 criterion_main!(benches);
