@@ -5,7 +5,8 @@
 //! `docs/keystore.md` for the reasoning behind each one.
 
 use rocksdb::{
-    BlockBasedOptions, Cache, DBCompressionType, DBRecoveryMode, MemtableFactory, Options, ReadOptions, SliceTransform,
+    BlockBasedOptions, Cache, DBCompressionType, DBRecoveryMode, DataBlockIndexType, MemtableFactory, Options,
+    ReadOptions, SliceTransform,
 };
 
 use super::codec::KEY_LEN;
@@ -162,6 +163,13 @@ pub(crate) fn keys_cf_options(o: &KeyStoreOptions, cache: &Cache, floor: Floor) 
     // an absent-key probe then never waits on a cache miss.
     t.set_cache_index_and_filter_blocks(false);
     t.set_block_size(o.block_bytes);
+    // A hash index in each data block: a point lookup of a key that is
+    // there (a late retry) goes from the block's hash to its entry instead
+    // of binary-searching the block's restart points. A retry storm of keys
+    // all found in the store ran ~10% faster at 50M keys for 1.4 B/key more
+    // disk (benches/keystore.rs, 2026-11-29). Iterators still search.
+    t.set_data_block_index_type(DataBlockIndexType::BinaryAndHash);
+    t.set_data_block_hash_ratio(0.75);
     t.set_format_version(6);
     cf.set_block_based_table_factory(&t);
     cf.set_optimize_filters_for_hits(false);
