@@ -8,7 +8,7 @@
 mod kafka_common;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dedupd::kafka::demo::{demo, produce_traffic, DemoSettings};
 use dedupd::kafka::{run, DeliveryMode, KafkaError, RunSettings, Topics};
@@ -510,7 +510,26 @@ async fn standbys_follow_and_hand_partitions_over_through_rebalances_and_output_
     .await;
     assert!(following, "the two workers never followed each other's partitions");
     produce_traffic(&producer, &topics.input, PARTITIONS, &s.records[2 * quarter..3 * quarter]).await.expect("produce");
-    tokio::time::sleep(Duration::from_secs(6)).await;
+    // Until the group has committed the third quarter and B's standbys have
+    // stopped applying (unchanged for 1.5 s): a fixed wait assumed both
+    // happen within 6 s, which two busy cores need not keep.
+    let caught_up = wait_until(Duration::from_secs(60), || {
+        committed(&brokers, "standbys", &topics.input, PARTITIONS)
+            == high_watermarks(&brokers, &topics.input, PARTITIONS)
+    })
+    .await;
+    assert!(caught_up, "the group did not finish the third quarter");
+    let settle = Instant::now() + Duration::from_secs(30);
+    let mut applied = metric_value(&metrics_b, "dedupd_standby_records_total");
+    let mut since = Instant::now();
+    while since.elapsed() < Duration::from_millis(1500) {
+        assert!(Instant::now() < settle, "B's standbys kept applying for 30 s");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let now = metric_value(&metrics_b, "dedupd_standby_records_total");
+        if now != applied {
+            (applied, since) = (now, Instant::now());
+        }
+    }
     // A leaves cleanly mid-stream: B's followers hand its partitions over,
     // so B's repair of them reads at most A's last couple of batches (its
     // standbys apply every half second), not A's whole output.
@@ -879,18 +898,20 @@ async fn a_transaction_commit_delayed_past_its_timeout_is_resumed_and_the_worker
         mock.broker_round_trip_time(b, Duration::from_secs(3)).expect("rtt");
     }
     produce_traffic(&producer, &topics.input, PARTITIONS, half2).await.expect("produce");
-    tokio::time::sleep(Duration::from_secs(8)).await;
+    // The delay stays until it has caused a fault: calls timed out and were
+    // resumed or aborted. (A fixed 8 s left ~3 s of margin: the mock answers
+    // each fetch 3 s late, so the worker met the second half ~6 s in.)
+    let faults = || metrics.transaction_resumes() + metrics.transactions(false) + metrics.publish_retries("timeout");
+    let faulted = wait_until(Duration::from_secs(60), || faults() > 0).await;
     for b in 1..=3 {
         mock.broker_round_trip_time(b, Duration::ZERO).expect("rtt");
     }
+    assert!(faulted, "the injected delay caused no resumed or aborted transaction in 60 s");
     let total = s.records.len() as u64;
     assert!(
         wait_until(Duration::from_secs(120), || buckets_total(&metrics) >= total).await,
         "the worker did not catch up once the delay was removed"
     );
-    // The fault happened: calls timed out and were resumed or aborted.
-    let faults = metrics.transaction_resumes() + metrics.transactions(false) + metrics.publish_retries("timeout");
-    assert!(faults > 0, "the injected delay caused no resumed or aborted transaction");
     assert!(metrics.is_healthy(), "the worker recovered");
     stop_and_check_exactly_once((stop, worker), &brokers, &topics, "slow-commit", &s).await;
 }

@@ -98,6 +98,21 @@ fn metric(addr: std::net::SocketAddr, series: &str) -> Option<f64> {
     page.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
+/// [`metric`], asked again every 200 ms until the worker answers, for at
+/// most 10 s. One scrape of a busy worker on a loaded machine can miss its
+/// timeouts; a read that feeds an equality or an `expect` must not turn
+/// that into a wrong number or a failure.
+async fn metric_answered(addr: std::net::SocketAddr, series: &str) -> f64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(v) = metric(addr, series) {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "the worker's /metrics gave no {series} within 10 s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// Waits until the worker owns `partitions` input partitions and has
 /// repaired them (`/readyz`).
 async fn wait_owning(w: &mut Worker, partitions: i32, timeout: Duration) {
@@ -456,7 +471,7 @@ async fn worker_sigkilled_ten_times_under_load_still_publishes_every_id_exactly_
     // The life after the last kill started from the state directory: repair
     // re-applied at most the batches in flight at the kill (one per
     // partition, published but not yet applied), not the whole output.
-    let repaired = metric(w.metrics, "dedupd_repair_records_total").expect("metrics answer");
+    let repaired = metric_answered(w.metrics, "dedupd_repair_records_total").await;
     let in_flight_bound = f64::from(PARTITIONS) * BATCH_MAX_RECORDS as f64;
     assert!(
         repaired <= in_flight_bound,
@@ -522,7 +537,10 @@ struct PeerKilled {
 /// while the peer is SIGKILLed, once it has accepted `kill_after` events, so
 /// its partitions' input keeps arriving after it died; they move back to the
 /// survivor after its session times out, and the survivor repairs them from
-/// the output topic before consuming. Both workers get `extra` flags.
+/// the output topic before consuming. The stream's last ten chunks (5,000
+/// records) wait for the kill, so input for the peer's partitions arrives
+/// after its death however slowly the peer consumed before it. Both
+/// workers get `extra` flags.
 async fn peer_killed_mid_stream(
     brokers: &str,
     group: &str,
@@ -552,16 +570,29 @@ async fn peer_killed_mid_stream(
     }
 
     let (p, input, records) = (producer.clone(), topics.input.clone(), s.records.clone());
+    let (killed_tx, killed_rx) = tokio::sync::oneshot::channel::<()>();
     let load = tokio::spawn(async move {
-        for chunk in records.chunks(500) {
+        let held_back = records.len().saturating_sub(10 * 500);
+        let (before, after) = records.split_at(held_back);
+        for chunk in before.chunks(500) {
+            produce_traffic(&p, &input, PARTITIONS, chunk).await?;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // A dropped sender (the test failed) ends the stream here too.
+        let _ = killed_rx.await;
+        for chunk in after.chunks(500) {
             produce_traffic(&p, &input, PARTITIONS, chunk).await?;
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         Ok::<_, dedupd::kafka::KafkaError>(())
     });
+    let deadline = Instant::now() + Duration::from_secs(300);
     let peer_accepted = loop {
         let accepted_a = metric(a.metrics, "dedupd_events_total{bucket=\"accepted\"}").unwrap_or(0.0);
-        assert!(!load.is_finished(), "the input ended before the peer accepted {kill_after} events");
+        assert!(Instant::now() < deadline, "the peer accepted {accepted_a} events in 300 s, not {kill_after}");
+        if let Some(status) = a.child.try_wait().expect("try_wait") {
+            panic!("the peer exited on its own with {status}: {}", stderr_of(&mut a.child));
+        }
         if accepted_a >= kill_after {
             let owned_a = metric(a.metrics, "dedupd_assigned_partitions").unwrap_or(0.0);
             let owned_b = metric(b.metrics, "dedupd_assigned_partitions").unwrap_or(0.0);
@@ -573,6 +604,7 @@ async fn peer_killed_mid_stream(
     signal(&a.child, libc::SIGKILL);
     let killed = Instant::now();
     let _ = a.child.wait();
+    let _ = killed_tx.send(());
     let failover = loop {
         let owned = metric(b.metrics, "dedupd_assigned_partitions").unwrap_or(0.0);
         if owned >= f64::from(PARTITIONS) && matches!(http_get(b.metrics, "/readyz"), Some((200, _))) {
@@ -604,12 +636,12 @@ async fn survivor_takes_over_a_sigkilled_peers_partitions_and_output_stays_exact
     // output to repair.
     let killed = peer_killed_mid_stream(&brokers, "pair", &topics, &s, &rollups_args, 1.0).await;
     let mut b = killed.survivor;
-    let owned = metric(b.metrics, "dedupd_assigned_partitions");
-    let repaired = metric(b.metrics, "dedupd_repair_records_total");
+    let owned = metric_answered(b.metrics, "dedupd_assigned_partitions").await;
+    let repaired = metric_answered(b.metrics, "dedupd_repair_records_total").await;
     // The peer's partitions had input after it died, so the survivor can
     // only have finished the input by taking them over.
-    assert_eq!(owned, Some(f64::from(PARTITIONS)), "the survivor must own every partition");
-    assert!(repaired >= Some(1.0), "the survivor must have repaired the peer's output, read {repaired:?}");
+    assert_eq!(owned, f64::from(PARTITIONS), "the survivor must own every partition");
+    assert!(repaired >= 1.0, "the survivor must have repaired the peer's output, read {repaired}");
     eprintln!("without standbys: the survivor repaired {repaired:?} records in a failover of {:?}", killed.failover);
     b.stop().await;
     assert_every_report_once_per_position(&brokers, &topics, &s);
@@ -656,9 +688,9 @@ async fn a_warm_standby_takes_over_a_sigkilled_peers_partitions_repairing_only_t
     let killed = peer_killed_mid_stream(&brokers, "standby", &topics, &s, &standby_args, 8000.0).await;
     let mut b = killed.survivor;
     let peer_accepted = killed.peer_accepted;
-    let owned = metric(b.metrics, "dedupd_assigned_partitions");
-    assert_eq!(owned, Some(f64::from(PARTITIONS)), "the survivor must own every partition");
-    let repaired = metric(b.metrics, "dedupd_repair_records_total").unwrap_or(f64::NAN);
+    let owned = metric_answered(b.metrics, "dedupd_assigned_partitions").await;
+    assert_eq!(owned, f64::from(PARTITIONS), "the survivor must own every partition");
+    let repaired = metric_answered(b.metrics, "dedupd_repair_records_total").await;
     // The standby's applies are reported every few seconds. Every event the
     // peer accepted was on the output before it was counted, so the standby
     // applied it or, if not yet when the partitions moved, the repair read it.
@@ -697,11 +729,12 @@ async fn a_warm_standby_takes_over_a_sigkilled_peers_partitions_repairing_only_t
         .take(4000)
         .cloned()
         .collect();
-    let duplicates = |w: &Worker| metric(w.metrics, "dedupd_events_total{bucket=\"duplicate\"}").unwrap_or(0.0);
-    let before = duplicates(&b);
+    let duplicates = "dedupd_events_total{bucket=\"duplicate\"}";
+    let before = metric_answered(b.metrics, duplicates).await;
     produce_traffic(&traffic_producer(&brokers), &topics.input, PARTITIONS, &early).await.expect("produce retries");
     b.wait_input_done(&brokers, "standby", &topics.input, Duration::from_secs(300)).await;
-    assert_eq!(duplicates(&b) - before, early.len() as f64, "every retry of an early event is a duplicate");
+    let after = metric_answered(b.metrics, duplicates).await;
+    assert_eq!(after - before, early.len() as f64, "every retry of an early event is a duplicate");
     b.stop().await;
     assert_every_report_once_per_position(&brokers, &topics, &s);
     assert_exactly_once(&read_topic(&brokers, &topics.output), &s);
@@ -921,7 +954,7 @@ async fn retention_that_deleted_unapplied_output_stops_the_worker_or_is_counted_
         &["--on-output-gap", "continue"],
     );
     wait_owning(&mut w, PARTITIONS, Duration::from_secs(120)).await;
-    let counted = metric(w.metrics, "dedupd_repair_gap_records_total").expect("gap metric");
+    let counted = metric_answered(w.metrics, "dedupd_repair_gap_records_total").await;
     assert_eq!(counted, gap as f64, "the gap counted is the output a never applied and retention deleted");
     w.stop().await;
     assert_state_dir_verifies(state_a.path());
@@ -995,7 +1028,7 @@ async fn through_the_router_any_keying_is_billed_once_across_sigkills_and_withou
     let mut w2 =
         spawn_worker_with_args(&brokers, "unrouted", &unrouted, "w2", Membership::Dynamic, state2.path(), &worker_args);
     w2.wait_input_done(&brokers, "unrouted", &unrouted.input, Duration::from_secs(600)).await;
-    let counted = metric(w2.metrics, "dedupd_misrouted_records_total").expect("metrics answer");
+    let counted = metric_answered(w2.metrics, "dedupd_misrouted_records_total").await;
     w2.stop().await;
     let rejected2 = read_topic(&brokers, &unrouted.rejected);
     let misrouted = by_reason(&rejected2, "misrouted");
@@ -1111,8 +1144,11 @@ async fn a_month_closed_mid_stream_is_frozen_on_every_worker_and_the_ledger_has_
     }
     produce_traffic(&producer, &topics.input, PARTITIONS, &before).await.expect("produce");
     b.wait_input_done(&brokers, "months", &topics.input, Duration::from_secs(300)).await;
+    // Read until both answer with the whole assignment: a scrape that times
+    // out, or one taken in a rebalance's moment, is not the steady state.
     let owned = |w: &Worker| metric(w.metrics, "dedupd_assigned_partitions").unwrap_or(0.0);
-    assert_eq!(owned(&a) + owned(&b), f64::from(PARTITIONS), "the two workers share the partitions");
+    let shared = wait_until(Duration::from_secs(30), || owned(&a) + owned(&b) == f64::from(PARTITIONS)).await;
+    assert!(shared, "the two workers share the partitions: {} + {}", owned(&a), owned(&b));
 
     let period_args = |action: &'static str| {
         let mut v = vec!["period", action, "--tenant", "acme", "--period", month.as_str(), "--format", "json"];
