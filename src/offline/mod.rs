@@ -17,13 +17,15 @@
 //!
 //! With `--state-dir` and an input file, batches are decoded, validated and
 //! hashed one batch ahead on a thread of their own (`Validation`), beside
-//! the batch whose output and state are being written (see
+//! the batch whose output and state are being written, and each batch's
+//! WAL fsync is waited for beside the next batch (`wal_sync.rs`; see
 //! `docs/ARCHITECTURE.md`).
 
 mod demo;
 mod lines;
 mod report;
 pub mod sample;
+mod wal_sync;
 pub use demo::{bucket_table, run_offline_demo};
 
 use std::fs::{File, OpenOptions};
@@ -255,6 +257,12 @@ pub fn run_dedupe_with_progress(
             Ok(())
         };
         let state = &state;
+        // Each batch's WAL fsync is waited for beside the next batch (see
+        // `wal_sync.rs`); without a state directory there are none.
+        let mut wal_sync = match opts.state_dir {
+            Some(_) => wal_sync::WalSync::start(scope),
+            None => wal_sync::WalSync::Inline,
+        };
         // A batch's reports wait for its conflicts' originals, which are read
         // on a thread of their own while this one writes, syncs and applies
         // it and, reading ahead, classifies, writes, syncs and applies the
@@ -330,7 +338,10 @@ pub fn run_dedupe_with_progress(
                     &mut derived_ids,
                 )?;
                 // Only now, with the batch's output visible, does state change.
-                state.apply_published(OFFLINE_PARTITION, &published, now_ms)?;
+                let (_, pending) = state.apply_published_sync_later(OFFLINE_PARTITION, &published, now_ms)?;
+                if let Some(pending) = pending {
+                    wal_sync.hand(pending)?;
+                }
                 if let Some(last) = waiting.take() {
                     reports.write(last)?;
                 }
@@ -375,6 +386,12 @@ pub fn run_dedupe_with_progress(
             }
             Ok(())
         })();
+        // Every batch's WAL fsync has ended, or the first that failed says
+        // why (a run that failed already keeps its own error).
+        let run = match (run, wal_sync.finish()) {
+            (Ok(()), synced) => synced,
+            (Err(e), _) => Err(e),
+        };
         // The last batch's reports. After an error: the failed batch's
         // reading is joined (a panic there logged, the run's error kept, as
         // `close` does for the validating thread), and a batch written and

@@ -54,7 +54,8 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::classify::{
-    classify_records, Classified, HorizonError, InputRecord, LongHorizon, NoLongHorizon, PartitionClassifier, Placement,
+    classify_records, Classified, HorizonError, InputRecord, LongHorizon, NoLongHorizon, PartitionClassifier,
+    Placement, SeenKey,
 };
 use crate::config::EngineSettings;
 use crate::event::{IdHash, UsageEvent, Validator};
@@ -543,6 +544,13 @@ const CATCH_UP_MAX_ROWS: u64 = 5_000_000;
 /// are rare (only repairs meet them), so the extra writes cost nothing.
 const NEAR_RETENTION_MS: i64 = 3_600_000;
 
+/// A batch in every tier but the hot cache, its usage-store fsync perhaps
+/// still to come.
+struct AppliedTiers {
+    keys: Vec<SeenKey>,
+    pending: Option<PendingSync>,
+}
+
 impl LocalState {
     /// State kept in memory only: lost at exit, rebuilt by repair.
     pub fn in_memory(settings: EngineSettings, detect_replays: bool) -> LocalState {
@@ -785,11 +793,7 @@ impl LocalState {
 
     /// The key store's answers for `ids` of `partition` (all `None` without
     /// a state directory).
-    pub fn remembered_keys(
-        &self,
-        partition: i32,
-        ids: &[IdHash],
-    ) -> Result<Vec<Option<crate::classify::SeenKey>>, StateError> {
+    pub fn remembered_keys(&self, partition: i32, ids: &[IdHash]) -> Result<Vec<Option<SeenKey>>, StateError> {
         let mut out = Vec::new();
         self.long_horizon().lookup_many(partition, ids, &mut out)?;
         Ok(out)
@@ -942,9 +946,59 @@ impl LocalState {
 
     /// Applies published events of `partition`, in output-offset order.
     /// Events at or below the checkpoint are skipped. Returns how many were
-    /// new to the state as a whole.
+    /// new to the state as a whole, once the fsync that covers them has.
     pub fn apply_published(&self, partition: i32, batch: &[StoredEvent], now_ms: i64) -> Result<usize, StateError> {
+        let Some(applied) = self.apply_durable_tiers(partition, batch, now_ms)? else {
+            return Ok(0);
+        };
+        if let Some(pending) = applied.pending {
+            pending.wait()?;
+        }
+        self.commit_hot(partition, &applied.keys, now_ms)?;
+        Ok(applied.keys.len())
+    }
+
+    /// [`apply_published`](Self::apply_published) without waiting for the
+    /// usage store's fsync: the batch is in every tier, the hot cache
+    /// included, when it returns, and the caller waits on the returned
+    /// fsync (with `--fsync always`) wherever it likes, on another thread
+    /// while it goes on with the next batch, as `dedupd dedupe` does.
+    ///
+    /// Safe because state is a view of the output, and the batch's output
+    /// is durable before this is called: the next batch may be classified
+    /// against these keys before their WAL fsync ends. If that fsync fails,
+    /// the usage store refuses all later work and the run stops; a restart
+    /// repairs from the output what the WAL lost.
+    pub fn apply_published_sync_later(
+        &self,
+        partition: i32,
+        batch: &[StoredEvent],
+        now_ms: i64,
+    ) -> Result<(usize, Option<PendingSync>), StateError> {
+        let Some(applied) = self.apply_durable_tiers(partition, batch, now_ms)? else {
+            return Ok((0, None));
+        };
+        self.commit_hot(partition, &applied.keys, now_ms)?;
+        Ok((applied.keys.len(), applied.pending))
+    }
+
+    fn commit_hot(&self, partition: i32, keys: &[SeenKey], now_ms: i64) -> Result<(), StateError> {
         let classifier = self.partitions.get(&partition).ok_or(StateError::NotAssigned { partition })?;
+        locked(classifier).commit(keys.iter(), now_ms);
+        Ok(())
+    }
+
+    /// Every tier's part of an apply but the hot cache's and the wait for
+    /// the usage store's fsync. `None`: nothing in the batch was new.
+    fn apply_durable_tiers(
+        &self,
+        partition: i32,
+        batch: &[StoredEvent],
+        now_ms: i64,
+    ) -> Result<Option<AppliedTiers>, StateError> {
+        if !self.partitions.contains_key(&partition) {
+            return Err(StateError::NotAssigned { partition });
+        }
         let checkpoint = self.checkpoint(partition);
         let mut previous = checkpoint.unwrap_or(i64::MIN);
         // By reference: every tier reads them; the usage store's memtable
@@ -962,7 +1016,7 @@ impl LocalState {
             fresh.push(e);
         }
         let (Some(first), Some(last)) = (fresh.first(), fresh.last()) else {
-            return Ok(0);
+            return Ok(None);
         };
         let (first, last) = (first.key.output.offset, last.key.output.offset);
         let fresh = &fresh[..];
@@ -970,25 +1024,20 @@ impl LocalState {
         // `fold_into_ledger` for why.
         self.fold_into_ledger(partition, fresh, first, now_ms)?;
         // The keys the other tiers remember.
-        let keys: Vec<_> = fresh.iter().map(|e| e.key).collect();
+        let keys: Vec<SeenKey> = fresh.iter().map(|e| e.key).collect();
         // With `--fsync always` the usage store's append leaves the fsync to
-        // a group commit, waited for here without its lock: other
+        // a group commit, waited for by the caller without its lock: other
         // partitions' batches append meanwhile, and an fsync covers every
         // batch written when it starts. The key store (locked per
         // partition) is written before the wait, so another partition's
         // fsync may cover this batch while it is. Each tier skips what it
         // already holds, so one that got ahead of another before a crash is
-        // not written twice. The apply returns once the fsync that covers
-        // the batch has.
+        // not written twice.
         let pending = self.append_usage(partition, fresh, last)?;
         if let Some(d) = &self.durable {
             d.keys.apply_batch(partition, &keys, last)?;
         }
-        if let Some(pending) = pending {
-            pending.wait()?;
-        }
-        locked(classifier).commit(fresh.iter().map(|e| &e.key), now_ms);
-        Ok(fresh.len())
+        Ok(Some(AppliedTiers { keys, pending }))
     }
 
     /// The ledger's part of an apply, before the usage store's.
@@ -1773,6 +1822,37 @@ mod tests {
         };
         assert!(segments + 2 < next, "compactions merged segments: {segments} left of {next} ids");
         state.close().expect("close");
+    }
+
+    /// `dedupd dedupe` waits for a batch's WAL fsync beside the next batch:
+    /// the apply hands the fsync back undone, with the batch already in the
+    /// hot cache (the next batch is classified against it), and an fsync
+    /// that then fails stops every later apply instead of being forgotten.
+    #[test]
+    fn a_batch_applied_with_its_fsync_to_come_is_in_the_hot_cache_and_a_failed_fsync_stops_the_next_apply() {
+        let settings = EngineSettings::default();
+        let disk = crate::sim::disk::SimDisk::new(Path::new("/sim/w0"), 1);
+        let keys = crate::sim::disk::SimKeyStore::new(settings.horizon_ms(), 1);
+        let store = store_options(&settings);
+        let mut state =
+            LocalState::open_on(Arc::new(disk.clone()), Path::new("/sim/w0"), Box::new(keys), settings, store, true)
+                .expect("open");
+        state.assign(0, NOW).expect("assign");
+        let batch = |b: u64| -> Vec<StoredEvent> {
+            (0..10).map(|i| sample_event_at(b * 10 + i, 0, (b * 10 + i) as i64, NOW)).collect()
+        };
+
+        let (applied, pending) = state.apply_published_sync_later(0, &batch(0), NOW).expect("apply");
+        let pending = pending.expect("with --fsync always the batch's fsync is handed back");
+        assert_eq!(applied, 10);
+        assert_eq!(state.stats(NOW).hot_cache_entries, 10, "the hot cache holds the batch before its fsync");
+        assert_eq!(state.checkpoint(0), Some(9));
+
+        disk.set_faults(crate::sim::disk::DiskFaults { fsync_error_per_million: 1_000_000, ..Default::default() });
+        assert!(pending.wait().is_err(), "the fsync failed");
+        let next = state.apply_published_sync_later(0, &batch(1), NOW);
+        assert!(next.is_err(), "an apply after a failed fsync must fail, not pile up unsyncable batches");
+        assert_eq!(state.stats(NOW).hot_cache_entries, 10, "the refused batch is not in the hot cache");
     }
 
     /// On the simulator's disk a flush waits to be run: close runs it (the
