@@ -60,7 +60,7 @@ pub struct TuningArgs {
     /// and by scans; lookups read past it [default: 128MiB].
     #[arg(long, env = "DEDUPD_KEYSTORE_BLOCK_CACHE", value_name = "BYTES")]
     pub keystore_block_cache: Option<String>,
-    /// RocksDB memtable (write buffer) size [default: 64MiB].
+    /// Bytes of applied keys the key store holds in memory before writing them into RocksDB as one file; up to twice this is in memory while one such layer is written [default: 64MiB].
     #[arg(long, env = "DEDUPD_KEYSTORE_WRITE_BUFFER", value_name = "BYTES")]
     pub keystore_write_buffer: Option<String>,
     /// RocksDB background flush and compaction threads [default: 2].

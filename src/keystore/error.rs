@@ -36,6 +36,8 @@ pub enum KeystoreError {
     ShortLookup { asked: usize, answered: usize },
     #[error("key store lookup failed on a helper thread: {detail}")]
     LookupHelper { detail: String },
+    #[error("the key store could not write its applied keys into RocksDB ({cause}); restart the process to recover")]
+    LayerWrite { cause: String },
     #[error("invalid key store option {key}: {detail}")]
     InvalidOption { key: &'static str, detail: String },
 }

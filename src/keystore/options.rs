@@ -173,7 +173,9 @@ pub(crate) fn keys_cf_options(o: &KeyStoreOptions, cache: &Cache, floor: Floor) 
     t.set_format_version(6);
     cf.set_block_based_table_factory(&t);
     cf.set_optimize_filters_for_hits(false);
-    cf.set_write_buffer_size(o.write_buffer_bytes);
+    // Applies no longer write this family's memtable (the store's own
+    // layers hold them, `recent.rs`): a small one for whatever might.
+    cf.set_write_buffer_size(rocksdb_memtable_bytes(o.write_buffer_bytes));
     cf.set_max_write_buffer_number(3);
     cf.set_level_compaction_dynamic_level_bytes(true);
     cf.set_target_file_size_base(64 << 20);
@@ -198,7 +200,9 @@ pub(crate) fn keys_cf_options(o: &KeyStoreOptions, cache: &Cache, floor: Floor) 
     // lookups and filters see exactly what they saw without one (RocksDB
     // adds a prefix equal to its key to a filter once).
     cf.set_prefix_extractor(SliceTransform::create_fixed_prefix(KEY_LEN));
-    cf.set_memtable_factory(MemtableFactory::HashLinkList { bucket_count: memtable_buckets(o.write_buffer_bytes) });
+    cf.set_memtable_factory(MemtableFactory::HashLinkList {
+        bucket_count: memtable_buckets(rocksdb_memtable_bytes(o.write_buffer_bytes)),
+    });
     // A memtable probe for an absent key would walk its bucket; this bloom
     // answers most of them from a cache line. The prefix is the whole key,
     // so the bloom holds prefixes only (whole keys too would add each
@@ -214,6 +218,12 @@ pub(crate) fn keys_cf_options(o: &KeyStoreOptions, cache: &Cache, floor: Floor) 
 /// key it holds (a key, its value and its list node take ~75 bytes). The
 /// bucket array comes out of the memtable's own budget (8 bytes a bucket,
 /// an eighth of it at 64 bytes a bucket).
+/// The keys family's RocksDB memtable: a sixteenth of the write buffer
+/// the layers are sized by, at least 1 MiB.
+fn rocksdb_memtable_bytes(write_buffer_bytes: usize) -> usize {
+    (write_buffer_bytes / 16).max(1 << 20)
+}
+
 fn memtable_buckets(write_buffer_bytes: usize) -> usize {
     (write_buffer_bytes / 64).max(1024)
 }

@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::thread::JoinHandle;
 
 use hashbrown::HashSet;
 use rocksdb::{
@@ -26,6 +27,7 @@ use super::options::{
     db_options, keys_cf_options, lookup, meta_cf_options, sst_writer_options, total_order, KeyStoreOptions, KEYS_CF,
     META_CF,
 };
+use super::recent::{encode_apply, encode_drop, list_logs, read_log, Frame, Layer, Layers, Log, Recent, RECENT_DIR};
 
 /// Share of `max_bytes` the live keys may fill: the rest is headroom for
 /// keys already below the floor that compaction has not rewritten yet
@@ -101,8 +103,28 @@ pub struct KeyStore {
     absent: AbsentNotes,
     /// Ids applies have looked up (those no note vouched for), since open.
     apply_reads: std::sync::atomic::AtomicU64,
+    /// Keys applied and not yet in RocksDB's files (see `recent.rs`), and
+    /// what writing a frozen layer out needs.
+    recent: Arc<Recent>,
+    spill: Arc<Spill>,
+    /// The thread writing the frozen layer out, the last one started.
+    spilling: Mutex<Option<JoinHandle<()>>>,
     /// Kept so the block cache outlives every table reader using it.
     _cache: Cache,
+}
+
+impl Drop for KeyStore {
+    fn drop(&mut self) {
+        // A layer being written out is finished (its log is deleted only
+        // once it is in); the active layer stays in its log, as after a
+        // crash, unless `flush` wrote it out.
+        let running = self.spilling.get_mut().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(thread) = running {
+            if thread.join().is_err() {
+                tracing::error!("the key store's layer writer panicked");
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for KeyStore {
@@ -125,11 +147,28 @@ impl KeyStore {
         let db = DB::open_cf_descriptors(&db_options(&opts), dir, cfs)
             .map_err(|source| KeystoreError::Open { dir: dir.to_path_buf(), source })?;
         let db = Arc::new(db);
+        let recent_dir = dir.join(RECENT_DIR);
+        std::fs::create_dir_all(&recent_dir)
+            .map_err(|source| KeystoreError::Io { path: recent_dir.clone(), source })?;
+        let spill = Arc::new(Spill { db: Arc::clone(&db), dir: recent_dir, opts: opts.clone(), floor: floor.clone() });
+        // The logs left by the last process: replayed below, once the meta
+        // (checkpoints, floor) is loaded. The active layer's log comes after
+        // every one of them.
+        let logs = list_logs(&spill.dir)?;
+        let next_log_seq = logs.last().map_or(1, |(seq, _)| seq + 1);
+        let log = Log::create(&spill.dir, next_log_seq, opts.sync_writes)?;
+        let recent = Arc::new(Recent::new(Layers {
+            active: Layer::new(next_log_seq),
+            log,
+            frozen: None,
+            failed: None,
+            next_log_seq: next_log_seq + 1,
+        }));
         let lookups = {
-            let (db, floor) = (Arc::clone(&db), floor.clone());
+            let (db, floor, recent) = (Arc::clone(&db), floor.clone(), Arc::clone(&recent));
             Lookups::start(
                 opts.lookup_helpers,
-                Box::new(move |partition, ids, out| read_keys(&db, &floor, partition, ids, out)),
+                Box::new(move |partition, ids, out| read_keys(&db, &recent, &floor, partition, ids, out)),
             )
             .map_err(|source| KeystoreError::Io { path: dir.to_path_buf(), source })?
         };
@@ -146,11 +185,73 @@ impl KeyStore {
             state: Mutex::new(WriteState { histogram: Histogram::new(opts.histogram_bucket_ms), size_limited: false }),
             absent: AbsentNotes::default(),
             apply_reads: std::sync::atomic::AtomicU64::new(0),
+            recent,
+            spill,
+            spilling: Mutex::new(None),
             opts,
             _cache: cache,
         };
         store.load_meta()?;
+        store.replay_logs(&logs)?;
         Ok(store)
+    }
+
+    /// Replays the logs the last process left into one layer, writes it
+    /// out, and deletes them (see `recent.rs`). Frames at or below their
+    /// partition's stored checkpoint were written out before.
+    fn replay_logs(&self, logs: &[(u64, PathBuf)]) -> Result<(), KeystoreError> {
+        let mut layer = Layer::new(logs.first().map_or(0, |(seq, _)| *seq));
+        let mut stored: hashbrown::HashMap<i32, Option<i64>> = hashbrown::HashMap::new();
+        for (_, path) in logs {
+            let (frames, used, damaged) = read_log(path)?;
+            for frame in frames {
+                match frame {
+                    Frame::Apply { partition, checkpoint, keys } => {
+                        let at = match stored.get(&partition) {
+                            Some(c) => *c,
+                            None => *stored.entry(partition).or_insert(self.stored_checkpoint(partition)?),
+                        };
+                        let replayed = layer.checkpoints.get(&partition).copied().or(at);
+                        if replayed.is_none_or(|c| c < checkpoint) {
+                            layer.apply(partition, checkpoint, &keys, self.opts.histogram_bucket_ms);
+                        }
+                    }
+                    Frame::Drop { partition } => layer.drop_partition(partition),
+                }
+            }
+            if damaged {
+                // Everything after it was written after it: the frames read
+                // are a prefix of the applies, and repair brings the rest.
+                tracing::warn!(
+                    log = %path.display(),
+                    good_bytes = used,
+                    "the key store's log ends in a torn or damaged frame; replayed up to it, later logs ignored"
+                );
+                break;
+            }
+        }
+        if !layer.is_empty() {
+            self.spill.write_out(&layer)?;
+            let (mut st, floor) = (self.lock(), self.floor.get());
+            for ((bucket, partition), s) in layer.cells.iter().filter(|(_, s)| s.max_ms > floor) {
+                st.histogram.add(*bucket, *partition, s);
+            }
+        }
+        for (_, path) in logs {
+            std::fs::remove_file(path).map_err(|source| KeystoreError::Io { path: path.clone(), source })?;
+        }
+        Ok(())
+    }
+
+    /// The checkpoint RocksDB's meta holds for `partition` (the layers'
+    /// are newer).
+    fn stored_checkpoint(&self, partition: i32) -> Result<Option<i64>, KeystoreError> {
+        let key = checkpoint_key(partition);
+        self.db
+            .get_pinned_cf(self.meta_cf()?, key)
+            .map_err(KeystoreError::rocks("read checkpoint"))?
+            .map(|v| be_i64(&v, "checkpoint", &key))
+            .transpose()
     }
 
     fn keys_cf(&self) -> Result<&ColumnFamily, KeystoreError> {
@@ -225,12 +326,10 @@ impl KeyStore {
     /// The checkpoint of `partition`: the output offset of the last record
     /// applied, or `None` if nothing was ever applied (or it was dropped).
     pub fn checkpoint(&self, partition: i32) -> Result<Option<i64>, KeystoreError> {
-        let key = checkpoint_key(partition);
-        self.db
-            .get_pinned_cf(self.meta_cf()?, key)
-            .map_err(KeystoreError::rocks("read checkpoint"))?
-            .map(|v| be_i64(&v, "checkpoint", &key))
-            .transpose()
+        if let Some(c) = self.recent.lock().checkpoint(partition) {
+            return Ok(Some(c));
+        }
+        self.stored_checkpoint(partition)
     }
 
     /// Remembers the keys of one published batch and the partition's new
@@ -243,8 +342,6 @@ impl KeyStore {
     /// With `sync_writes` off the write is in the WAL (safe against a process
     /// crash) but not fsynced; call [`flush`](Self::flush) for a durable point.
     pub fn apply_batch(&self, partition: i32, keys: &[SeenKey], checkpoint: i64) -> Result<(), KeystoreError> {
-        let keys_cf = self.keys_cf()?;
-        let meta_cf = self.meta_cf()?;
         let _store_wide = self.apply_writes();
         let mine = self.partition_writes(partition);
         let _partition = mine.lock().unwrap_or_else(PoisonError::into_inner);
@@ -271,7 +368,6 @@ impl KeyStore {
         // of the lookup below reads neighbouring keys.
         let mut fresh = fresh;
         fresh.sort_unstable_by_key(|k| k.id_hash);
-        let encoded: Vec<[u8; KEY_LEN]> = fresh.iter().map(|k| encode_key(partition, &k.id_hash)).collect();
         // Which of them are remembered above the floor already. The ids the
         // batch's own classification found absent, with nothing written to
         // the partition since, are known; the rest are read like a batch's
@@ -294,12 +390,12 @@ impl KeyStore {
         let existing: Vec<Option<SeenKey>> =
             known.iter().map(|&known| if known { None } else { read.next().flatten() }).collect();
 
-        let mut batch = WriteBatch::default();
         let mut cells: Vec<(i64, BucketStats)> = Vec::new();
         let bucket_ms = self.opts.histogram_bucket_ms;
         let mut values: Vec<u8> = Vec::with_capacity(fresh.len() * 48);
         let mut spans = Vec::with_capacity(fresh.len());
-        for ((k, key), remembered) in fresh.iter().zip(&encoded).zip(existing) {
+        let mut added: Vec<SeenKey> = Vec::with_capacity(fresh.len());
+        for (k, remembered) in fresh.iter().zip(existing) {
             // First delivery wins, unless it is already past the floor
             // (then this id was legitimately accepted again as new: the
             // lookup does not answer keys at or below the floor).
@@ -308,30 +404,103 @@ impl KeyStore {
             }
             let start = values.len();
             encode_value(partition, k, &mut values);
-            spans.push((key, start, values.len()));
+            spans.push((k.id_hash, start, values.len()));
+            added.push(**k);
             let bucket = Histogram::bucket_of_ms(bucket_ms, k.first_seen_ms);
             match cells.iter_mut().find(|(b, _)| *b == bucket) {
                 Some((_, s)) => s.absorb(&BucketStats::one(k.first_seen_ms)),
                 None => cells.push((bucket, BucketStats::one(k.first_seen_ms))),
             }
         }
-        for (key, start, end) in spans {
-            batch.put_cf(keys_cf, key, &values[start..end]);
+        let with_values: Vec<(IdHash, &[u8])> = spans.iter().map(|(id, s, e)| (*id, &values[*s..*e])).collect();
+        let mut frame = Vec::with_capacity(values.len() + with_values.len() * 17 + 32);
+        encode_apply(partition, checkpoint, &with_values, &mut frame);
+        // In the log, then in the active layer, under one lock: a lookup
+        // sees the keys once they would survive a process crash.
+        // A layer is frozen before a batch would grow it past the write
+        // buffer's bytes, so its tables stay within them (one batch's keys
+        // aside, when a single batch is larger).
+        let frozen = {
+            let layers = self.recent.lock();
+            if let Some(cause) = &layers.failed {
+                return Err(KeystoreError::LayerWrite { cause: cause.clone() });
+            }
+            let full = layers.active.len > 0
+                && layers.active.bytes_with(partition, added.len()) > self.opts.write_buffer_bytes;
+            let (mut layers, frozen) = if full {
+                let (layers, frozen) = self.freeze(layers)?;
+                (layers, Some(frozen))
+            } else {
+                (layers, None)
+            };
+            layers.log.append(&frame)?;
+            layers.active.apply(partition, checkpoint, &added, bucket_ms);
+            frozen
+        };
+        {
+            let mut st = self.lock();
+            for (bucket, s) in &cells {
+                st.histogram.add(*bucket, partition, s);
+            }
         }
-        for (bucket, s) in &cells {
-            batch.merge_cf(meta_cf, cell_key(*bucket, partition), s.encode());
-        }
-        batch.put_cf(meta_cf, checkpoint_key(partition), checkpoint.to_be_bytes());
-        self.db.write_opt(batch, &self.write_opts).map_err(KeystoreError::rocks("apply batch"))?;
-        let mut st = self.lock();
-        for (bucket, s) in &cells {
-            st.histogram.add(*bucket, partition, s);
+        if let Some(frozen) = frozen {
+            self.start_write_out(frozen);
         }
         Ok(())
     }
 
+    /// Makes the active layer the frozen one, with a new log for the next,
+    /// once the frozen layer before it is written out (an apply waits here
+    /// only when layers fill faster than they are written).
+    fn freeze<'a>(
+        &'a self,
+        mut layers: MutexGuard<'a, Layers>,
+    ) -> Result<(MutexGuard<'a, Layers>, Arc<Layer>), KeystoreError> {
+        while layers.frozen.is_some() && layers.failed.is_none() {
+            layers = self.recent.spilled.wait(layers).unwrap_or_else(PoisonError::into_inner);
+        }
+        if let Some(cause) = &layers.failed {
+            return Err(KeystoreError::LayerWrite { cause: cause.clone() });
+        }
+        let seq = layers.next_log_seq;
+        let log = Log::create(&self.spill.dir, seq, self.opts.sync_writes)?;
+        layers.next_log_seq += 1;
+        layers.log = log;
+        let frozen = Arc::new(std::mem::replace(&mut layers.active, Layer::new(seq)));
+        layers.frozen = Some(Arc::clone(&frozen));
+        Ok((layers, frozen))
+    }
+
+    /// Writes a frozen layer out on a thread of its own (on this one if
+    /// none can be started).
+    fn start_write_out(&self, frozen: Arc<Layer>) {
+        let mut running = self.spilling.lock().unwrap_or_else(PoisonError::into_inner);
+        // The last one set its layer aside before this one was frozen: it
+        // has ended or is ending.
+        if let Some(done) = running.take() {
+            if done.join().is_err() {
+                tracing::error!("the key store's layer writer panicked");
+            }
+        }
+        let (spill, recent) = (Arc::clone(&self.spill), Arc::clone(&self.recent));
+        let layer = Arc::clone(&frozen);
+        match std::thread::Builder::new()
+            .name("keystore-layer".into())
+            .spawn(move || spill.write_out_frozen(&recent, &layer))
+        {
+            Ok(thread) => *running = Some(thread),
+            Err(e) => {
+                tracing::warn!(error = %e, "no thread to write the key store's layer out; writing it here");
+                self.spill.write_out_frozen(&self.recent, &frozen);
+            }
+        }
+    }
+
     /// The remembered key of `id`, if it is above the floor.
     pub fn get(&self, partition: i32, id: &IdHash) -> Result<Option<SeenKey>, KeystoreError> {
+        if let Some(held) = self.recent.lock().get(partition, id, self.floor.get()) {
+            return Ok(held);
+        }
         let v = self
             .db
             .get_pinned_cf_opt(self.keys_cf()?, encode_key(partition, id), &lookup())
@@ -457,6 +626,25 @@ impl KeyStore {
         let meta_cf = self.meta_cf()?;
         let _store_wide = self.store_writes();
         let _bump = BumpOnDrop::store_wide(&self.absent, Some(partition));
+        // The layers first, the drop in the log before RocksDB's: a frozen
+        // layer written out after the range delete would bring the keys
+        // back, so it goes in first; and a restart that replays the log
+        // must not either. (Applies wait on the store-wide lock, so no
+        // layer freezes meanwhile.)
+        {
+            let mut layers = self.recent.lock();
+            while layers.frozen.is_some() && layers.failed.is_none() {
+                layers = self.recent.spilled.wait(layers).unwrap_or_else(PoisonError::into_inner);
+            }
+            if let Some(cause) = &layers.failed {
+                return Err(KeystoreError::LayerWrite { cause: cause.clone() });
+            }
+            let mut frame = Vec::new();
+            encode_drop(partition, &mut frame);
+            layers.log.append(&frame)?;
+            layers.log.sync()?;
+            layers.active.drop_partition(partition);
+        }
         let mut st = self.lock();
         let (start, end) = partition_range(partition);
         let cells = st.histogram.remove_partition(partition);
@@ -494,13 +682,19 @@ impl KeyStore {
     /// Bytes the store's directory takes on disk (SSTs, WAL, manifest), for
     /// `dedupd_keystore_bytes`.
     pub fn disk_bytes(&self) -> u64 {
-        match std::fs::read_dir(&self.dir) {
-            Ok(entries) => entries
-                .filter_map(Result::ok)
-                .filter_map(|e| e.metadata().ok())
-                .filter(|m| m.is_file())
-                .map(|m| m.len())
-                .sum(),
+        let files = |dir: &Path| {
+            std::fs::read_dir(dir).map(|entries| {
+                entries
+                    .filter_map(Result::ok)
+                    .filter_map(|e| e.metadata().ok())
+                    .filter(|m| m.is_file())
+                    .map(|m| m.len())
+                    .sum::<u64>()
+            })
+        };
+        match files(&self.dir) {
+            // The logs (and a layer's SST being written) count too.
+            Ok(bytes) => bytes + files(&self.spill.dir).unwrap_or(0),
             Err(_) => self.int_property(KEYS_CF, rocksdb::properties::LIVE_SST_FILES_SIZE).unwrap_or(0),
         }
     }
@@ -508,6 +702,24 @@ impl KeyStore {
     /// Makes everything applied so far durable against a host crash (fsyncs
     /// the WAL). Not needed with `sync_writes`.
     pub fn flush(&self) -> Result<(), KeystoreError> {
+        // Everything applied goes into RocksDB's files, so the next open
+        // has no log to replay.
+        let frozen = {
+            let layers = self.recent.lock();
+            if layers.active.is_empty() && layers.frozen.is_none() {
+                None
+            } else {
+                let (layers, frozen) = self.freeze(layers)?;
+                drop(layers);
+                Some(frozen)
+            }
+        };
+        if let Some(frozen) = frozen {
+            self.spill.write_out_frozen(&self.recent, &frozen);
+            if let Some(cause) = &self.recent.lock().failed {
+                return Err(KeystoreError::LayerWrite { cause: cause.clone() });
+            }
+        }
         self.db.flush_wal(true).map_err(KeystoreError::rocks("sync WAL"))
     }
 
@@ -515,6 +727,7 @@ impl KeyStore {
     /// to every key. An operator/benchmark tool: production relies on
     /// automatic and periodic compaction instead.
     pub fn compact(&self) -> Result<(), KeystoreError> {
+        self.flush()?;
         let keys_cf = self.keys_cf()?;
         let meta_cf = self.meta_cf()?;
         let mut fo = FlushOptions::default();
@@ -549,6 +762,9 @@ impl KeyStore {
         let _bump = BumpOnDrop::store_wide(&self.absent, None);
         let mut st = self.lock();
         let (start, end) = partition_range(partition);
+        if self.recent.lock().holds_keys_of(partition) {
+            return Err(KeystoreError::PartitionNotEmpty { partition });
+        }
         {
             let mut it = self.db.raw_iterator_cf_opt(keys_cf, total_order());
             it.seek(start);
@@ -673,12 +889,23 @@ impl KeyStore {
             }
             let (p, id) = decode_key(k)?;
             let seen = decode_value(p, id, v)?;
-            if seen.first_seen_ms > floor {
-                out.push(seen);
-            }
+            out.push(seen);
             it.next();
         }
         it.status().map_err(KeystoreError::rocks("scan partition"))?;
+        // The layers' keys, newest first: an id a layer holds replaces what
+        // RocksDB holds (an older copy below the floor, or the same key
+        // being written out).
+        let layers = self.recent.lock();
+        let mut held: hashbrown::HashMap<IdHash, SeenKey> = hashbrown::HashMap::new();
+        for layer in layers.frozen.iter().map(|f| &**f).chain(std::iter::once(&layers.active)) {
+            held.extend(layer.keys_of(partition).map(|k| (k.id_hash, *k)));
+        }
+        drop(layers);
+        out.retain(|k| !held.contains_key(&k.id_hash));
+        out.extend(held.into_values());
+        out.retain(|k| k.first_seen_ms > floor);
+        out.sort_unstable_by_key(|k| k.id_hash);
         Ok(out)
     }
 }
@@ -699,24 +926,121 @@ impl LongHorizon for KeyStore {
 /// reads it.
 fn read_keys(
     db: &DB,
+    recent: &Recent,
     floor: &Floor,
     partition: i32,
     ids: &[IdHash],
     out: &mut Vec<Option<SeenKey>>,
 ) -> Result<(), KeystoreError> {
-    out.clear();
-    let keys_cf = db.cf_handle(KEYS_CF).ok_or(KeystoreError::MissingColumnFamily { name: KEYS_CF })?;
-    let keys: Vec<[u8; KEY_LEN]> = ids.iter().map(|id| encode_key(partition, id)).collect();
     let floor = floor.get();
+    // The layers first: a key written out leaves its layer only once
+    // RocksDB holds it, so an id the layers did not hold a moment ago is in
+    // RocksDB now if it is anywhere.
+    let misses = recent.lookup(partition, ids, floor, out);
+    if misses.is_empty() {
+        return Ok(());
+    }
+    let keys_cf = db.cf_handle(KEYS_CF).ok_or(KeystoreError::MissingColumnFamily { name: KEYS_CF })?;
+    let keys: Vec<[u8; KEY_LEN]> = misses.iter().map(|&i| encode_key(partition, &ids[i])).collect();
     let answers = db.batched_multi_get_cf_opt(keys_cf, keys.iter(), false, &lookup());
-    for (id, a) in ids.iter().zip(answers) {
-        let k = match a.map_err(KeystoreError::rocks("multi get"))? {
+    for (&i, a) in misses.iter().zip(answers) {
+        out[i] = match a.map_err(KeystoreError::rocks("multi get"))? {
             None => None,
-            Some(v) => Some(decode_value(partition, *id, &v)?).filter(|k| k.first_seen_ms > floor),
+            Some(v) => Some(decode_value(partition, ids[i], &v)?).filter(|k| k.first_seen_ms > floor),
         };
-        out.push(k);
     }
     Ok(())
+}
+
+/// What writing a layer out needs, shared with the thread that does it.
+struct Spill {
+    db: Arc<DB>,
+    /// `<keystore>/recent`: the logs, and each layer's SST while it is written.
+    dir: PathBuf,
+    opts: KeyStoreOptions,
+    floor: Floor,
+}
+
+impl Spill {
+    /// Writes `layer` into RocksDB: its keys above the floor, sorted, as one
+    /// SST file ingested into the keys column family, then its
+    /// partitions' checkpoints and histogram counts in one synced meta
+    /// write. A crash between the two leaves the keys in and the
+    /// checkpoints behind: the log replays them (an id already held keeps
+    /// its value), and only the histogram may miss those keys' counts.
+    fn write_out(&self, layer: &Layer) -> Result<(), KeystoreError> {
+        let keys_cf = self.db.cf_handle(KEYS_CF).ok_or(KeystoreError::MissingColumnFamily { name: KEYS_CF })?;
+        let meta_cf = self.db.cf_handle(META_CF).ok_or(KeystoreError::MissingColumnFamily { name: META_CF })?;
+        let floor = self.floor.get();
+        let mut sorted: Vec<([u8; KEY_LEN], i32, &SeenKey)> = layer
+            .all_keys()
+            .filter(|(_, k)| k.first_seen_ms > floor)
+            .map(|(p, k)| (encode_key(p, &k.id_hash), p, k))
+            .collect();
+        sorted.sort_unstable_by_key(|e| e.0);
+        if !sorted.is_empty() {
+            let path = self.dir.join(format!("{:020}.sst", layer.log_seq));
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(KeystoreError::Io { path, source: e });
+                }
+                _ => {}
+            }
+            let writer_opts = sst_writer_options(&self.opts, &Cache::new_lru_cache(1 << 20), self.floor.clone());
+            let mut writer = SstFileWriter::create(&writer_opts);
+            writer.open(&path).map_err(KeystoreError::rocks("create layer SST"))?;
+            let mut value = Vec::with_capacity(MAX_VALUE_LEN);
+            for (key, partition, k) in &sorted {
+                value.clear();
+                encode_value(*partition, k, &mut value);
+                writer.put(key, &value).map_err(KeystoreError::rocks("write layer SST"))?;
+            }
+            writer.finish().map_err(KeystoreError::rocks("finish layer SST"))?;
+            let mut ingest = IngestExternalFileOptions::default();
+            ingest.set_move_files(true);
+            self.db
+                .ingest_external_file_cf_opts(keys_cf, &ingest, vec![path])
+                .map_err(KeystoreError::rocks("ingest layer SST"))?;
+        }
+        let mut batch = WriteBatch::default();
+        // Counts wholly below the floor were dropped from the histogram by
+        // the age-out that raised it; written now, they would come back at
+        // the next open until the next age-out.
+        for ((bucket, partition), s) in layer.cells.iter().filter(|(_, s)| s.max_ms > floor) {
+            batch.merge_cf(meta_cf, cell_key(*bucket, *partition), s.encode());
+        }
+        for (partition, checkpoint) in &layer.checkpoints {
+            batch.put_cf(meta_cf, checkpoint_key(*partition), checkpoint.to_be_bytes());
+        }
+        let mut synced = WriteOptions::default();
+        synced.set_sync(true);
+        self.db.write_opt(batch, &synced).map_err(KeystoreError::rocks("record layer"))?;
+        Ok(())
+    }
+
+    /// [`write_out`](Self::write_out) for the frozen layer, then sets it
+    /// aside and deletes its log; a failure is kept for every later apply.
+    fn write_out_frozen(&self, recent: &Recent, layer: &Layer) {
+        let written = self.write_out(layer);
+        let mut layers = recent.lock();
+        match written {
+            Ok(()) => {
+                layers.frozen = None;
+                let log = super::recent::log_path(&self.dir, layer.log_seq);
+                if let Err(e) = std::fs::remove_file(&log) {
+                    // Replayed at the next open, every frame at or below a
+                    // stored checkpoint: nothing is applied twice.
+                    tracing::warn!(log = %log.display(), error = %e, "cannot delete a written-out key store log");
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "writing the key store's layer out failed; applies stop");
+                layers.failed.get_or_insert_with(|| e.to_string());
+            }
+        }
+        drop(layers);
+        recent.spilled.notify_all();
+    }
 }
 
 fn be_i64(v: &[u8], what: &'static str, key: &[u8]) -> Result<i64, KeystoreError> {
@@ -753,6 +1077,182 @@ mod tests {
             source: Position::new(0, offset + 1000),
             output: Position::new(0, offset),
         }
+    }
+
+    /// Layers of about 10,000 keys (the smallest write buffer), so tests
+    /// write several out.
+    fn small_layers() -> KeyStoreOptions {
+        KeyStoreOptions { write_buffer_bytes: 1 << 20, ..opts() }
+    }
+
+    fn logs_in(dir: &Path) -> usize {
+        list_logs(&dir.join(RECENT_DIR)).expect("list").len()
+    }
+
+    /// Applied keys are found while in the active layer, while frozen and
+    /// after they are written out, by lookups racing the write-outs: a key
+    /// leaves its layer only once RocksDB holds it. Then a reopen without a
+    /// flush (a process crash: the active layer is only in its log) finds
+    /// every key and checkpoint again, and leaves one log, the new one.
+    #[test]
+    fn keys_are_found_across_layer_write_outs_and_a_crash_replays_the_log() -> Result<(), KeystoreError> {
+        const BATCH: u64 = 500;
+        const BATCHES: u64 = 90;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let now = 5 * HOUR;
+        let seen = |n: u64| key(n, now, n as i64);
+        {
+            let ks = KeyStore::open(dir.path(), small_layers())?;
+            let applied = std::sync::atomic::AtomicU64::new(0);
+            let done = std::sync::atomic::AtomicBool::new(false);
+            std::thread::scope(|scope| -> Result<(), KeystoreError> {
+                let (ks, applied, done) = (&ks, &applied, &done);
+                let reader = scope.spawn(move || {
+                    let mut answers = Vec::new();
+                    let mut rounds = 0u64;
+                    while !done.load(Ordering::Acquire) {
+                        let upto = applied.load(Ordering::Acquire);
+                        // Everything applied so far, newest first.
+                        let ids: Vec<IdHash> = (0..upto).rev().take(4000).map(|n| seen(n).id_hash).collect();
+                        ks.get_many(0, &ids, &mut answers).expect("lookup");
+                        let missing = answers.iter().filter(|a| a.is_none()).count();
+                        assert_eq!(missing, 0, "{missing} applied keys not found with {upto} applied");
+                        rounds += 1;
+                    }
+                    rounds
+                });
+                let written = (0..BATCHES).try_for_each(|b| {
+                    let keys: Vec<SeenKey> = (b * BATCH..(b + 1) * BATCH).map(seen).collect();
+                    ks.apply_batch(0, &keys, ((b + 1) * BATCH - 1) as i64)?;
+                    applied.store((b + 1) * BATCH, Ordering::Release);
+                    Ok(())
+                });
+                done.store(true, Ordering::Release);
+                assert!(reader.join().expect("reader") > 0);
+                written
+            })?;
+            let files = ks.int_property(KEYS_CF, rocksdb::properties::LIVE_SST_FILES_SIZE)?;
+            assert!(files > 0, "layers were written out");
+            assert!(ks.recent.lock().active.len > 0, "the last keys are only in the active layer");
+        }
+        let ks = KeyStore::open(dir.path(), small_layers())?;
+        assert_eq!(logs_in(dir.path()), 1, "the replayed logs are gone, the new one is there");
+        assert_eq!(ks.checkpoint(0)?, Some((BATCH * BATCHES - 1) as i64));
+        for n in 0..BATCH * BATCHES {
+            assert_eq!(ks.get(0, &seen(n).id_hash)?, Some(seen(n)), "key {n}");
+        }
+        assert_eq!(ks.key_count(), BATCH * BATCHES, "each key counted once");
+        Ok(())
+    }
+
+    /// Memory is bounded in bytes: the active layer's tables never pass the
+    /// write buffer's size, over several partitions, and layers are
+    /// written out as they fill.
+    #[test]
+    fn a_layer_is_frozen_before_its_tables_outgrow_the_write_buffer() -> Result<(), KeystoreError> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let opts = small_layers();
+        let ks = KeyStore::open(dir.path(), opts.clone())?;
+        let mut most = 0;
+        for b in 0..120u64 {
+            let partition = (b % 3) as i32;
+            let keys: Vec<SeenKey> = (b * 700..(b + 1) * 700)
+                .map(|n| SeenKey { output: Position::new(partition, n as i64), ..key(n, 5 * HOUR, n as i64) })
+                .collect();
+            ks.apply_batch(partition, &keys, (b * 700 + 699) as i64)?;
+            let bytes = ks.recent.lock().active.bytes_with(partition, 0);
+            assert!(bytes <= opts.write_buffer_bytes, "batch {b}: the active layer holds {bytes} bytes");
+            most = most.max(bytes);
+        }
+        assert!(most > opts.write_buffer_bytes / 4, "layers filled up to {most} bytes only");
+        assert!(ks.int_property(KEYS_CF, rocksdb::properties::LIVE_SST_FILES_SIZE)? > 0, "layers were written out");
+        ks.flush()?;
+        assert_eq!(ks.key_count(), 120 * 700);
+        Ok(())
+    }
+
+    /// A log cut inside a frame (a host crash mid-write) replays the frames
+    /// before it: the checkpoint is the last whole apply's, and none of the
+    /// cut apply's keys is there.
+    #[test]
+    fn a_torn_log_replays_whole_applies_and_their_checkpoint() -> Result<(), KeystoreError> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let now = 5 * HOUR;
+        {
+            let ks = KeyStore::open(dir.path(), opts())?;
+            for b in 0..3u64 {
+                let keys: Vec<SeenKey> = (b * 10..b * 10 + 10).map(|n| key(n, now, n as i64)).collect();
+                ks.apply_batch(0, &keys, (b * 10 + 9) as i64)?;
+            }
+        }
+        let logs = list_logs(&dir.path().join(RECENT_DIR))?;
+        let (_, log) = logs.last().expect("a log");
+        let bytes = std::fs::read(log).expect("read");
+        std::fs::write(log, &bytes[..bytes.len() - 7]).expect("cut");
+        let ks = KeyStore::open(dir.path(), opts())?;
+        assert_eq!(ks.checkpoint(0)?, Some(19));
+        for n in 0..30u64 {
+            assert_eq!(ks.get(0, &key(n, now, 0).id_hash)?.is_some(), n < 20, "key {n}");
+        }
+        assert_eq!(ks.key_count(), 20);
+        Ok(())
+    }
+
+    /// `dedupd verify` reads the logs: a torn tail on the newest is what a
+    /// crash leaves (clean), damage in an older one is corruption.
+    #[test]
+    fn verify_tells_a_torn_newest_log_from_a_damaged_older_one() -> Result<(), KeystoreError> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        {
+            let ks = KeyStore::open(dir.path(), opts())?;
+            for b in 0..3u64 {
+                let keys: Vec<SeenKey> = (b * 10..b * 10 + 10).map(|n| key(n, 5 * HOUR, n as i64)).collect();
+                ks.apply_batch(0, &keys, (b * 10 + 9) as i64)?;
+            }
+        }
+        let recent = dir.path().join(RECENT_DIR);
+        let (seq, older) = list_logs(&recent)?.pop().expect("the crashed process's log");
+        let whole = std::fs::read(&older).expect("read");
+        let newer = super::super::recent::log_path(&recent, seq + 1);
+        std::fs::write(&newer, &whole[..whole.len() - 3]).expect("write");
+        let report = super::super::verify(dir.path())?;
+        assert_eq!(
+            report.logs.iter().map(|l| (l.frames, l.damaged_at.is_some())).collect::<Vec<_>>(),
+            [(3, false), (2, true)]
+        );
+        assert!(report.is_clean(), "a torn newest log is a crash's, not corruption");
+        let mut bad = whole.clone();
+        bad[20] ^= 0x10;
+        std::fs::write(&older, &bad).expect("write");
+        let report = super::super::verify(dir.path())?;
+        assert_eq!(report.logs[0].damaged_at, Some(0));
+        assert!(!report.is_clean(), "damage in an older log is corruption");
+        Ok(())
+    }
+
+    /// A dropped partition stays dropped across a crash: replaying the log
+    /// does not bring back keys applied before the drop, in the active layer
+    /// or written out; keys applied after it come back.
+    #[test]
+    fn a_partition_dropped_before_a_crash_stays_dropped() -> Result<(), KeystoreError> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let now = 5 * HOUR;
+        let before: Vec<SeenKey> = (0..20_000).map(|n| key(n, now, n as i64)).collect();
+        let after: Vec<SeenKey> = (50_000..50_010u64).map(|n| key(n, now, n as i64 - 50_000)).collect();
+        {
+            let ks = KeyStore::open(dir.path(), small_layers())?;
+            for chunk in before.chunks(1000) {
+                ks.apply_batch(0, chunk, chunk.last().expect("keys").output.offset)?;
+            }
+            ks.drop_partition(0)?;
+            ks.apply_batch(0, &after, 9)?;
+        }
+        let ks = KeyStore::open(dir.path(), small_layers())?;
+        assert_eq!(ks.checkpoint(0)?, Some(9));
+        assert!(before.iter().step_by(97).all(|k| ks.get(0, &k.id_hash).ok() == Some(None)), "dropped keys came back");
+        assert!(after.iter().all(|k| ks.get(0, &k.id_hash).ok() == Some(Some(*k))));
+        assert_eq!(ks.scan_partition(0)?.len(), after.len());
+        Ok(())
     }
 
     /// A lookup large enough to be read in parts (here by three helpers)

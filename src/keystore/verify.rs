@@ -1,6 +1,7 @@
 //! `dedupd verify` for the key store: reads every key of every column family
 //! with block checksums verified, without changing anything (the database is
-//! opened read-only).
+//! opened read-only), and every frame of the logs of keys not yet written
+//! into RocksDB (`recent.rs`).
 
 use std::path::Path;
 
@@ -14,6 +15,29 @@ use super::KeystoreError;
 pub struct KeystoreVerifyReport {
     /// (column family, entries read) in name order.
     pub column_families: Vec<(String, u64)>,
+    /// The logs of applied keys not yet in RocksDB's files, oldest first.
+    pub logs: Vec<LogCheck>,
+}
+
+/// What one log of applied keys holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LogCheck {
+    pub path: std::path::PathBuf,
+    /// Frames that check: one per apply or partition drop.
+    pub frames: u64,
+    /// Where the first frame that does not check starts, if one does not.
+    pub damaged_at: Option<u64>,
+    /// Whether it is the newest log: damage there is a torn tail (a crash
+    /// mid-write), which the next open replays up to; in an older log it
+    /// is corruption.
+    pub newest: bool,
+}
+
+impl KeystoreVerifyReport {
+    /// No log is damaged anywhere but at the newest one's tail.
+    pub fn is_clean(&self) -> bool {
+        self.logs.iter().all(|l| l.damaged_at.is_none() || l.newest)
+    }
 }
 
 /// Reads the whole key store at `dir` with checksum verification. Any
@@ -43,6 +67,20 @@ pub fn verify(dir: &Path) -> Result<KeystoreVerifyReport, KeystoreError> {
             entries += 1;
         }
         report.column_families.push((name.clone(), entries));
+    }
+    let recent = dir.join(super::recent::RECENT_DIR);
+    if recent.exists() {
+        let logs = super::recent::list_logs(&recent)?;
+        let newest = logs.last().map(|(seq, _)| *seq);
+        for (seq, path) in logs {
+            let (frames, good, damaged) = super::recent::read_log(&path)?;
+            report.logs.push(LogCheck {
+                path,
+                frames: frames.len() as u64,
+                damaged_at: damaged.then_some(good),
+                newest: Some(seq) == newest,
+            });
+        }
     }
     Ok(report)
 }

@@ -50,6 +50,17 @@ pub fn verify_state_dir(state_dir: &Path) -> Result<(String, bool), StateError> 
                 for (cf, n) in &report.column_families {
                     let _ = writeln!(out, "  column family {cf}: {n} entries, checksums ok");
                 }
+                for log in &report.logs {
+                    let status = match (log.damaged_at, log.newest) {
+                        (None, _) => "checksums ok".to_owned(),
+                        (Some(at), true) => format!("torn tail at offset {at} (open replays up to it)"),
+                        (Some(at), false) => {
+                            format!("CORRUPT at offset {at}: later applies are lost, repair brings them back")
+                        }
+                    };
+                    let _ = writeln!(out, "  log {}: {} frames, {status}", log.path.display(), log.frames);
+                }
+                clean &= report.is_clean();
             }
             Err(e) => {
                 let _ = writeln!(out, "key store {}: CORRUPT: {e}", keys_dir.display());
