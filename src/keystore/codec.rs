@@ -10,6 +10,7 @@
 //!           "h" bucket(8) partition(4)  -> BucketStats: count i64 | min_ms | max_ms LE (merge: sum/min/max)
 //!           "f"                         -> floor: first_seen_ms at or below which keys are gone, i64 BE
 //!           "v"                         -> format version u32 BE
+//!           "l"                         -> newest layer log written into the keys CF, u64 BE
 //! ```
 //!
 //! Why this shape: fixed-width big-endian keys sort by partition, so one
@@ -42,6 +43,9 @@ pub(crate) const META_CHECKPOINT: u8 = b'c';
 pub(crate) const META_HISTOGRAM: u8 = b'h';
 pub(crate) const META_FLOOR: &[u8] = b"f";
 pub(crate) const META_VERSION: &[u8] = b"v";
+/// The newest layer log written into RocksDB (`recent.rs`): logs numbered
+/// at or below it are not replayed.
+pub(crate) const META_LOGS_WRITTEN: &[u8] = b"l";
 pub(crate) const FORMAT_VERSION: u32 = 1;
 
 pub(crate) fn partition_bytes(partition: i32) -> [u8; 4] {

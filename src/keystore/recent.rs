@@ -345,6 +345,17 @@ pub(crate) struct Layers {
 }
 
 impl Layers {
+    /// Appends frames to the active log. A failure may leave part of them
+    /// in it, and a frame appended after that garbage would be lost to
+    /// replay with it: the store takes no more (restart to recover).
+    pub(crate) fn append(&mut self, frames: &[u8]) -> Result<(), KeystoreError> {
+        let appended = self.log.append(frames);
+        if let Err(e) = &appended {
+            self.failed.get_or_insert_with(|| e.to_string());
+        }
+        appended
+    }
+
     /// The partition's checkpoint as the layers know it.
     pub(crate) fn checkpoint(&self, partition: i32) -> Option<i64> {
         self.active.checkpoints.get(&partition).or_else(|| self.frozen.as_ref()?.checkpoints.get(&partition)).copied()

@@ -17,7 +17,7 @@ use crate::event::IdHash;
 use super::absent::{AbsentNotes, BumpOnDrop};
 use super::codec::{
     checkpoint_key, decode_key, decode_value, encode_key, encode_value, partition_range, FORMAT_VERSION, KEY_LEN,
-    MAX_VALUE_LEN, META_FLOOR, META_HISTOGRAM, META_VERSION,
+    MAX_VALUE_LEN, META_FLOOR, META_HISTOGRAM, META_LOGS_WRITTEN, META_VERSION,
 };
 use super::error::{hex, KeystoreError};
 use super::histogram::{cell_key, parse_cell_key, BucketStats, Histogram};
@@ -200,9 +200,17 @@ impl KeyStore {
     /// out, and deletes them (see `recent.rs`). Frames at or below their
     /// partition's stored checkpoint were written out before.
     fn replay_logs(&self, logs: &[(u64, PathBuf)]) -> Result<(), KeystoreError> {
-        let mut layer = Layer::new(logs.first().map_or(0, |(seq, _)| *seq));
+        let written = self
+            .db
+            .get_pinned_cf(self.meta_cf()?, META_LOGS_WRITTEN)
+            .map_err(KeystoreError::rocks("read logs written"))?
+            .map(|v| be_i64(&v, "logs written", META_LOGS_WRITTEN).map(|s| s as u64))
+            .transpose()?
+            .unwrap_or(0);
+        // The replayed layer is written out as the newest log's.
+        let mut layer = Layer::new(logs.last().map_or(0, |(seq, _)| *seq));
         let mut stored: hashbrown::HashMap<i32, Option<i64>> = hashbrown::HashMap::new();
-        for (_, path) in logs {
+        for (_, path) in logs.iter().filter(|(seq, _)| *seq > written) {
             let (frames, used, damaged) = read_log(path)?;
             for frame in frames {
                 match frame {
@@ -420,7 +428,7 @@ impl KeyStore {
         // A layer is frozen before a batch would grow it past the write
         // buffer's bytes, so its tables stay within them (one batch's keys
         // aside, when a single batch is larger).
-        let frozen = {
+        let (frozen, appended) = {
             let layers = self.recent.lock();
             if let Some(cause) = &layers.failed {
                 return Err(KeystoreError::LayerWrite { cause: cause.clone() });
@@ -433,18 +441,21 @@ impl KeyStore {
             } else {
                 (layers, None)
             };
-            layers.log.append(&frame)?;
-            layers.active.apply(partition, checkpoint, &added, bucket_ms);
-            frozen
-        };
-        {
-            let mut st = self.lock();
-            for (bucket, s) in &cells {
-                st.histogram.add(*bucket, partition, s);
+            let appended = layers.append(&frame);
+            if appended.is_ok() {
+                layers.active.apply(partition, checkpoint, &added, bucket_ms);
             }
-        }
+            (frozen, appended)
+        };
+        // A layer frozen is written out whatever became of the append after
+        // it: left frozen, it would hold every later freeze forever.
         if let Some(frozen) = frozen {
             self.start_write_out(frozen);
+        }
+        appended?;
+        let mut st = self.lock();
+        for (bucket, s) in &cells {
+            st.histogram.add(*bucket, partition, s);
         }
         Ok(())
     }
@@ -461,6 +472,14 @@ impl KeyStore {
         }
         if let Some(cause) = &layers.failed {
             return Err(KeystoreError::LayerWrite { cause: cause.clone() });
+        }
+        // The log being closed is made durable before the next one gets a
+        // frame: a power loss must not keep a later log's frames and lose
+        // this one's tail, or replay would skip a gap (the checkpoint ahead
+        // of the keys). One fsync per layer.
+        if let Err(e) = layers.log.sync() {
+            layers.failed.get_or_insert_with(|| e.to_string());
+            return Err(e);
         }
         let seq = layers.next_log_seq;
         let log = Log::create(&self.spill.dir, seq, self.opts.sync_writes)?;
@@ -641,8 +660,11 @@ impl KeyStore {
             }
             let mut frame = Vec::new();
             encode_drop(partition, &mut frame);
-            layers.log.append(&frame)?;
-            layers.log.sync()?;
+            layers.append(&frame)?;
+            if let Err(e) = layers.log.sync() {
+                layers.failed.get_or_insert_with(|| e.to_string());
+                return Err(e);
+            }
             layers.active.drop_partition(partition);
         }
         let mut st = self.lock();
@@ -880,6 +902,17 @@ impl KeyStore {
     pub fn scan_partition(&self, partition: i32) -> Result<Vec<SeenKey>, KeystoreError> {
         let (start, end) = partition_range(partition);
         let floor = self.floor.get();
+        // The layers' keys first, newest layer last: a key written out
+        // meanwhile is then in this copy or, after it, in RocksDB. An id a
+        // layer holds replaces what RocksDB holds (an older copy below the
+        // floor, or the same key being written out).
+        let mut held: hashbrown::HashMap<IdHash, SeenKey> = hashbrown::HashMap::new();
+        {
+            let layers = self.recent.lock();
+            for layer in layers.frozen.iter().map(|f| &**f).chain(std::iter::once(&layers.active)) {
+                held.extend(layer.keys_of(partition).map(|k| (k.id_hash, *k)));
+            }
+        }
         let mut out = Vec::new();
         let mut it = self.db.raw_iterator_cf_opt(self.keys_cf()?, total_order());
         it.seek(start);
@@ -888,21 +921,12 @@ impl KeyStore {
                 break;
             }
             let (p, id) = decode_key(k)?;
-            let seen = decode_value(p, id, v)?;
-            out.push(seen);
+            if !held.contains_key(&id) {
+                out.push(decode_value(p, id, v)?);
+            }
             it.next();
         }
         it.status().map_err(KeystoreError::rocks("scan partition"))?;
-        // The layers' keys, newest first: an id a layer holds replaces what
-        // RocksDB holds (an older copy below the floor, or the same key
-        // being written out).
-        let layers = self.recent.lock();
-        let mut held: hashbrown::HashMap<IdHash, SeenKey> = hashbrown::HashMap::new();
-        for layer in layers.frozen.iter().map(|f| &**f).chain(std::iter::once(&layers.active)) {
-            held.extend(layer.keys_of(partition).map(|k| (k.id_hash, *k)));
-        }
-        drop(layers);
-        out.retain(|k| !held.contains_key(&k.id_hash));
         out.extend(held.into_values());
         out.retain(|k| k.first_seen_ms > floor);
         out.sort_unstable_by_key(|k| k.id_hash);
@@ -1012,6 +1036,9 @@ impl Spill {
         for (partition, checkpoint) in &layer.checkpoints {
             batch.put_cf(meta_cf, checkpoint_key(*partition), checkpoint.to_be_bytes());
         }
+        // With the checkpoints: a restart replays no log up to this one,
+        // even one whose deletion failed or was lost.
+        batch.put_cf(meta_cf, META_LOGS_WRITTEN, layer.log_seq.to_be_bytes());
         let mut synced = WriteOptions::default();
         synced.set_sync(true);
         self.db.write_opt(batch, &synced).map_err(KeystoreError::rocks("record layer"))?;
@@ -1021,15 +1048,19 @@ impl Spill {
     /// [`write_out`](Self::write_out) for the frozen layer, then sets it
     /// aside and deletes its log; a failure is kept for every later apply.
     fn write_out_frozen(&self, recent: &Recent, layer: &Layer) {
-        let written = self.write_out(layer);
+        // A panic is a failure too: left frozen, the layer would hold every
+        // later freeze (and `drop_partition`, under the store-wide lock)
+        // forever.
+        let written = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.write_out(layer)))
+            .unwrap_or_else(|_| Err(KeystoreError::LayerWrite { cause: "the layer writer panicked".to_string() }));
         let mut layers = recent.lock();
         match written {
             Ok(()) => {
                 layers.frozen = None;
                 let log = super::recent::log_path(&self.dir, layer.log_seq);
                 if let Err(e) = std::fs::remove_file(&log) {
-                    // Replayed at the next open, every frame at or below a
-                    // stored checkpoint: nothing is applied twice.
+                    // Not replayed at the next open: the meta records the
+                    // newest log written out, and that open deletes it.
                     tracing::warn!(log = %log.display(), error = %e, "cannot delete a written-out key store log");
                 }
             }
@@ -1195,6 +1226,39 @@ mod tests {
             assert_eq!(ks.get(0, &key(n, now, 0).id_hash)?.is_some(), n < 20, "key {n}");
         }
         assert_eq!(ks.key_count(), 20);
+        Ok(())
+    }
+
+    /// A log whose layer was written out is never replayed, even when its
+    /// deletion failed: its frames would otherwise come back after a later
+    /// drop of their partition, and their checkpoint would hide the applies
+    /// logged since (the checkpoint ahead of the keys).
+    #[test]
+    fn a_written_out_log_left_behind_is_not_replayed() -> Result<(), KeystoreError> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let now = 5 * HOUR;
+        let recent = dir.path().join(RECENT_DIR);
+        let old: Vec<SeenKey> = (0..1000).map(|n| key(n, now, n as i64)).collect();
+        let rebuilt: Vec<SeenKey> = (5000..5600u64).map(|n| key(n, now, n as i64 - 5000)).collect();
+        {
+            let ks = KeyStore::open(dir.path(), opts())?;
+            ks.apply_batch(0, &old, 999)?;
+            let (_, first_log) = list_logs(&recent)?.pop().expect("the active log");
+            let left_behind = std::fs::read(&first_log).expect("read");
+            ks.flush()?;
+            assert!(!first_log.exists(), "written out, deleted");
+            // As if its deletion had failed.
+            std::fs::write(&first_log, left_behind).expect("write");
+            ks.drop_partition(0)?;
+            ks.apply_batch(0, &rebuilt[..500], 499)?;
+            ks.flush()?;
+            ks.apply_batch(0, &rebuilt[500..], 599)?;
+        }
+        let ks = KeyStore::open(dir.path(), opts())?;
+        assert_eq!(ks.checkpoint(0)?, Some(599));
+        assert!(rebuilt.iter().all(|k| ks.get(0, &k.id_hash).ok() == Some(Some(*k))), "a rebuilt key is missing");
+        assert!(old.iter().all(|k| ks.get(0, &k.id_hash).ok() == Some(None)), "a dropped key came back");
+        assert_eq!(logs_in(dir.path()), 1);
         Ok(())
     }
 
