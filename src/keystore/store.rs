@@ -248,6 +248,16 @@ impl KeyStore {
         for (_, path) in logs {
             std::fs::remove_file(path).map_err(|source| KeystoreError::Io { path: path.clone(), source })?;
         }
+        // A layer's SST left by a write-out the last process did not finish
+        // (ingested files are moved into RocksDB's directory): nothing uses
+        // it, and its keys are in a log replayed above.
+        let io = |path: PathBuf| move |source| KeystoreError::Io { path, source };
+        for entry in std::fs::read_dir(&self.spill.dir).map_err(io(self.spill.dir.clone()))? {
+            let path = entry.map_err(io(self.spill.dir.clone()))?.path();
+            if path.extension().is_some_and(|e| e == "sst") {
+                std::fs::remove_file(&path).map_err(io(path.clone()))?;
+            }
+        }
         Ok(())
     }
 
@@ -1259,6 +1269,23 @@ mod tests {
         assert!(rebuilt.iter().all(|k| ks.get(0, &k.id_hash).ok() == Some(Some(*k))), "a rebuilt key is missing");
         assert!(old.iter().all(|k| ks.get(0, &k.id_hash).ok() == Some(None)), "a dropped key came back");
         assert_eq!(logs_in(dir.path()), 1);
+        Ok(())
+    }
+
+    /// A layer's SST that a crashed write-out left in `recent/` is deleted
+    /// at the next open (its keys come back from the log).
+    #[test]
+    fn an_unfinished_layer_file_is_deleted_at_open() -> Result<(), KeystoreError> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let stray = dir.path().join(RECENT_DIR).join(format!("{:020}.sst", 3));
+        {
+            let ks = KeyStore::open(dir.path(), opts())?;
+            ks.apply_batch(0, &[key(1, 5 * HOUR, 0)], 0)?;
+            std::fs::write(&stray, b"half an SST").expect("write");
+        }
+        let ks = KeyStore::open(dir.path(), opts())?;
+        assert!(!stray.exists(), "the unfinished layer file is still there");
+        assert_eq!(ks.get(0, &key(1, 5 * HOUR, 0).id_hash)?, Some(key(1, 5 * HOUR, 0)));
         Ok(())
     }
 
