@@ -296,6 +296,7 @@ impl Layer {
         self.cells.retain(|(_, p), _| *p != partition);
     }
 
+    #[cfg(test)]
     pub(crate) fn get(&self, partition: i32, id: &IdHash) -> Option<&SeenKey> {
         self.keys.get(&partition)?.get(id)
     }
@@ -356,6 +357,14 @@ impl Layers {
         appended
     }
 
+    /// Refuses work once a write-out or an append has failed.
+    pub(crate) fn refused(&self) -> Result<(), KeystoreError> {
+        match &self.failed {
+            Some(cause) => Err(KeystoreError::LayerWrite { cause: cause.clone() }),
+            None => Ok(()),
+        }
+    }
+
     /// The partition's checkpoint as the layers know it.
     pub(crate) fn checkpoint(&self, partition: i32) -> Option<i64> {
         self.active.checkpoints.get(&partition).or_else(|| self.frozen.as_ref()?.checkpoints.get(&partition)).copied()
@@ -364,12 +373,32 @@ impl Layers {
     /// The key of `id` if a layer holds it (newest layer first), above
     /// the floor or not: `Some(None)` is a key the floor hides.
     pub(crate) fn get(&self, partition: i32, id: &IdHash, floor: i64) -> Option<Option<SeenKey>> {
-        let k = self.active.get(partition, id).or_else(|| self.frozen.as_ref()?.get(partition, id))?;
-        Some(Some(*k).filter(|k| k.first_seen_ms > floor))
+        self.partition_keys(partition).get(id, floor)
+    }
+
+    /// `partition`'s tables in each layer, looked up once for many ids.
+    fn partition_keys(&self, partition: i32) -> PartitionKeys<'_> {
+        PartitionKeys {
+            active: self.active.keys.get(&partition),
+            frozen: self.frozen.as_ref().and_then(|f| f.keys.get(&partition)),
+        }
     }
 
     pub(crate) fn holds_keys_of(&self, partition: i32) -> bool {
         self.active.holds_keys_of(partition) || self.frozen.as_ref().is_some_and(|f| f.holds_keys_of(partition))
+    }
+}
+
+/// One partition's tables in the active and the frozen layer.
+struct PartitionKeys<'a> {
+    active: Option<&'a HashMap<IdHash, SeenKey, IdBuildHasher>>,
+    frozen: Option<&'a HashMap<IdHash, SeenKey, IdBuildHasher>>,
+}
+
+impl PartitionKeys<'_> {
+    fn get(&self, id: &IdHash, floor: i64) -> Option<Option<SeenKey>> {
+        let k = self.active.and_then(|t| t.get(id)).or_else(|| self.frozen?.get(id))?;
+        Some(Some(*k).filter(|k| k.first_seen_ms > floor))
     }
 }
 
@@ -382,6 +411,18 @@ pub(crate) struct Recent {
 impl Recent {
     pub(crate) fn new(layers: Layers) -> Recent {
         Recent { layers: std::sync::Mutex::new(layers), spilled: std::sync::Condvar::new() }
+    }
+
+    /// Waits until no layer is being written out; fails if one failed.
+    pub(crate) fn frozen_written<'a>(
+        &'a self,
+        mut layers: std::sync::MutexGuard<'a, Layers>,
+    ) -> Result<std::sync::MutexGuard<'a, Layers>, KeystoreError> {
+        while layers.frozen.is_some() && layers.failed.is_none() {
+            layers = self.spilled.wait(layers).unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        layers.refused()?;
+        Ok(layers)
     }
 
     pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, Layers> {
@@ -404,8 +445,9 @@ impl Recent {
         out.clear();
         let mut misses = Vec::new();
         let layers = self.lock();
+        let held = layers.partition_keys(partition);
         for (i, id) in ids.iter().enumerate() {
-            match layers.get(partition, id, floor) {
+            match held.get(id, floor) {
                 Some(answer) => out.push(answer),
                 None => {
                     out.push(None);

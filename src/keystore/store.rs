@@ -440,9 +440,7 @@ impl KeyStore {
         // aside, when a single batch is larger).
         let (frozen, appended) = {
             let layers = self.recent.lock();
-            if let Some(cause) = &layers.failed {
-                return Err(KeystoreError::LayerWrite { cause: cause.clone() });
-            }
+            layers.refused()?;
             let full = layers.active.len > 0
                 && layers.active.bytes_with(partition, added.len()) > self.opts.write_buffer_bytes;
             let (mut layers, frozen) = if full {
@@ -477,12 +475,7 @@ impl KeyStore {
         &'a self,
         mut layers: MutexGuard<'a, Layers>,
     ) -> Result<(MutexGuard<'a, Layers>, Arc<Layer>), KeystoreError> {
-        while layers.frozen.is_some() && layers.failed.is_none() {
-            layers = self.recent.spilled.wait(layers).unwrap_or_else(PoisonError::into_inner);
-        }
-        if let Some(cause) = &layers.failed {
-            return Err(KeystoreError::LayerWrite { cause: cause.clone() });
-        }
+        layers = self.recent.frozen_written(layers)?;
         // The log being closed is made durable before the next one gets a
         // frame: a power loss must not keep a later log's frames and lose
         // this one's tail, or replay would skip a gap (the checkpoint ahead
@@ -661,13 +654,7 @@ impl KeyStore {
         // must not either. (Applies wait on the store-wide lock, so no
         // layer freezes meanwhile.)
         {
-            let mut layers = self.recent.lock();
-            while layers.frozen.is_some() && layers.failed.is_none() {
-                layers = self.recent.spilled.wait(layers).unwrap_or_else(PoisonError::into_inner);
-            }
-            if let Some(cause) = &layers.failed {
-                return Err(KeystoreError::LayerWrite { cause: cause.clone() });
-            }
+            let mut layers = self.recent.frozen_written(self.recent.lock())?;
             let mut frame = Vec::new();
             encode_drop(partition, &mut frame);
             layers.append(&frame)?;
@@ -748,9 +735,7 @@ impl KeyStore {
         };
         if let Some(frozen) = frozen {
             self.spill.write_out_frozen(&self.recent, &frozen);
-            if let Some(cause) = &self.recent.lock().failed {
-                return Err(KeystoreError::LayerWrite { cause: cause.clone() });
-            }
+            self.recent.lock().refused()?;
         }
         self.db.flush_wal(true).map_err(KeystoreError::rocks("sync WAL"))
     }
