@@ -231,6 +231,48 @@ fn conflicts_with_earlier_batches_and_runs_name_the_fields_that_differ() {
 }
 
 #[test]
+fn a_conflict_with_the_batch_just_before_finds_its_original() {
+    // Each batch's append to the usage store is made on a thread of its
+    // own while the next batch is classified: a conflict whose original
+    // is in the batch just before must wait for that append, or its report
+    // would lack the original. One record per batch, each conflict right
+    // after its original, for many batches in a row.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (input, output, conflicts) =
+        (dir.path().join("in.ndjson"), dir.path().join("out.ndjson"), dir.path().join("conflicts.ndjson"));
+    const PAIRS: usize = 300;
+    let lines: Vec<String> =
+        (0..PAIRS).flat_map(|i| [event(&format!("p{i}"), "1"), event(&format!("p{i}"), "2")]).collect();
+    std::fs::write(&input, lines.join("\n") + "\n").expect("write");
+    let out = dedupd()
+        .args(["dedupe", "--batch-records", "1", "--fsync", "always", "--input"])
+        .arg(&input)
+        .arg("--output")
+        .arg(&output)
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .arg("--conflicts")
+        .arg(&conflicts)
+        .output()
+        .expect("run");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        last_line(&out.stderr),
+        serde_json::json!({"accepted": PAIRS, "duplicates": 0, "conflicts": PAIRS, "rejected": 0})
+    );
+    let text = std::fs::read_to_string(&conflicts).expect("conflicts file");
+    let without: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("JSON line");
+            v["differs"] != serde_json::json!(["quantity"])
+        })
+        .collect();
+    assert_eq!(text.lines().count(), PAIRS);
+    assert!(without.is_empty(), "{} of {PAIRS} reports lack their original, e.g. {:?}", without.len(), without.first());
+}
+
+#[test]
 fn through_a_pipe_each_batch_comes_out_before_the_next_is_written() {
     // A producer that waits for a batch's output before it sends the next
     // must not wait forever: reading standard input, `dedupe` must not read

@@ -18,14 +18,14 @@
 //! With `--state-dir` and an input file, batches are decoded, validated and
 //! hashed one batch ahead on a thread of their own (`Validation`), beside
 //! the batch whose output and state are being written, and each batch's
-//! WAL fsync is waited for beside the next batch (`wal_sync.rs`; see
-//! `docs/ARCHITECTURE.md`).
+//! usage-store append and WAL fsync are made beside the next batch
+//! (`usage_writer.rs`; see `docs/ARCHITECTURE.md`).
 
 mod demo;
 mod lines;
 mod report;
 pub mod sample;
-mod wal_sync;
+mod usage_writer;
 pub use demo::{bucket_table, run_offline_demo};
 
 use std::fs::{File, OpenOptions};
@@ -257,11 +257,12 @@ pub fn run_dedupe_with_progress(
             Ok(())
         };
         let state = &state;
-        // Each batch's WAL fsync is waited for beside the next batch (see
-        // `wal_sync.rs`); without a state directory there are none.
-        let mut wal_sync = match opts.state_dir {
-            Some(_) => wal_sync::WalSync::start(scope),
-            None => wal_sync::WalSync::Inline,
+        // Each batch's usage-store append and WAL fsync are made beside the
+        // next batch (see `usage_writer.rs`); without a state directory
+        // there is no usage store.
+        let mut usage_writer = match opts.state_dir {
+            Some(_) => usage_writer::UsageWriter::start(scope, state),
+            None => usage_writer::UsageWriter::inline(state),
         };
         // A batch's reports wait for its conflicts' originals, which are read
         // on a thread of their own while this one writes, syncs and applies
@@ -319,6 +320,9 @@ pub fn run_dedupe_with_progress(
                 reading_now = Some(if wanted.is_empty() {
                     Originals::Known(Vec::new())
                 } else {
+                    // An original may be in a batch whose append is still
+                    // to be made.
+                    usage_writer.settle()?;
                     let asked = wanted.clone();
                     let read = move || state.originals_seen_at(OFFLINE_PARTITION, &asked, ReadCores::BesideTheBatch);
                     match std::thread::Builder::new().name("dedupd-conflicts".into()).spawn_scoped(scope, read) {
@@ -337,14 +341,6 @@ pub fn run_dedupe_with_progress(
                     &mut summary,
                     &mut derived_ids,
                 )?;
-                // Only now, with the batch's output visible, does state change.
-                let (_, pending) = state.apply_published_sync_later(OFFLINE_PARTITION, &published, now_ms)?;
-                if let Some(pending) = pending {
-                    wal_sync.hand(pending)?;
-                }
-                if let Some(last) = waiting.take() {
-                    reports.write(last)?;
-                }
                 // The originals of conflicts within the batch are its own
                 // accepted events: copied now (only when conflicts are
                 // reported), so the batch's events need not wait with its
@@ -363,7 +359,13 @@ pub fn run_dedupe_with_progress(
                         })
                         .collect(),
                 };
-                drop(published);
+                // Only now, with the batch's output visible, does state change.
+                let (_, append) = state.apply_published_append_later(OFFLINE_PARTITION, published, now_ms)?;
+                // The state's upkeep comes with it (see `usage_writer.rs`).
+                usage_writer.hand(append, now_ms)?;
+                if let Some(last) = waiting.take() {
+                    reports.write(last)?;
+                }
                 let originals = reading_now.take().unwrap_or(Originals::Known(Vec::new()));
                 // Reading ahead (an input file), a batch whose originals are
                 // still being read has its reports wait for the next batch;
@@ -377,7 +379,6 @@ pub fn run_dedupe_with_progress(
                 } else {
                     reports.write(this)?;
                 }
-                state.maintain(now_ms)?;
                 progress(&Progress { records: records_end, bytes: bytes_end, summary });
                 match read_ahead {
                     Some(read) => read?,
@@ -386,9 +387,9 @@ pub fn run_dedupe_with_progress(
             }
             Ok(())
         })();
-        // Every batch's WAL fsync has ended, or the first that failed says
-        // why (a run that failed already keeps its own error).
-        let run = match (run, wal_sync.finish()) {
+        // Every batch's append and WAL fsync has ended, or the first that
+        // failed says why (a run that failed already keeps its own error).
+        let run = match (run, usage_writer.finish()) {
             (Ok(()), synced) => synced,
             (Err(e), _) => Err(e),
         };

@@ -288,6 +288,12 @@ impl DiskState {
     }
 }
 
+/// A stalled disk, answering again once dropped (see [`SimDisk::stall`]).
+#[must_use = "the disk answers again as soon as this is dropped"]
+pub struct Stalled<'a> {
+    _held: MutexGuard<'a, DiskState>,
+}
+
 /// A simulated disk. Clones share it: the disk outlives the process that
 /// wrote to it.
 #[derive(Clone, Debug)]
@@ -334,6 +340,12 @@ impl SimDisk {
 
     pub fn counts(&self) -> DiskCounts {
         self.lock().counts
+    }
+
+    /// A disk that stops answering: every operation on it waits until the
+    /// returned guard is dropped.
+    pub fn stall(&self) -> Stalled<'_> {
+        Stalled { _held: self.lock() }
     }
 
     /// The machine loses power: see the module doc for what survives.

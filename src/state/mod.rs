@@ -544,6 +544,20 @@ const CATCH_UP_MAX_ROWS: u64 = 5_000_000;
 /// are rare (only repairs meet them), so the extra writes cost nothing.
 const NEAR_RETENTION_MS: i64 = 3_600_000;
 
+/// A batch's events for the usage store, applied to every other tier
+/// already (see [`LocalState::apply_published_append_later`]).
+#[derive(Debug)]
+pub struct UsageAppend {
+    events: Vec<StoredEvent>,
+}
+
+impl UsageAppend {
+    /// The events to append.
+    pub fn events(&self) -> &[StoredEvent] {
+        &self.events
+    }
+}
+
 /// A batch in every tier but the hot cache, its usage-store fsync perhaps
 /// still to come.
 struct AppliedTiers {
@@ -883,12 +897,18 @@ impl LocalState {
                 // A key store that cannot answer is treated as empty: repair
                 // then replays everything, which is always safe.
                 let keys = d.keys.checkpoint(partition).ok().flatten()?;
-                let mut min = usage.min(keys);
-                if let Some(ledger) = &self.ledger {
-                    min = min.min(ledger.checkpoint(partition).ok().flatten()?);
-                }
-                Some(min)
+                self.checkpoint_with(partition, Some(usage.min(keys)))
             }
+        }
+    }
+
+    /// The lower of `tiers` (the durable tiers' checkpoint, `None` when one
+    /// has none) and the ledger's, when kept.
+    fn checkpoint_with(&self, partition: i32, tiers: Option<i64>) -> Option<i64> {
+        let tiers = tiers?;
+        match &self.ledger {
+            None => Some(tiers),
+            Some(ledger) => Some(tiers.min(ledger.checkpoint(partition).ok().flatten()?)),
         }
     }
 
@@ -958,28 +978,73 @@ impl LocalState {
         Ok(applied.keys.len())
     }
 
-    /// [`apply_published`](Self::apply_published) without waiting for the
-    /// usage store's fsync: the batch is in every tier, the hot cache
-    /// included, when it returns, and the caller waits on the returned
-    /// fsync (with `--fsync always`) wherever it likes, on another thread
-    /// while it goes on with the next batch, as `dedupd dedupe` does.
+    /// [`apply_published`](Self::apply_published) with the usage store's
+    /// part left to the caller: the batch is in the ledger, the key store
+    /// and the hot cache when this returns, and the returned
+    /// [`UsageAppend`] (with a state directory) is to be given to
+    /// [`append_usage_later`](Self::append_usage_later), on another thread
+    /// while this one goes on with the next batch, as `dedupd dedupe` does.
+    /// Batches of one partition must be appended in the order they were
+    /// applied.
     ///
     /// Safe because state is a view of the output, and the batch's output
-    /// is durable before this is called: the next batch may be classified
-    /// against these keys before their WAL fsync ends. If that fsync fails,
-    /// the usage store refuses all later work and the run stops; a restart
-    /// repairs from the output what the WAL lost.
-    pub fn apply_published_sync_later(
+    /// is durable before this is called: the next batch is classified
+    /// against the hot cache and the key store, which hold these keys, and
+    /// never against the usage store. Until the append is made, the usage
+    /// store's checkpoint lags the key store's, which a restart reads as a
+    /// crash between the two tiers: repair applies the gap from the output
+    /// again, and each tier skips what it holds. What does read the usage
+    /// store (a conflict's original) must wait for the appends handed out.
+    pub fn apply_published_append_later(
         &self,
         partition: i32,
-        batch: &[StoredEvent],
+        batch: Vec<StoredEvent>,
         now_ms: i64,
-    ) -> Result<(usize, Option<PendingSync>), StateError> {
-        let Some(applied) = self.apply_durable_tiers(partition, batch, now_ms)? else {
-            return Ok((0, None));
+    ) -> Result<(usize, Option<UsageAppend>), StateError> {
+        // Against the checkpoint of the tiers written here, not the usage
+        // store's: reading that takes its lock, which the thread making
+        // the previous batch's append holds. A usage store behind the
+        // others (after a crash between the tiers) is handed the whole
+        // batch and skips what it holds by its own checkpoint.
+        let checkpoint = match &self.durable {
+            None => self.checkpoint(partition),
+            Some(d) => self.checkpoint_with(partition, d.keys.checkpoint(partition).ok().flatten()),
         };
-        self.commit_hot(partition, &applied.keys, now_ms)?;
-        Ok((applied.keys.len(), applied.pending))
+        let fresh: Vec<&StoredEvent> =
+            self.fresh_in_batch(partition, &batch, checkpoint)?.into_iter().map(|i| &batch[i]).collect();
+        let keys: Vec<SeenKey> = fresh.iter().map(|e| e.key).collect();
+        if let (Some(first), Some(last)) = (fresh.first(), fresh.last()) {
+            let (first, last) = (first.key.output.offset, last.key.output.offset);
+            // As in `apply_durable_tiers`: the ledger folds first.
+            self.fold_into_ledger(partition, &fresh, first, now_ms)?;
+            match &self.durable {
+                None => {
+                    locked(&self.memory_checkpoints).insert(partition, last);
+                }
+                Some(d) => d.keys.apply_batch(partition, &keys, last)?,
+            }
+            self.commit_hot(partition, &keys, now_ms)?;
+        }
+        drop(fresh);
+        let append = match &self.durable {
+            Some(_) if !batch.is_empty() => Some(UsageAppend { events: batch }),
+            _ => None,
+        };
+        Ok((keys.len(), append))
+    }
+
+    /// A batch's usage-store part, handed back by
+    /// [`apply_published_append_later`](Self::apply_published_append_later).
+    /// With `--fsync always`, returns the pending fsync to wait on.
+    pub fn append_usage_later(&self, append: UsageAppend) -> Result<Option<PendingSync>, StateError> {
+        let Some(d) = &self.durable else {
+            return Ok(None);
+        };
+        // Moved in whole: no copy of the events is made for the memtable.
+        let mut usage = d.usage_with_room();
+        let pending = usage.append_deferred(append.events)?.1;
+        self.start_flush_if_wanted(d, &mut usage)?;
+        Ok(pending)
     }
 
     fn commit_hot(&self, partition: i32, keys: &[SeenKey], now_ms: i64) -> Result<(), StateError> {
@@ -996,25 +1061,11 @@ impl LocalState {
         batch: &[StoredEvent],
         now_ms: i64,
     ) -> Result<Option<AppliedTiers>, StateError> {
-        if !self.partitions.contains_key(&partition) {
-            return Err(StateError::NotAssigned { partition });
-        }
-        let checkpoint = self.checkpoint(partition);
-        let mut previous = checkpoint.unwrap_or(i64::MIN);
         // By reference: every tier reads them; the usage store's memtable
         // keeps one copy.
-        let mut fresh: Vec<&StoredEvent> = Vec::with_capacity(batch.len());
-        for e in batch {
-            let offset = e.key.output.offset;
-            if checkpoint.is_some_and(|c| offset <= c) {
-                continue;
-            }
-            if offset <= previous {
-                return Err(StateError::OffsetsOutOfOrder { partition, previous, next: offset });
-            }
-            previous = offset;
-            fresh.push(e);
-        }
+        let checkpoint = self.checkpoint(partition);
+        let fresh: Vec<&StoredEvent> =
+            self.fresh_in_batch(partition, batch, checkpoint)?.into_iter().map(|i| &batch[i]).collect();
         let (Some(first), Some(last)) = (fresh.first(), fresh.last()) else {
             return Ok(None);
         };
@@ -1038,6 +1089,33 @@ impl LocalState {
             d.keys.apply_batch(partition, &keys, last)?;
         }
         Ok(Some(AppliedTiers { keys, pending }))
+    }
+
+    /// The indices, ascending, of the events of `batch` past `checkpoint`:
+    /// the ones an apply adds. Their output offsets must rise.
+    fn fresh_in_batch(
+        &self,
+        partition: i32,
+        batch: &[StoredEvent],
+        checkpoint: Option<i64>,
+    ) -> Result<Vec<usize>, StateError> {
+        if !self.partitions.contains_key(&partition) {
+            return Err(StateError::NotAssigned { partition });
+        }
+        let mut previous = checkpoint.unwrap_or(i64::MIN);
+        let mut fresh = Vec::with_capacity(batch.len());
+        for (i, e) in batch.iter().enumerate() {
+            let offset = e.key.output.offset;
+            if checkpoint.is_some_and(|c| offset <= c) {
+                continue;
+            }
+            if offset <= previous {
+                return Err(StateError::OffsetsOutOfOrder { partition, previous, next: offset });
+            }
+            previous = offset;
+            fresh.push(i);
+        }
+        Ok(fresh)
     }
 
     /// The ledger's part of an apply, before the usage store's.
@@ -1824,35 +1902,48 @@ mod tests {
         state.close().expect("close");
     }
 
-    /// `dedupd dedupe` waits for a batch's WAL fsync beside the next batch:
-    /// the apply hands the fsync back undone, with the batch already in the
-    /// hot cache (the next batch is classified against it), and an fsync
-    /// that then fails stops every later apply instead of being forgotten.
+    /// `dedupd dedupe` makes a batch's usage-store append beside the next
+    /// batch: the apply puts the batch in the key store and the hot cache
+    /// (the next batch is classified against them) and hands the append
+    /// back undone. The usage store, and so the checkpoint, move only when
+    /// it is made; its fsync comes back to wait on, and one that fails
+    /// stops every later append instead of being forgotten.
     #[test]
-    fn a_batch_applied_with_its_fsync_to_come_is_in_the_hot_cache_and_a_failed_fsync_stops_the_next_apply() {
+    fn a_batch_applied_with_its_append_to_come_is_in_the_key_store_and_hot_cache_and_a_failed_fsync_stops_the_next_append(
+    ) {
         let settings = EngineSettings::default();
         let disk = crate::sim::disk::SimDisk::new(Path::new("/sim/w0"), 1);
         let keys = crate::sim::disk::SimKeyStore::new(settings.horizon_ms(), 1);
         let store = store_options(&settings);
-        let mut state =
-            LocalState::open_on(Arc::new(disk.clone()), Path::new("/sim/w0"), Box::new(keys), settings, store, true)
-                .expect("open");
+        let mut state = LocalState::open_on(
+            Arc::new(disk.clone()),
+            Path::new("/sim/w0"),
+            Box::new(keys.clone()),
+            settings,
+            store,
+            true,
+        )
+        .expect("open");
         state.assign(0, NOW).expect("assign");
         let batch = |b: u64| -> Vec<StoredEvent> {
             (0..10).map(|i| sample_event_at(b * 10 + i, 0, (b * 10 + i) as i64, NOW)).collect()
         };
 
-        let (applied, pending) = state.apply_published_sync_later(0, &batch(0), NOW).expect("apply");
-        let pending = pending.expect("with --fsync always the batch's fsync is handed back");
+        let (applied, append) = state.apply_published_append_later(0, batch(0), NOW).expect("apply");
+        let append = append.expect("with a state directory the usage store's part is handed back");
         assert_eq!(applied, 10);
-        assert_eq!(state.stats(NOW).hot_cache_entries, 10, "the hot cache holds the batch before its fsync");
-        assert_eq!(state.checkpoint(0), Some(9));
+        assert_eq!(state.stats(NOW).hot_cache_entries, 10, "the hot cache holds the batch before its append");
+        assert_eq!(keys.checkpoint(0).expect("checkpoint"), Some(9), "the key store holds it before its append");
+        assert_eq!(state.checkpoint(0), None, "the usage store has nothing yet");
 
+        let pending = state.append_usage_later(append).expect("append").expect("--fsync always hands the fsync back");
+        assert_eq!(state.checkpoint(0), Some(9));
         disk.set_faults(crate::sim::disk::DiskFaults { fsync_error_per_million: 1_000_000, ..Default::default() });
         assert!(pending.wait().is_err(), "the fsync failed");
-        let next = state.apply_published_sync_later(0, &batch(1), NOW);
-        assert!(next.is_err(), "an apply after a failed fsync must fail, not pile up unsyncable batches");
-        assert_eq!(state.stats(NOW).hot_cache_entries, 10, "the refused batch is not in the hot cache");
+        let (_, next) = state.apply_published_append_later(0, batch(1), NOW).expect("the key store is not on the disk");
+        let next = state.append_usage_later(next.expect("append"));
+        assert!(next.is_err(), "an append after a failed fsync must fail, not pile up unsyncable batches");
+        assert_eq!(state.checkpoint(0), Some(9), "the refused batch is not in the usage store");
     }
 
     /// On the simulator's disk a flush waits to be run: close runs it (the

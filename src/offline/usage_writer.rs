@@ -1,0 +1,284 @@
+//! The usage store's appends and fsyncs, made beside the run's next batch.
+//!
+//! A batch's apply puts it in the ledger, the key store and the hot cache
+//! on the batch's own thread, and hands its usage-store part back
+//! (`LocalState::apply_published_append_later`). A thread of its own then
+//! appends it to the WAL and the memtable and, with `--fsync always`,
+//! waits for (and, as the group commit's leader, runs) its WAL fsync,
+//! while the batch's thread classifies, writes and syncs the output of the
+//! next. Measured on 1M new events (perf, 2026-11-29): the append was a
+//! fifth of the batch's thread's samples, and that thread, with the output
+//! file's fsync, was what the run waited for. At most one batch waits to
+//! be appended, so the usage store is never more than two batches behind.
+//!
+//! Order is kept where it matters:
+//! - a batch's state changes only after its output is durable (the output
+//!   fsync comes first, on the batch's thread);
+//! - batches are appended in the order they were applied (one thread, one
+//!   queue);
+//! - whatever reads the usage store during the run (a conflict's original)
+//!   first waits for every append handed over ([`UsageWriter::settle`]);
+//! - a run ends only after every append and fsync has ended
+//!   ([`UsageWriter::finish`]).
+//!
+//! The state's upkeep between batches (`LocalState::maintain`: starting a
+//! memtable's flush, a compaction, retention) runs here too, after each
+//! batch's append: it takes the usage store's lock, and on the batch's
+//! thread it would wait for the append it was meant to run beside.
+//!
+//! A failed append or fsync ends the thread (a failed fsync also poisons
+//! the usage store); the next hand-over, `settle` or `finish` returns its
+//! error, and the run stops. The key store and hot cache may then hold a
+//! batch or two the usage store does not: their output is durable, and a
+//! restart repairs the usage store from it.
+
+use std::sync::mpsc::{sync_channel, SyncSender};
+use std::thread::{Scope, ScopedJoinHandle};
+
+use crate::state::{LocalState, StateError, UsageAppend};
+
+use super::OfflineError;
+
+/// What the thread is asked to do, in order.
+pub(super) enum Work {
+    /// A batch's append (when it has one for the usage store), then the
+    /// state's upkeep at its time.
+    Batch { append: Option<UsageAppend>, now_ms: i64 },
+    /// Answered once every append before it is made (and synced).
+    Settle(SyncSender<()>),
+}
+
+pub(super) enum UsageWriter<'scope> {
+    /// A thread of its own appends.
+    Beside { to_do: Option<SyncSender<Work>>, writer: Option<ScopedJoinHandle<'scope, Result<(), StateError>>> },
+    /// No thread (no state directory, or none could be started): each
+    /// append is made, and its fsync waited for, at once.
+    Inline { state: &'scope LocalState },
+}
+
+impl<'scope> UsageWriter<'scope> {
+    pub(super) fn start<'env>(scope: &'scope Scope<'scope, 'env>, state: &'scope LocalState) -> UsageWriter<'scope> {
+        let (to_do, work) = sync_channel::<Work>(1);
+        let writer = std::thread::Builder::new().name("dedupd-usage".into()).spawn_scoped(scope, move || {
+            for w in work {
+                match w {
+                    Work::Batch { append, now_ms } => after_batch(state, append, now_ms)?,
+                    // The asker may have given up (its own error): nothing
+                    // to tell then.
+                    Work::Settle(done) => drop(done.send(())),
+                }
+            }
+            Ok(())
+        });
+        match writer {
+            Ok(writer) => UsageWriter::Beside { to_do: Some(to_do), writer: Some(writer) },
+            Err(e) => {
+                tracing::warn!(error = %e, "no thread for the usage store's appends; each batch makes its own");
+                UsageWriter::Inline { state }
+            }
+        }
+    }
+
+    /// Each append made at once, on the caller's thread.
+    pub(super) fn inline(state: &'scope LocalState) -> UsageWriter<'scope> {
+        UsageWriter::Inline { state }
+    }
+
+    /// Hands a batch's append over, with the state's upkeep after it
+    /// (`LocalState::maintain`, which takes the usage store's lock too), and
+    /// makes them here when there is no thread. An error is an append, an
+    /// fsync or upkeep that failed before.
+    pub(super) fn hand(&mut self, append: Option<UsageAppend>, now_ms: i64) -> Result<(), OfflineError> {
+        match self {
+            UsageWriter::Inline { state } => Ok(after_batch(state, append, now_ms)?),
+            UsageWriter::Beside { to_do, writer } => send(to_do, writer, Work::Batch { append, now_ms }),
+        }
+    }
+
+    /// Returns once every append handed over is in the usage store, so a
+    /// read of it sees them.
+    pub(super) fn settle(&mut self) -> Result<(), OfflineError> {
+        let UsageWriter::Beside { to_do, writer } = self else {
+            return Ok(());
+        };
+        let (done, settled) = sync_channel(1);
+        send(to_do, writer, Work::Settle(done))?;
+        match settled.recv() {
+            Ok(()) => Ok(()),
+            // The thread ended before it got there: an append failed.
+            Err(_) => Err(ended_early(to_do, writer)),
+        }
+    }
+
+    /// Waits for every append and fsync handed over: the run's usage store
+    /// is durable when this returns `Ok`.
+    pub(super) fn finish(self) -> Result<(), OfflineError> {
+        match self {
+            UsageWriter::Inline { .. } => Ok(()),
+            UsageWriter::Beside { to_do, writer } => {
+                drop(to_do);
+                join(writer)
+            }
+        }
+    }
+}
+
+type Writer<'scope> = Option<ScopedJoinHandle<'scope, Result<(), StateError>>>;
+
+fn send(to_do: &mut Option<SyncSender<Work>>, writer: &mut Writer<'_>, work: Work) -> Result<(), OfflineError> {
+    match to_do.as_ref().map(|t| t.send(work)) {
+        Some(Ok(())) => Ok(()),
+        // The thread stopped: an append or fsync failed (or it panicked).
+        _ => Err(ended_early(to_do, writer)),
+    }
+}
+
+/// The error of a thread that ended before its work did.
+fn ended_early(to_do: &mut Option<SyncSender<Work>>, writer: &mut Writer<'_>) -> OfflineError {
+    to_do.take();
+    join(writer.take()).err().unwrap_or_else(|| {
+        StateError::from(crate::storage::StorageError::Poisoned {
+            cause: "the usage store's append thread ended early".into(),
+        })
+        .into()
+    })
+}
+
+/// Makes a batch's append, waits for its fsync, then the state's upkeep.
+fn after_batch(state: &LocalState, append: Option<UsageAppend>, now_ms: i64) -> Result<(), StateError> {
+    if let Some(append) = append {
+        if let Some(pending) = state.append_usage_later(append)? {
+            pending.wait()?;
+        }
+    }
+    state.maintain(now_ms)
+}
+
+fn join(writer: Writer<'_>) -> Result<(), OfflineError> {
+    match writer.map(ScopedJoinHandle::join) {
+        None => Ok(()),
+        Some(Ok(written)) => Ok(written?),
+        Some(Err(panic)) => std::panic::resume_unwind(panic),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::config::EngineSettings;
+    use crate::sim::disk::{DiskFaults, SimDisk, SimKeyStore};
+    use crate::state::StoredEvent;
+    use crate::storage::testutil::sample_event_at;
+
+    const NOW: i64 = 1_700_000_100_000;
+
+    /// Partition 0 of a state on the simulator's disk, `--fsync always`.
+    /// Without the ledger, whose fold reads the usage store (so a batch's
+    /// apply would wait for the append before it on a stalled disk).
+    fn sim_state(disk: &SimDisk) -> LocalState {
+        let settings = EngineSettings { ledger: false, ..EngineSettings::default() };
+        let keys = SimKeyStore::new(settings.horizon_ms(), 7);
+        let store = crate::state::store_options(&settings);
+        let mut state =
+            LocalState::open_on(Arc::new(disk.clone()), Path::new("/sim/w0"), Box::new(keys), settings, store, false)
+                .expect("open");
+        state.assign(0, NOW).expect("assign");
+        state
+    }
+
+    /// Batch `b`: ten events at output offsets `10b..10b+9`.
+    fn batch(b: u64) -> Vec<StoredEvent> {
+        (0..10).map(|i| sample_event_at(b * 10 + i, 0, (b * 10 + i) as i64, NOW)).collect()
+    }
+
+    /// Every append and fsync handed over is made before `finish` returns,
+    /// and one that fails is the run's error, from the next hand-over or
+    /// from `finish`, never dropped.
+    #[test]
+    fn a_failed_wal_fsync_made_beside_the_run_is_the_runs_error() {
+        // At 4, the last batch: only `finish` can tell.
+        for fail_at in [None, Some(1), Some(4)] {
+            let disk = SimDisk::new(Path::new("/sim/w0"), 7);
+            let state = sim_state(&disk);
+            let outcome = std::thread::scope(|scope| -> Result<(), OfflineError> {
+                let mut writer = UsageWriter::start(scope, &state);
+                assert!(matches!(writer, UsageWriter::Beside { .. }));
+                for b in 0..5u64 {
+                    if Some(b) == fail_at {
+                        disk.set_faults(DiskFaults { fsync_error_per_million: 1_000_000, ..DiskFaults::default() });
+                    }
+                    let (_, append) = state.apply_published_append_later(0, batch(b), NOW)?;
+                    assert!(append.is_some(), "a state directory leaves the usage store's part to the caller");
+                    writer.hand(append, NOW)?;
+                }
+                writer.finish()
+            });
+            match fail_at {
+                None => {
+                    outcome.expect("no fault");
+                    assert_eq!(disk.counts().fsync_errors, 0);
+                    assert_eq!(state.checkpoint(0), Some(49), "every batch is in the usage store");
+                }
+                Some(b) => {
+                    let e = outcome.expect_err("a failed fsync must end the run");
+                    assert!(e.to_string().contains("fsync") || e.to_string().contains("poison"), "batch {b}: {e}");
+                    assert!(disk.counts().fsync_errors >= 1);
+                }
+            }
+        }
+    }
+
+    /// What `settle` promises a conflict's original: once it returns, every
+    /// batch handed over is in the usage store, and its events are read
+    /// back. The disk stalls while two batches are handed over (the writer
+    /// blocks in the first one's WAL write, the second waits its turn) and
+    /// answers again only after `settle` was called, so without the wait
+    /// the reads below would come before the appends.
+    #[test]
+    fn settle_returns_once_every_append_handed_over_can_be_read() {
+        let disk = SimDisk::new(Path::new("/sim/w0"), 7);
+        let state = sim_state(&disk);
+        let answered = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            let mut writer = UsageWriter::start(scope, &state);
+            // A guard stays on the thread that took it: one of its own
+            // stalls the disk, and lets it answer 50 ms after being told.
+            let (stalled, is_stalled) = sync_channel(0);
+            let (answer, to_answer) = sync_channel::<()>(0);
+            let (disk, answered) = (&disk, &answered);
+            let disk_thread = scope.spawn(move || {
+                let held = disk.stall();
+                stalled.send(()).expect("send");
+                let _ = to_answer.recv();
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                answered.store(true, Ordering::SeqCst);
+                drop(held);
+            });
+            is_stalled.recv().expect("stalled");
+            for b in 0..2 {
+                // The key store and the hot cache hold the batch at once
+                // (neither is on this disk); the usage store holds it only
+                // once its append is made.
+                let (applied, append) = state.apply_published_append_later(0, batch(b), NOW).expect("apply");
+                assert_eq!(applied, 10);
+                assert!(append.is_some(), "a state directory leaves the usage store's part to the caller");
+                writer.hand(append, NOW).expect("hand");
+            }
+            answer.send(()).expect("send");
+            writer.settle().expect("settle");
+            // Told apart from a `settle` that did not wait without reading
+            // the usage store, which waits for the writer's lock.
+            assert!(answered.load(Ordering::SeqCst), "settle returned while the appends waited on the disk");
+            assert_eq!(state.checkpoint(0), Some(19), "both batches handed over are appended");
+            let wanted: Vec<_> = batch(1).iter().map(|e| (e.key.id_hash, e.key.first_seen_ms)).collect();
+            let found = state.originals_seen_at(0, &wanted, crate::state::ReadCores::All).expect("read");
+            assert!(found.iter().all(Option::is_some), "the last batch's events are read back");
+            disk_thread.join().expect("join");
+            writer.finish().expect("finish");
+        });
+    }
+}
