@@ -389,9 +389,12 @@ pub fn run_dedupe_with_progress(
         })();
         // Every batch's append and WAL fsync has ended, or the first that
         // failed says why (a run that failed already keeps its own error).
-        let run = match (run, usage_writer.finish()) {
-            (Ok(()), synced) => synced,
-            (Err(e), _) => Err(e),
+        let run = match run {
+            Ok(()) => usage_writer.finish(),
+            Err(e) => {
+                usage_writer.abandon();
+                Err(e)
+            }
         };
         // The last batch's reports. After an error: the failed batch's
         // reading is joined (a panic there logged, the run's error kept, as

@@ -17,7 +17,9 @@
 //! - batches are appended in the order they were applied (one thread, one
 //!   queue);
 //! - whatever reads the usage store during the run (a conflict's original)
-//!   first waits for every append handed over ([`UsageWriter::settle`]);
+//!   first waits for every append handed over to be made
+//!   ([`UsageWriter::settle`]; not for their fsyncs, which a read does not
+//!   need);
 //! - a run ends only after every append and fsync has ended
 //!   ([`UsageWriter::finish`]).
 //!
@@ -33,24 +35,60 @@
 //! restart repairs the usage store from it.
 
 use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::{Scope, ScopedJoinHandle};
 
 use crate::state::{LocalState, StateError, UsageAppend};
 
 use super::OfflineError;
 
-/// What the thread is asked to do, in order.
-pub(super) enum Work {
-    /// A batch's append (when it has one for the usage store), then the
-    /// state's upkeep at its time.
-    Batch { append: Option<UsageAppend>, now_ms: i64 },
-    /// Answered once every append before it is made (and synced).
-    Settle(SyncSender<()>),
+/// A batch's append (when it has one for the usage store) and the time of
+/// the state's upkeep after it.
+type Work = (Option<UsageAppend>, i64);
+
+type Writer<'scope> = Option<ScopedJoinHandle<'scope, Result<(), StateError>>>;
+
+/// How far the thread has got, for [`UsageWriter::settle`].
+#[derive(Default)]
+struct Progress {
+    /// Batches whose append is made (fsync and upkeep perhaps still to come).
+    appended: u64,
+    /// The thread has ended: every batch was done, or one failed.
+    ended: bool,
+}
+
+#[derive(Default)]
+pub(super) struct Shared {
+    progress: Mutex<Progress>,
+    moved: Condvar,
+}
+
+impl Shared {
+    fn update(&self, f: impl FnOnce(&mut Progress)) {
+        f(&mut self.progress.lock().unwrap_or_else(PoisonError::into_inner));
+        self.moved.notify_all();
+    }
+}
+
+/// Marks the thread ended however it ends, a panic included, so that
+/// `settle` never waits for it in vain.
+struct EndsThread<'a>(&'a Shared);
+
+impl Drop for EndsThread<'_> {
+    fn drop(&mut self) {
+        self.0.update(|p| p.ended = true);
+    }
 }
 
 pub(super) enum UsageWriter<'scope> {
     /// A thread of its own appends.
-    Beside { to_do: Option<SyncSender<Work>>, writer: Option<ScopedJoinHandle<'scope, Result<(), StateError>>> },
+    Beside {
+        to_do: Option<SyncSender<Work>>,
+        writer: Writer<'scope>,
+        shared: Arc<Shared>,
+        /// Batches handed over.
+        handed: u64,
+    },
     /// No thread (no state directory, or none could be started): each
     /// append is made, and its fsync waited for, at once.
     Inline { state: &'scope LocalState },
@@ -59,19 +97,27 @@ pub(super) enum UsageWriter<'scope> {
 impl<'scope> UsageWriter<'scope> {
     pub(super) fn start<'env>(scope: &'scope Scope<'scope, 'env>, state: &'scope LocalState) -> UsageWriter<'scope> {
         let (to_do, work) = sync_channel::<Work>(1);
+        let shared = Arc::new(Shared::default());
+        let progress = Arc::clone(&shared);
         let writer = std::thread::Builder::new().name("dedupd-usage".into()).spawn_scoped(scope, move || {
-            for w in work {
-                match w {
-                    Work::Batch { append, now_ms } => after_batch(state, append, now_ms)?,
-                    // The asker may have given up (its own error): nothing
-                    // to tell then.
-                    Work::Settle(done) => drop(done.send(())),
+            let _ends = EndsThread(&progress);
+            for (append, now_ms) in work {
+                let pending = match append {
+                    Some(append) => state.append_usage_later(append)?,
+                    None => None,
+                };
+                // Readable now: a conflict's original need not wait for
+                // the fsync or the upkeep.
+                progress.update(|p| p.appended += 1);
+                if let Some(pending) = pending {
+                    pending.wait()?;
                 }
+                state.maintain(now_ms)?;
             }
             Ok(())
         });
         match writer {
-            Ok(writer) => UsageWriter::Beside { to_do: Some(to_do), writer: Some(writer) },
+            Ok(writer) => UsageWriter::Beside { to_do: Some(to_do), writer: Some(writer), shared, handed: 0 },
             Err(e) => {
                 tracing::warn!(error = %e, "no thread for the usage store's appends; each batch makes its own");
                 UsageWriter::Inline { state }
@@ -90,23 +136,43 @@ impl<'scope> UsageWriter<'scope> {
     /// fsync or upkeep that failed before.
     pub(super) fn hand(&mut self, append: Option<UsageAppend>, now_ms: i64) -> Result<(), OfflineError> {
         match self {
-            UsageWriter::Inline { state } => Ok(after_batch(state, append, now_ms)?),
-            UsageWriter::Beside { to_do, writer } => send(to_do, writer, Work::Batch { append, now_ms }),
+            UsageWriter::Inline { state } => {
+                if let Some(pending) = append.map(|a| state.append_usage_later(a)).transpose()?.flatten() {
+                    pending.wait().map_err(StateError::from)?;
+                }
+                Ok(state.maintain(now_ms)?)
+            }
+            UsageWriter::Beside { to_do, writer, handed, .. } => {
+                match to_do.as_ref().map(|t| t.send((append, now_ms))) {
+                    Some(Ok(())) => {
+                        *handed += 1;
+                        Ok(())
+                    }
+                    // The thread stopped: an append, fsync or upkeep failed
+                    // (or it panicked).
+                    _ => Err(ended_early(to_do, writer)),
+                }
+            }
         }
     }
 
     /// Returns once every append handed over is in the usage store, so a
-    /// read of it sees them.
+    /// read of it sees them. Their fsyncs and upkeep may still be running.
     pub(super) fn settle(&mut self) -> Result<(), OfflineError> {
-        let UsageWriter::Beside { to_do, writer } = self else {
+        let UsageWriter::Beside { to_do, writer, shared, handed } = self else {
             return Ok(());
         };
-        let (done, settled) = sync_channel(1);
-        send(to_do, writer, Work::Settle(done))?;
-        match settled.recv() {
-            Ok(()) => Ok(()),
+        let mut progress = shared.progress.lock().unwrap_or_else(PoisonError::into_inner);
+        while progress.appended < *handed && !progress.ended {
+            progress = shared.moved.wait(progress).unwrap_or_else(PoisonError::into_inner);
+        }
+        let settled = progress.appended >= *handed;
+        drop(progress);
+        if settled {
+            Ok(())
+        } else {
             // The thread ended before it got there: an append failed.
-            Err(_) => Err(ended_early(to_do, writer)),
+            Err(ended_early(to_do, writer))
         }
     }
 
@@ -115,21 +181,24 @@ impl<'scope> UsageWriter<'scope> {
     pub(super) fn finish(self) -> Result<(), OfflineError> {
         match self {
             UsageWriter::Inline { .. } => Ok(()),
-            UsageWriter::Beside { to_do, writer } => {
+            UsageWriter::Beside { to_do, writer, .. } => {
                 drop(to_do);
                 join(writer)
             }
         }
     }
-}
 
-type Writer<'scope> = Option<ScopedJoinHandle<'scope, Result<(), StateError>>>;
-
-fn send(to_do: &mut Option<SyncSender<Work>>, writer: &mut Writer<'_>, work: Work) -> Result<(), OfflineError> {
-    match to_do.as_ref().map(|t| t.send(work)) {
-        Some(Ok(())) => Ok(()),
-        // The thread stopped: an append or fsync failed (or it panicked).
-        _ => Err(ended_early(to_do, writer)),
+    /// After the run failed: lets the thread end and logs how it ended,
+    /// keeping the run's own error (a panic there included).
+    pub(super) fn abandon(self) {
+        if let UsageWriter::Beside { to_do, writer, .. } = self {
+            drop(to_do);
+            match writer.map(ScopedJoinHandle::join) {
+                None | Some(Ok(Ok(()))) => {}
+                Some(Ok(Err(e))) => tracing::warn!(error = %e, "the usage store's append thread failed too"),
+                Some(Err(_)) => tracing::error!("the usage store's append thread panicked after the run failed"),
+            }
+        }
     }
 }
 
@@ -142,16 +211,6 @@ fn ended_early(to_do: &mut Option<SyncSender<Work>>, writer: &mut Writer<'_>) ->
         })
         .into()
     })
-}
-
-/// Makes a batch's append, waits for its fsync, then the state's upkeep.
-fn after_batch(state: &LocalState, append: Option<UsageAppend>, now_ms: i64) -> Result<(), StateError> {
-    if let Some(append) = append {
-        if let Some(pending) = state.append_usage_later(append)? {
-            pending.wait()?;
-        }
-    }
-    state.maintain(now_ms)
 }
 
 fn join(writer: Writer<'_>) -> Result<(), OfflineError> {
@@ -200,7 +259,8 @@ mod tests {
     /// from `finish`, never dropped.
     #[test]
     fn a_failed_wal_fsync_made_beside_the_run_is_the_runs_error() {
-        // At 4, the last batch: only `finish` can tell.
+        // At 4, the last batch: the failure may be told only by `finish`
+        // (or by the last hand-over, if batch 3's fsync meets the fault).
         for fail_at in [None, Some(1), Some(4)] {
             let disk = SimDisk::new(Path::new("/sim/w0"), 7);
             let state = sim_state(&disk);

@@ -1003,9 +1003,11 @@ impl LocalState {
     ) -> Result<(usize, Option<UsageAppend>), StateError> {
         // Against the checkpoint of the tiers written here, not the usage
         // store's: reading that takes its lock, which the thread making
-        // the previous batch's append holds. A usage store behind the
-        // others (after a crash between the tiers) is handed the whole
-        // batch and skips what it holds by its own checkpoint.
+        // the previous batch's append holds. (The ledger's fold still
+        // takes it, briefly, for two numbers: see `fold_into_ledger`.) A
+        // usage store behind the others (after a crash between the tiers)
+        // is handed the whole batch and skips what it holds by its own
+        // checkpoint.
         let checkpoint = match &self.durable {
             None => self.checkpoint(partition),
             Some(d) => self.checkpoint_with(partition, d.keys.checkpoint(partition).ok().flatten()),
@@ -1146,7 +1148,9 @@ impl LocalState {
         let Some(ledger) = &self.ledger else {
             return Ok(());
         };
-        // Only this partition's task appends to it: the answer holds.
+        // Only this partition's applies move its checkpoint in the usage
+        // store (an append made beside the next batch is of a batch handed
+        // over before this one's), so the answer holds.
         let behind = self.durable.as_ref().is_some_and(|d| {
             let usage = locked(&d.usage);
             ledger.note_usage_segment(usage.next_segment_id());
