@@ -82,12 +82,20 @@ impl Memtable {
         &self.events
     }
 
+    /// The first stored copy of `id` (on `partition`, when given).
     pub(crate) fn get(&self, partition: Option<i32>, id: &IdHash) -> Option<&StoredEvent> {
-        let row = *self.first_row.get(id)?;
+        let row = *self.first_row.get(id)? as usize;
+        let first = self.events.get(row)?;
         match partition {
-            None => self.events.get(row as usize),
-            // Rare: the same id stored on two partitions; fall back to a scan.
-            Some(p) => self.events.iter().find(|e| e.key.id_hash == *id && e.key.output.partition == p),
+            // The first copy of the id is the first on its own partition.
+            Some(p) if first.key.output.partition != p => {
+                // Rare: the same id stored on two partitions. Only the rows
+                // after the first copy can hold it. (This scan once ran for
+                // every lookup by partition, a conflict's original among
+                // them: 61% of a run with 10% conflicts.)
+                self.events[row + 1..].iter().find(|e| e.key.id_hash == *id && e.key.output.partition == p)
+            }
+            _ => Some(first),
         }
     }
 
@@ -105,5 +113,34 @@ impl Memtable {
 
     pub(crate) fn keys(&self) -> impl Iterator<Item = &SeenKey> {
         self.events.iter().map(|e| &e.key)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::testutil::sample_event_at;
+
+    /// Looked up by partition, an id stored on two partitions gives each
+    /// partition's first copy, and an id only on another partition none.
+    #[test]
+    fn a_lookup_by_partition_finds_that_partitions_first_copy() {
+        let mut m = Memtable::default();
+        let on = |n: u64, p: i32, offset: i64| sample_event_at(n, p, offset, 1_700_000_000_000);
+        // Id 7 on partition 1 first, then twice on partition 0.
+        m.push(on(1, 0, 0));
+        m.push(on(7, 1, 0));
+        m.push(on(2, 0, 1));
+        m.push(on(7, 0, 2));
+        m.push(on(7, 0, 3));
+        let id = on(7, 0, 0).key.id_hash;
+        let found = |p| m.get(p, &id).map(|e| (e.key.output.partition, e.key.output.offset));
+        assert_eq!(found(None), Some((1, 0)));
+        assert_eq!(found(Some(1)), Some((1, 0)));
+        assert_eq!(found(Some(0)), Some((0, 2)));
+        assert_eq!(found(Some(5)), None);
+        let single = on(2, 0, 0).key.id_hash;
+        assert_eq!(m.get(Some(0), &single).map(|e| e.key.output.offset), Some(1));
+        assert_eq!(m.get(Some(1), &single).map(|e| e.key.output.offset), None);
     }
 }
