@@ -322,7 +322,7 @@ pub fn run_dedupe_with_progress(
                 } else {
                     // An original may be in a batch whose append is still
                     // to be made.
-                    usage_writer.settle()?;
+                    usage_writer.settle(wanted.iter().map(|(id, _)| *id))?;
                     let asked = wanted.clone();
                     let read = move || state.originals_seen_at(OFFLINE_PARTITION, &asked, ReadCores::BesideTheBatch);
                     match std::thread::Builder::new().name("dedupd-conflicts".into()).spawn_scoped(scope, read) {

@@ -17,9 +17,9 @@
 //! - batches are appended in the order they were applied (one thread, one
 //!   queue);
 //! - whatever reads the usage store during the run (a conflict's original)
-//!   first waits for every append handed over to be made
-//!   ([`UsageWriter::settle`]; not for their fsyncs, which a read does not
-//!   need);
+//!   first waits for the appends handed over that hold the ids it reads
+//!   to be made ([`UsageWriter::settle`]; not for their fsyncs, which a
+//!   read does not need);
 //! - a run ends only after every append and fsync has ended
 //!   ([`UsageWriter::finish`]).
 //!
@@ -38,6 +38,10 @@ use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::{Scope, ScopedJoinHandle};
 
+use std::collections::{HashSet, VecDeque};
+
+use crate::classify::IdBuildHasher;
+use crate::event::IdHash;
 use crate::state::{LocalState, StateError, UsageAppend};
 
 use super::OfflineError;
@@ -88,6 +92,11 @@ pub(super) enum UsageWriter<'scope> {
         shared: Arc<Shared>,
         /// Batches handed over.
         handed: u64,
+        /// The ids of the batches handed over whose append may not be made
+        /// yet (at most two stay after a hand-over), by their count in
+        /// `handed`: a read of an original waits only for the one holding
+        /// it.
+        in_flight: VecDeque<(u64, HashSet<IdHash, IdBuildHasher>)>,
     },
     /// No thread (no state directory, or none could be started): each
     /// append is made, and its fsync waited for, at once.
@@ -117,7 +126,13 @@ impl<'scope> UsageWriter<'scope> {
             Ok(())
         });
         match writer {
-            Ok(writer) => UsageWriter::Beside { to_do: Some(to_do), writer: Some(writer), shared, handed: 0 },
+            Ok(writer) => UsageWriter::Beside {
+                to_do: Some(to_do),
+                writer: Some(writer),
+                shared,
+                handed: 0,
+                in_flight: VecDeque::new(),
+            },
             Err(e) => {
                 tracing::warn!(error = %e, "no thread for the usage store's appends; each batch makes its own");
                 UsageWriter::Inline { state }
@@ -142,10 +157,17 @@ impl<'scope> UsageWriter<'scope> {
                 }
                 Ok(state.maintain(now_ms)?)
             }
-            UsageWriter::Beside { to_do, writer, handed, .. } => {
+            UsageWriter::Beside { to_do, writer, shared, handed, in_flight } => {
+                let ids: HashSet<IdHash, IdBuildHasher> =
+                    append.iter().flat_map(|a| a.events().iter().map(|e| e.key.id_hash)).collect();
                 match to_do.as_ref().map(|t| t.send((append, now_ms))) {
                     Some(Ok(())) => {
                         *handed += 1;
+                        let appended = shared.progress.lock().unwrap_or_else(PoisonError::into_inner).appended;
+                        in_flight.retain(|(n, _)| *n > appended);
+                        if !ids.is_empty() {
+                            in_flight.push_back((*handed, ids));
+                        }
                         Ok(())
                     }
                     // The thread stopped: an append, fsync or upkeep failed
@@ -156,17 +178,24 @@ impl<'scope> UsageWriter<'scope> {
         }
     }
 
-    /// Returns once every append handed over is in the usage store, so a
-    /// read of it sees them. Their fsyncs and upkeep may still be running.
-    pub(super) fn settle(&mut self) -> Result<(), OfflineError> {
-        let UsageWriter::Beside { to_do, writer, shared, handed } = self else {
+    /// Returns once every append handed over that holds one of `ids` is
+    /// in the usage store, so a read of their first copies sees them.
+    /// Their fsyncs and upkeep may still be running.
+    pub(super) fn settle(&mut self, ids: impl Iterator<Item = IdHash>) -> Result<(), OfflineError> {
+        let UsageWriter::Beside { to_do, writer, shared, in_flight, .. } = self else {
             return Ok(());
         };
+        let mut needed = 0;
+        for id in ids {
+            if let Some((n, _)) = in_flight.iter().rev().find(|(_, held)| held.contains(&id)) {
+                needed = needed.max(*n);
+            }
+        }
         let mut progress = shared.progress.lock().unwrap_or_else(PoisonError::into_inner);
-        while progress.appended < *handed && !progress.ended {
+        while progress.appended < needed && !progress.ended {
             progress = shared.moved.wait(progress).unwrap_or_else(PoisonError::into_inner);
         }
-        let settled = progress.appended >= *handed;
+        let settled = progress.appended >= needed;
         drop(progress);
         if settled {
             Ok(())
@@ -329,7 +358,10 @@ mod tests {
                 writer.hand(append, NOW).expect("hand");
             }
             answer.send(()).expect("send");
-            writer.settle().expect("settle");
+            // Ids of neither batch: nothing to wait for, even stalled.
+            writer.settle(batch(7).iter().map(|e| e.key.id_hash)).expect("settle");
+            assert!(!answered.load(Ordering::SeqCst), "a read of other ids waited for the stalled appends");
+            writer.settle(batch(1).iter().map(|e| e.key.id_hash)).expect("settle");
             // Told apart from a `settle` that did not wait without reading
             // the usage store, which waits for the writer's lock.
             assert!(answered.load(Ordering::SeqCst), "settle returned while the appends waited on the disk");
