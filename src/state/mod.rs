@@ -1012,8 +1012,7 @@ impl LocalState {
             None => self.checkpoint(partition),
             Some(d) => self.checkpoint_with(partition, d.keys.checkpoint(partition).ok().flatten()),
         };
-        let fresh: Vec<&StoredEvent> =
-            self.fresh_in_batch(partition, &batch, checkpoint)?.into_iter().map(|i| &batch[i]).collect();
+        let fresh = self.fresh_in_batch(partition, &batch, checkpoint)?;
         let keys: Vec<SeenKey> = fresh.iter().map(|e| e.key).collect();
         if let (Some(first), Some(last)) = (fresh.first(), fresh.last()) {
             let (first, last) = (first.key.output.offset, last.key.output.offset);
@@ -1027,7 +1026,6 @@ impl LocalState {
             }
             self.commit_hot(partition, &keys, now_ms)?;
         }
-        drop(fresh);
         let append = match &self.durable {
             Some(_) if !batch.is_empty() => Some(UsageAppend { events: batch }),
             _ => None,
@@ -1066,8 +1064,7 @@ impl LocalState {
         // By reference: every tier reads them; the usage store's memtable
         // keeps one copy.
         let checkpoint = self.checkpoint(partition);
-        let fresh: Vec<&StoredEvent> =
-            self.fresh_in_batch(partition, batch, checkpoint)?.into_iter().map(|i| &batch[i]).collect();
+        let fresh = self.fresh_in_batch(partition, batch, checkpoint)?;
         let (Some(first), Some(last)) = (fresh.first(), fresh.last()) else {
             return Ok(None);
         };
@@ -1093,20 +1090,20 @@ impl LocalState {
         Ok(Some(AppliedTiers { keys, pending }))
     }
 
-    /// The indices, ascending, of the events of `batch` past `checkpoint`:
-    /// the ones an apply adds. Their output offsets must rise.
-    fn fresh_in_batch(
+    /// The events of `batch` past `checkpoint`, in order: the ones an
+    /// apply adds. Their output offsets must rise.
+    fn fresh_in_batch<'b>(
         &self,
         partition: i32,
-        batch: &[StoredEvent],
+        batch: &'b [StoredEvent],
         checkpoint: Option<i64>,
-    ) -> Result<Vec<usize>, StateError> {
+    ) -> Result<Vec<&'b StoredEvent>, StateError> {
         if !self.partitions.contains_key(&partition) {
             return Err(StateError::NotAssigned { partition });
         }
         let mut previous = checkpoint.unwrap_or(i64::MIN);
         let mut fresh = Vec::with_capacity(batch.len());
-        for (i, e) in batch.iter().enumerate() {
+        for e in batch {
             let offset = e.key.output.offset;
             if checkpoint.is_some_and(|c| offset <= c) {
                 continue;
@@ -1115,7 +1112,7 @@ impl LocalState {
                 return Err(StateError::OffsetsOutOfOrder { partition, previous, next: offset });
             }
             previous = offset;
-            fresh.push(i);
+            fresh.push(e);
         }
         Ok(fresh)
     }
