@@ -259,9 +259,10 @@ pub fn run_dedupe_with_progress(
         let state = &state;
         // Each batch's usage-store append and WAL fsync are made beside the
         // next batch (see `usage_writer.rs`); without a state directory
-        // there is no usage store.
+        // there is no usage store. Conflicts' originals are read (below)
+        // only when conflicts are reported.
         let mut usage_writer = match opts.state_dir {
-            Some(_) => usage_writer::UsageWriter::start(scope, state),
+            Some(_) => usage_writer::UsageWriter::start(scope, state, conflicts.is_some()),
             None => usage_writer::UsageWriter::inline(state),
         };
         // A batch's reports wait for its conflicts' originals, which are read

@@ -95,8 +95,10 @@ pub(super) enum UsageWriter<'scope> {
         /// The ids of the batches handed over whose append may not be made
         /// yet (at most two stay after a hand-over), by their count in
         /// `handed`: a read of an original waits only for the one holding
-        /// it.
-        in_flight: VecDeque<(u64, HashSet<IdHash, IdBuildHasher>)>,
+        /// it. `None` when the run reads no originals (no conflicts file):
+        /// a set of a thousand ids a batch would be built for nothing, and
+        /// a `settle` then waits for every batch handed over.
+        in_flight: Option<VecDeque<(u64, HashSet<IdHash, IdBuildHasher>)>>,
     },
     /// No thread (no state directory, or none could be started): each
     /// append is made, and its fsync waited for, at once.
@@ -104,7 +106,14 @@ pub(super) enum UsageWriter<'scope> {
 }
 
 impl<'scope> UsageWriter<'scope> {
-    pub(super) fn start<'env>(scope: &'scope Scope<'scope, 'env>, state: &'scope LocalState) -> UsageWriter<'scope> {
+    /// `reads_originals`: whether the run will `settle` for conflicts'
+    /// originals, and so whether each batch's ids are kept until its append
+    /// is made.
+    pub(super) fn start<'env>(
+        scope: &'scope Scope<'scope, 'env>,
+        state: &'scope LocalState,
+        reads_originals: bool,
+    ) -> UsageWriter<'scope> {
         let (to_do, work) = sync_channel::<Work>(1);
         let shared = Arc::new(Shared::default());
         let progress = Arc::clone(&shared);
@@ -131,7 +140,7 @@ impl<'scope> UsageWriter<'scope> {
                 writer: Some(writer),
                 shared,
                 handed: 0,
-                in_flight: VecDeque::new(),
+                in_flight: reads_originals.then(VecDeque::new),
             },
             Err(e) => {
                 tracing::warn!(error = %e, "no thread for the usage store's appends; each batch makes its own");
@@ -158,15 +167,18 @@ impl<'scope> UsageWriter<'scope> {
                 Ok(state.maintain(now_ms)?)
             }
             UsageWriter::Beside { to_do, writer, shared, handed, in_flight } => {
-                let ids: HashSet<IdHash, IdBuildHasher> =
-                    append.iter().flat_map(|a| a.events().iter().map(|e| e.key.id_hash)).collect();
+                let ids: Option<HashSet<IdHash, IdBuildHasher>> = in_flight
+                    .is_some()
+                    .then(|| append.iter().flat_map(|a| a.events().iter().map(|e| e.key.id_hash)).collect());
                 match to_do.as_ref().map(|t| t.send((append, now_ms))) {
                     Some(Ok(())) => {
                         *handed += 1;
-                        let appended = shared.progress.lock().unwrap_or_else(PoisonError::into_inner).appended;
-                        in_flight.retain(|(n, _)| *n > appended);
-                        if !ids.is_empty() {
-                            in_flight.push_back((*handed, ids));
+                        if let (Some(in_flight), Some(ids)) = (in_flight.as_mut(), ids) {
+                            let appended = shared.progress.lock().unwrap_or_else(PoisonError::into_inner).appended;
+                            in_flight.retain(|(n, _)| *n > appended);
+                            if !ids.is_empty() {
+                                in_flight.push_back((*handed, ids));
+                            }
                         }
                         Ok(())
                     }
@@ -180,17 +192,20 @@ impl<'scope> UsageWriter<'scope> {
 
     /// Returns once every append handed over that holds one of `ids` is
     /// in the usage store, so a read of their first copies sees them.
-    /// Their fsyncs and upkeep may still be running.
+    /// Their fsyncs and upkeep may still be running. A writer started
+    /// without `reads_originals` keeps no ids, and waits for every append
+    /// handed over.
     pub(super) fn settle(&mut self, ids: impl Iterator<Item = IdHash>) -> Result<(), OfflineError> {
-        let UsageWriter::Beside { to_do, writer, shared, in_flight, .. } = self else {
+        let UsageWriter::Beside { to_do, writer, shared, handed, in_flight } = self else {
             return Ok(());
         };
-        let mut needed = 0;
-        for id in ids {
-            if let Some((n, _)) = in_flight.iter().rev().find(|(_, held)| held.contains(&id)) {
-                needed = needed.max(*n);
-            }
-        }
+        let needed = match in_flight {
+            None => *handed,
+            Some(in_flight) => ids
+                .filter_map(|id| in_flight.iter().rev().find(|(_, held)| held.contains(&id)).map(|(n, _)| *n))
+                .max()
+                .unwrap_or(0),
+        };
         let mut progress = shared.progress.lock().unwrap_or_else(PoisonError::into_inner);
         while progress.appended < needed && !progress.ended {
             progress = shared.moved.wait(progress).unwrap_or_else(PoisonError::into_inner);
@@ -257,7 +272,9 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+    use crate::classify::{HorizonError, LongHorizon, SeenKey};
     use crate::config::EngineSettings;
+    use crate::keystore::{KeyTier, KeystoreError};
     use crate::sim::disk::{DiskFaults, SimDisk, SimKeyStore};
     use crate::state::StoredEvent;
     use crate::storage::testutil::sample_event_at;
@@ -268,12 +285,15 @@ mod tests {
     /// Without the ledger, whose fold reads the usage store (so a batch's
     /// apply would wait for the append before it on a stalled disk).
     fn sim_state(disk: &SimDisk) -> LocalState {
+        sim_state_with(disk, |keys| Box::new(keys))
+    }
+
+    fn sim_state_with(disk: &SimDisk, keys: impl FnOnce(SimKeyStore) -> Box<dyn KeyTier>) -> LocalState {
         let settings = EngineSettings { ledger: false, ..EngineSettings::default() };
-        let keys = SimKeyStore::new(settings.horizon_ms(), 7);
+        let keys = keys(SimKeyStore::new(settings.horizon_ms(), 7));
         let store = crate::state::store_options(&settings);
-        let mut state =
-            LocalState::open_on(Arc::new(disk.clone()), Path::new("/sim/w0"), Box::new(keys), settings, store, false)
-                .expect("open");
+        let mut state = LocalState::open_on(Arc::new(disk.clone()), Path::new("/sim/w0"), keys, settings, store, false)
+            .expect("open");
         state.assign(0, NOW).expect("assign");
         state
     }
@@ -294,7 +314,7 @@ mod tests {
             let disk = SimDisk::new(Path::new("/sim/w0"), 7);
             let state = sim_state(&disk);
             let outcome = std::thread::scope(|scope| -> Result<(), OfflineError> {
-                let mut writer = UsageWriter::start(scope, &state);
+                let mut writer = UsageWriter::start(scope, &state, false);
                 assert!(matches!(writer, UsageWriter::Beside { .. }));
                 for b in 0..5u64 {
                     if Some(b) == fail_at {
@@ -326,14 +346,21 @@ mod tests {
     /// back. The disk stalls while two batches are handed over (the writer
     /// blocks in the first one's WAL write, the second waits its turn) and
     /// answers again only after `settle` was called, so without the wait
-    /// the reads below would come before the appends.
+    /// the reads below would come before the appends. A writer that keeps
+    /// no ids (the run reads no originals) waits for every append.
     #[test]
     fn settle_returns_once_every_append_handed_over_can_be_read() {
+        for reads_originals in [true, false] {
+            settle_after_stalled_appends(reads_originals);
+        }
+    }
+
+    fn settle_after_stalled_appends(reads_originals: bool) {
         let disk = SimDisk::new(Path::new("/sim/w0"), 7);
         let state = sim_state(&disk);
         let answered = AtomicBool::new(false);
         std::thread::scope(|scope| {
-            let mut writer = UsageWriter::start(scope, &state);
+            let mut writer = UsageWriter::start(scope, &state, reads_originals);
             // A guard stays on the thread that took it: one of its own
             // stalls the disk, and lets it answer 50 ms after being told.
             let (stalled, is_stalled) = sync_channel(0);
@@ -358,9 +385,14 @@ mod tests {
                 writer.hand(append, NOW).expect("hand");
             }
             answer.send(()).expect("send");
-            // Ids of neither batch: nothing to wait for, even stalled.
+            // Ids of neither batch: nothing to wait for, even stalled, when
+            // the writer keeps each batch's ids.
             writer.settle(batch(7).iter().map(|e| e.key.id_hash)).expect("settle");
-            assert!(!answered.load(Ordering::SeqCst), "a read of other ids waited for the stalled appends");
+            if reads_originals {
+                assert!(!answered.load(Ordering::SeqCst), "a read of other ids waited for the stalled appends");
+            } else {
+                assert!(answered.load(Ordering::SeqCst), "a writer keeping no ids returned before every append");
+            }
             writer.settle(batch(1).iter().map(|e| e.key.id_hash)).expect("settle");
             // Told apart from a `settle` that did not wait without reading
             // the usage store, which waits for the writer's lock.
@@ -371,6 +403,97 @@ mod tests {
             assert!(found.iter().all(Option::is_some), "the last batch's events are read back");
             disk_thread.join().expect("join");
             writer.finish().expect("finish");
+        });
+    }
+
+    /// The simulator's key store, but its ageing out (part of the upkeep
+    /// the thread runs after each append) fails, or panics.
+    struct UpkeepBreaks {
+        keys: SimKeyStore,
+        panics: bool,
+    }
+
+    impl LongHorizon for UpkeepBreaks {
+        fn lookup_many(&self, p: i32, ids: &[IdHash], out: &mut Vec<Option<SeenKey>>) -> Result<(), HorizonError> {
+            self.keys.lookup_many(p, ids, out)
+        }
+    }
+
+    impl KeyTier for UpkeepBreaks {
+        fn checkpoint(&self, partition: i32) -> Result<Option<i64>, KeystoreError> {
+            self.keys.checkpoint(partition)
+        }
+        fn apply_batch(&self, partition: i32, keys: &[SeenKey], checkpoint: i64) -> Result<(), KeystoreError> {
+            self.keys.apply_batch(partition, keys, checkpoint)
+        }
+        fn age_out(&self, _now_ms: i64) -> Result<(), KeystoreError> {
+            assert!(!self.panics, "the key store's ageing out panicked (as the test asked)");
+            Err(KeystoreError::Io {
+                path: "/sim/w0/keystore".into(),
+                source: std::io::Error::other("ageing out failed (as the test asked)"),
+            })
+        }
+        fn drop_partition(&self, partition: i32) -> Result<(), KeystoreError> {
+            self.keys.drop_partition(partition)
+        }
+        fn oldest_first_seen_ms(&self) -> Result<Option<i64>, KeystoreError> {
+            self.keys.oldest_first_seen_ms()
+        }
+        fn window_below_floor(&self, now_ms: i64) -> Result<bool, KeystoreError> {
+            self.keys.window_below_floor(now_ms)
+        }
+        fn disk_bytes(&self) -> u64 {
+            self.keys.disk_bytes()
+        }
+        fn flush(&self) -> Result<(), KeystoreError> {
+            self.keys.flush()
+        }
+    }
+
+    /// Upkeep that fails on the thread ends the run with its error, after
+    /// the append it followed was made; upkeep that panics ends the run
+    /// with that panic, never with a run that looks complete; and after a
+    /// run that failed on its own, the thread's panic is only logged, so
+    /// the run's own error is what the caller sees.
+    #[test]
+    fn upkeep_that_fails_or_panics_beside_the_run_ends_the_run() {
+        let disk = SimDisk::new(Path::new("/sim/w0"), 7);
+        let state = sim_state_with(&disk, |keys| Box::new(UpkeepBreaks { keys, panics: false }));
+        let outcome = std::thread::scope(|scope| -> Result<(), OfflineError> {
+            let mut writer = UsageWriter::start(scope, &state, true);
+            for b in 0..5u64 {
+                let (_, append) = state.apply_published_append_later(0, batch(b), NOW)?;
+                writer.hand(append, NOW)?;
+            }
+            writer.finish()
+        });
+        let e = outcome.expect_err("failed upkeep must end the run");
+        assert!(e.to_string().contains("ageing out failed"), "{e}");
+        assert!(state.checkpoint(0).is_some_and(|c| c >= 9), "the append before the upkeep was made");
+
+        let disk = SimDisk::new(Path::new("/sim/w0"), 7);
+        let state = sim_state_with(&disk, |keys| Box::new(UpkeepBreaks { keys, panics: true }));
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            std::thread::scope(|scope| -> Result<(), OfflineError> {
+                let mut writer = UsageWriter::start(scope, &state, true);
+                for b in 0..5u64 {
+                    let (_, append) = state.apply_published_append_later(0, batch(b), NOW)?;
+                    writer.hand(append, NOW)?;
+                }
+                writer.finish()
+            })
+        }));
+        assert!(ran.is_err(), "a panic on the usage thread must end the run as a panic: {ran:?}");
+
+        let disk = SimDisk::new(Path::new("/sim/w0"), 7);
+        let state = sim_state_with(&disk, |keys| Box::new(UpkeepBreaks { keys, panics: true }));
+        std::thread::scope(|scope| {
+            let mut writer = UsageWriter::start(scope, &state, true);
+            let (_, append) = state.apply_published_append_later(0, batch(0), NOW).expect("apply");
+            writer.hand(append, NOW).expect("the first hand-over meets no failure yet");
+            // The run fails here for a reason of its own; the thread's
+            // panic must not be raised over it.
+            writer.abandon();
         });
     }
 }
