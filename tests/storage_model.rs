@@ -120,6 +120,7 @@ fn run(ops: Vec<Op>, interval: bool, small_wal: bool) {
         ..StoreOptions::default()
     };
     let mut store = Some(open(dir.path(), &opts));
+    let mut opened_marks = store.as_ref().map(UsageStore::marks);
     let mut model = Model {
         durable: BTreeMap::new(),
         durable_checkpoints: BTreeMap::new(),
@@ -186,6 +187,7 @@ fn run(ops: Vec<Op>, interval: bool, small_wal: bool) {
                 }
                 s.simulate_crash(u64::MAX).expect("crash");
                 let s = store.insert(open(dir.path(), &opts));
+                opened_marks = Some(s.marks());
                 // Replay fsyncs what it recovered, so all of it is durable now.
                 model.mark_durable();
                 let got = contents(s);
@@ -194,6 +196,7 @@ fn run(ops: Vec<Op>, interval: bool, small_wal: bool) {
             Op::Crash { unsynced_bytes_kept } => {
                 store.take().expect("store").simulate_crash(unsynced_bytes_kept).expect("crash");
                 let s = store.insert(open(dir.path(), &opts));
+                opened_marks = Some(s.marks());
                 let got = contents(s);
                 // Recovery keeps the durable data plus a prefix of the unsynced batches.
                 let mut candidate = model.durable.clone();
@@ -221,13 +224,19 @@ fn run(ops: Vec<Op>, interval: bool, small_wal: bool) {
             Op::Reopen => {
                 store.take().expect("store").close().expect("close");
                 store = Some(open(dir.path(), &opts));
+                opened_marks = store.as_ref().map(UsageStore::marks);
                 model.mark_durable();
             }
         }
         let s = store.as_ref().expect("store");
         assert_eq!(contents(s), model.all());
+        // What the ledger's fold reads without the store's lock, through
+        // the handle it took at open, is what the store holds.
+        let marks = opened_marks.as_ref().expect("marks");
+        assert_eq!(marks.next_segment_id(), s.next_segment_id(), "next segment id without the lock");
         for p in 0..3 {
             assert_eq!(s.checkpoint(p), model.checkpoints.get(&p).copied(), "checkpoint of partition {p}");
+            assert_eq!(marks.checkpoint(p), s.checkpoint(p), "checkpoint of partition {p} without the lock");
         }
     }
     let s = store.take().expect("store");

@@ -63,7 +63,7 @@ use crate::keystore::{KeyStore, KeyStoreOptions, KeyTier, KeystoreError};
 use crate::ledger::{Ledger, LedgerError, LedgerStore, Preview};
 use crate::storage::{
     CompactionJob, FileSystem, FlushJob, NoopObserver, PendingSync, RecoveryReport, StateDirLock, StorageError,
-    StorageObserver, StoreOptions, UsageStore,
+    StorageObserver, StoreOptions, UsageMarks, UsageStore,
 };
 
 pub use crate::storage::{ReadCores, StoredEvent};
@@ -114,6 +114,9 @@ struct Durable {
     /// the usage store one batch at a time (see `apply_published`).
     /// Shared with the thread that writes a frozen memtable's segment.
     usage: Arc<Mutex<UsageStore>>,
+    /// The usage store's checkpoints and next segment id, read by the
+    /// ledger's fold without the lock above (see `UsageMarks`).
+    usage_marks: Arc<UsageMarks>,
     /// The thread writing a frozen memtable's segment (`start_flush`),
     /// and the one merging segments (`start_compaction`).
     flusher: JobThread,
@@ -361,6 +364,7 @@ impl Durable {
     ) -> Durable {
         Durable {
             dir: dir.to_owned(),
+            usage_marks: usage.marks(),
             usage: Arc::new(Mutex::new(usage)),
             flusher: jobs(),
             compactor: jobs(),
@@ -1147,11 +1151,11 @@ impl LocalState {
         };
         // Only this partition's applies move its checkpoint in the usage
         // store (an append made beside the next batch is of a batch handed
-        // over before this one's), so the answer holds.
+        // over before this one's), so the answer holds. Read without the
+        // usage store's lock, which an append or upkeep in progress holds.
         let behind = self.durable.as_ref().is_some_and(|d| {
-            let usage = locked(&d.usage);
-            ledger.note_usage_segment(usage.next_segment_id());
-            usage.checkpoint(partition).is_some_and(|u| u >= first)
+            ledger.note_usage_segment(d.usage_marks.next_segment_id());
+            d.usage_marks.checkpoint(partition).is_some_and(|u| u >= first)
         });
         // Not behind: nothing the usage store holds of the partition is past
         // what the ledger has folded (each batch is folded before it is

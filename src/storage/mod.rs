@@ -134,7 +134,8 @@ pub use lock::StateDirLock;
 pub use manifest::Manifest;
 pub use segment::SegmentMeta;
 pub use store::{
-    CompactionJob, FirstSeenLookup, FlushJob, MaintainReport, ReadCores, RecoveryReport, TornTail, UsageStore,
+    CompactionJob, FirstSeenLookup, FlushJob, MaintainReport, ReadCores, RecoveryReport, TornTail, UsageMarks,
+    UsageStore,
 };
 pub use verify::{verify, verify_on, FileKind, FileReport, FileStatus, VerifyReport};
 pub use wal::writer::PendingSync;

@@ -2,7 +2,8 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
 
 use super::error::IoContext;
 use super::fs::{FileSystem, RangeReader, RealFs};
@@ -98,6 +99,9 @@ pub struct UsageStore {
     spare: Option<Memtable>,
     /// Highest output offset per partition in segments + memtable (= written to the WAL).
     checkpoints: BTreeMap<i32, i64>,
+    /// The checkpoints and the next segment id, also readable without the
+    /// store's lock (see [`UsageMarks`]); moved with the fields above.
+    marks: Arc<UsageMarks>,
     wal: WalWriter,
     /// Shared with batches waiting for their fsync outside the store's
     /// lock (see `wal::writer`).
@@ -125,6 +129,37 @@ pub struct UsageStore {
     /// leaves their files (a compaction may have just replaced them) to
     /// the next collection after the last lookup is done.
     being_read: Arc<std::sync::Mutex<HashMap<u64, usize>>>,
+}
+
+/// What a tier that writes behind the usage store (the ledger) reads of
+/// it before each fold: its checkpoints and its next segment id, each
+/// moved under the store's lock and read here without it. Applies fold a
+/// batch while the batch before it is appended (`dedupd dedupe` makes the
+/// append on a thread of its own), and waiting for the store's lock made
+/// the fold wait for that append, its WAL write included. Both values
+/// only rise within a process, so a value read a moment late is low. For
+/// the segment id that is the safe side: an older id is a lower floor for
+/// where folds not yet written may be found. The checkpoint it cannot
+/// mislead: the ledger asks whether the store already holds the batch it
+/// folds, and during a run only the partition's earlier batches move the
+/// checkpoint, all of them below that batch (a store ahead of the ledger
+/// is one recovered at open, where these values start).
+#[derive(Debug)]
+pub struct UsageMarks {
+    next_segment_id: AtomicU64,
+    checkpoints: RwLock<BTreeMap<i32, i64>>,
+}
+
+impl UsageMarks {
+    /// See [`UsageStore::next_segment_id`].
+    pub fn next_segment_id(&self) -> u64 {
+        self.next_segment_id.load(Ordering::SeqCst)
+    }
+
+    /// See [`UsageStore::checkpoint`].
+    pub fn checkpoint(&self, partition: i32) -> Option<i64> {
+        self.checkpoints.read().unwrap_or_else(PoisonError::into_inner).get(&partition).copied()
+    }
 }
 
 impl std::fmt::Debug for UsageStore {
@@ -587,6 +622,10 @@ impl UsageStore {
         let wal = WalWriter::create(fs.as_ref(), &wal_dir, next_wal, skip_dir_fsync, &commits)?;
 
         let manifest_next_segment_id = manifest.next_segment_id;
+        let marks = Arc::new(UsageMarks {
+            next_segment_id: AtomicU64::new(manifest_next_segment_id),
+            checkpoints: RwLock::new(checkpoints.clone()),
+        });
         let mut store = UsageStore {
             fs,
             wal_dir,
@@ -602,6 +641,7 @@ impl UsageStore {
             spare: None,
             commits,
             checkpoints,
+            marks,
             wal,
             poisoned: None,
             next_segment_id: manifest_next_segment_id,
@@ -711,6 +751,7 @@ impl UsageStore {
                 self.memtable.push(e.into());
             }
         }
+        self.marks.checkpoints.write().unwrap_or_else(PoisonError::into_inner).extend(&advanced);
         self.checkpoints.extend(advanced);
         // Rotation and a flush fsync the WAL inline, covering this batch.
         if self.wal.len() >= self.opts.wal_rotate_bytes {
@@ -845,6 +886,13 @@ impl UsageStore {
     /// must not take an id below what it recorded.
     pub fn skip_segment_ids_to(&mut self, id: u64) {
         self.next_segment_id = self.next_segment_id.max(id);
+        self.marks.next_segment_id.store(self.next_segment_id, Ordering::SeqCst);
+    }
+
+    /// The checkpoints and the next segment id, for a reader that must not
+    /// wait for this store's lock.
+    pub fn marks(&self) -> Arc<UsageMarks> {
+        Arc::clone(&self.marks)
     }
 
     /// Every stored event of each partition of `after` above its offset
@@ -1327,6 +1375,7 @@ impl UsageStore {
     fn take_segment_id(&mut self) -> u64 {
         let id = self.next_segment_id;
         self.next_segment_id += 1;
+        self.marks.next_segment_id.store(self.next_segment_id, Ordering::SeqCst);
         self.in_flight.insert(id);
         id
     }
