@@ -362,7 +362,7 @@ mod tests {
         std::thread::scope(|scope| {
             let mut writer = UsageWriter::start(scope, &state, reads_originals);
             // A guard stays on the thread that took it: one of its own
-            // stalls the disk, and lets it answer 50 ms after being told.
+            // stalls the disk, and lets it answer 300 ms after being told.
             let (stalled, is_stalled) = sync_channel(0);
             let (answer, to_answer) = sync_channel::<()>(0);
             let (disk, answered) = (&disk, &answered);
@@ -370,7 +370,9 @@ mod tests {
                 let held = disk.stall();
                 stalled.send(()).expect("send");
                 let _ = to_answer.recv();
-                std::thread::sleep(std::time::Duration::from_millis(50));
+                // Long enough that a `settle` that returns at once is seen
+                // to, on a loaded machine too.
+                std::thread::sleep(std::time::Duration::from_millis(300));
                 answered.store(true, Ordering::SeqCst);
                 drop(held);
             });
@@ -483,7 +485,9 @@ mod tests {
                 writer.finish()
             })
         }));
-        assert!(ran.is_err(), "a panic on the usage thread must end the run as a panic: {ran:?}");
+        let panic = ran.expect_err("a panic on the usage thread must end the run as a panic");
+        let told = panic.downcast_ref::<String>().map(String::as_str).or(panic.downcast_ref::<&str>().copied());
+        assert!(told.is_some_and(|m| m.contains("ageing out panicked")), "another panic: {told:?}");
 
         let disk = SimDisk::new(Path::new("/sim/w0"), 7);
         let state = sim_state_with(&disk, |keys| Box::new(UpkeepBreaks { keys, panics: true }));

@@ -1007,10 +1007,10 @@ impl LocalState {
     ) -> Result<(usize, Option<UsageAppend>), StateError> {
         // Against the checkpoint of the tiers written here, not the usage
         // store's: reading that takes its lock, which the thread making
-        // the previous batch's append holds. (The ledger's fold still
-        // takes it, briefly, for two numbers: see `fold_into_ledger`.) A
-        // usage store behind the others (after a crash between the tiers)
-        // is handed the whole batch and skips what it holds by its own
+        // the previous batch's append holds (the ledger's fold reads what
+        // it needs of the usage store without it: `UsageMarks`). A usage
+        // store behind the others (after a crash between the tiers) is
+        // handed the whole batch and skips what it holds by its own
         // checkpoint.
         let checkpoint = match &self.durable {
             None => self.checkpoint(partition),

@@ -2670,7 +2670,9 @@ mod tests {
         drop(store);
         let (mut store, _) = UsageStore::open_on(Arc::new(RealFs), dir.path(), jobs_options(), observer).expect("open");
         assert!(store.next_segment_id() <= taken, "the id taken before the crash is not in the manifest");
+        let marks = store.marks();
         store.skip_segment_ids_to(taken + 1);
+        assert_eq!(marks.next_segment_id(), taken + 1, "the ledger reads the skip without the lock");
         flush(&mut store);
         assert_eq!(store.segments().last().map(|s| s.id), Some(taken + 1));
     }
