@@ -452,6 +452,18 @@ mod tests {
         }
     }
 
+    /// Five batches applied and handed over to a usage thread, then its end.
+    fn five_batches(state: &LocalState) -> Result<(), OfflineError> {
+        std::thread::scope(|scope| {
+            let mut writer = UsageWriter::start(scope, state, true);
+            for b in 0..5u64 {
+                let (_, append) = state.apply_published_append_later(0, batch(b), NOW)?;
+                writer.hand(append, NOW)?;
+            }
+            writer.finish()
+        })
+    }
+
     /// Upkeep that fails on the thread ends the run with its error, after
     /// the append it followed was made; upkeep that panics ends the run
     /// with that panic, never with a run that looks complete; and after a
@@ -461,30 +473,13 @@ mod tests {
     fn upkeep_that_fails_or_panics_beside_the_run_ends_the_run() {
         let disk = SimDisk::new(Path::new("/sim/w0"), 7);
         let state = sim_state_with(&disk, |keys| Box::new(UpkeepBreaks { keys, panics: false }));
-        let outcome = std::thread::scope(|scope| -> Result<(), OfflineError> {
-            let mut writer = UsageWriter::start(scope, &state, true);
-            for b in 0..5u64 {
-                let (_, append) = state.apply_published_append_later(0, batch(b), NOW)?;
-                writer.hand(append, NOW)?;
-            }
-            writer.finish()
-        });
-        let e = outcome.expect_err("failed upkeep must end the run");
+        let e = five_batches(&state).expect_err("failed upkeep must end the run");
         assert!(e.to_string().contains("ageing out failed"), "{e}");
         assert!(state.checkpoint(0).is_some_and(|c| c >= 9), "the append before the upkeep was made");
 
         let disk = SimDisk::new(Path::new("/sim/w0"), 7);
         let state = sim_state_with(&disk, |keys| Box::new(UpkeepBreaks { keys, panics: true }));
-        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            std::thread::scope(|scope| -> Result<(), OfflineError> {
-                let mut writer = UsageWriter::start(scope, &state, true);
-                for b in 0..5u64 {
-                    let (_, append) = state.apply_published_append_later(0, batch(b), NOW)?;
-                    writer.hand(append, NOW)?;
-                }
-                writer.finish()
-            })
-        }));
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| five_batches(&state)));
         let panic = ran.expect_err("a panic on the usage thread must end the run as a panic");
         let told = panic.downcast_ref::<String>().map(String::as_str).or(panic.downcast_ref::<&str>().copied());
         assert!(told.is_some_and(|m| m.contains("ageing out panicked")), "another panic: {told:?}");
