@@ -120,17 +120,9 @@ impl<'scope> UsageWriter<'scope> {
         let writer = std::thread::Builder::new().name("dedupd-usage".into()).spawn_scoped(scope, move || {
             let _ends = EndsThread(&progress);
             for (append, now_ms) in work {
-                let pending = match append {
-                    Some(append) => state.append_usage_later(append)?,
-                    None => None,
-                };
-                // Readable now: a conflict's original need not wait for
-                // the fsync or the upkeep.
-                progress.update(|p| p.appended += 1);
-                if let Some(pending) = pending {
-                    pending.wait()?;
-                }
-                state.maintain(now_ms)?;
+                // Readable once appended: a conflict's original need not
+                // wait for the fsync or the upkeep.
+                make_append(state, append, now_ms, || progress.update(|p| p.appended += 1))?;
             }
             Ok(())
         });
@@ -160,12 +152,7 @@ impl<'scope> UsageWriter<'scope> {
     /// fsync or upkeep that failed before.
     pub(super) fn hand(&mut self, append: Option<UsageAppend>, now_ms: i64) -> Result<(), OfflineError> {
         match self {
-            UsageWriter::Inline { state } => {
-                if let Some(pending) = append.map(|a| state.append_usage_later(a)).transpose()?.flatten() {
-                    pending.wait().map_err(StateError::from)?;
-                }
-                Ok(state.maintain(now_ms)?)
-            }
+            UsageWriter::Inline { state } => Ok(make_append(state, append, now_ms, || {})?),
             UsageWriter::Beside { to_do, writer, shared, handed, in_flight } => {
                 let ids: Option<HashSet<IdHash, IdBuildHasher>> = in_flight
                     .is_some()
@@ -244,6 +231,23 @@ impl<'scope> UsageWriter<'scope> {
             }
         }
     }
+}
+
+/// One batch's part, on whichever thread makes it: the append (`appended`
+/// is told once it can be read), its fsync with `--fsync always`, then the
+/// state's upkeep.
+fn make_append(
+    state: &LocalState,
+    append: Option<UsageAppend>,
+    now_ms: i64,
+    appended: impl FnOnce(),
+) -> Result<(), StateError> {
+    let pending = append.map(|a| state.append_usage_later(a)).transpose()?.flatten();
+    appended();
+    if let Some(pending) = pending {
+        pending.wait()?;
+    }
+    state.maintain(now_ms)
 }
 
 /// The error of a thread that ended before its work did.
@@ -376,7 +380,7 @@ mod tests {
                 answered.store(true, Ordering::SeqCst);
                 drop(held);
             });
-            is_stalled.recv().expect("stalled");
+            is_stalled.recv_timeout(std::time::Duration::from_secs(60)).expect("stalled within a minute");
             for b in 0..2 {
                 // The key store and the hot cache hold the batch at once
                 // (neither is on this disk); the usage store holds it only

@@ -1045,10 +1045,7 @@ impl LocalState {
             return Ok(None);
         };
         // Moved in whole: no copy of the events is made for the memtable.
-        let mut usage = d.usage_with_room();
-        let pending = usage.append_deferred(append.events)?.1;
-        self.start_flush_if_wanted(d, &mut usage)?;
-        Ok(pending)
+        self.append_to_usage_store(d, append.events)
     }
 
     fn commit_hot(&self, partition: i32, keys: &[SeenKey], now_ms: i64) -> Result<(), StateError> {
@@ -1194,8 +1191,16 @@ impl LocalState {
         // without a state directory, copying each event to drop it was 7%
         // of the offline path's instructions.
         let copies: Vec<StoredEvent> = fresh.iter().map(|e| (*e).clone()).collect();
+        self.append_to_usage_store(d, copies)
+    }
+
+    /// Appends `events` to the usage store (it skips what it holds by its
+    /// own checkpoint) and starts a flush when the memtable is full; with
+    /// `--fsync always`, returns the pending fsync to wait on without the
+    /// lock.
+    fn append_to_usage_store(&self, d: &Durable, events: Vec<StoredEvent>) -> Result<Option<PendingSync>, StateError> {
         let mut usage = d.usage_with_room();
-        let pending = usage.append_deferred(copies)?.1;
+        let pending = usage.append_deferred(events)?.1;
         self.start_flush_if_wanted(d, &mut usage)?;
         Ok(pending)
     }
