@@ -647,10 +647,27 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("dedupd: error: {e:#}");
+            eprintln!("dedupd: error: {}", error_chain(&e));
             ExitCode::from(2)
         }
     }
+}
+
+/// The error and its causes, joined by ": ". Many of our errors already
+/// name their cause in their own message (`cannot write output F: <io
+/// error>`); a cause whose text ends the line so far is not said twice.
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.is_empty() {
+            line = text;
+        } else if !line.ends_with(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+    }
+    line
 }
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {

@@ -178,6 +178,53 @@ fn conflicts_file_names_both_hashes_and_the_fields_that_differ() {
 }
 
 #[test]
+fn output_and_reports_to_dev_null_are_counted_and_never_synced() {
+    // A user who only wants the counts sends every file to /dev/null; fsync of
+    // a device fails with EINVAL, which must not end the run.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let input = dir.path().join("in.ndjson");
+    std::fs::write(&input, format!("{}\n{}\n{}\nnope\n", event("n1", "1"), event("n1", "1"), event("n1", "5")))
+        .expect("write");
+    let out = dedupd()
+        .args(["dedupe", "--input"])
+        .arg(&input)
+        .args(["--output", "/dev/null", "--rejected", "/dev/null", "--conflicts", "/dev/null"])
+        .output()
+        .expect("run");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        last_line(&out.stderr),
+        serde_json::json!({"accepted": 1, "duplicates": 1, "conflicts": 1, "rejected": 1})
+    );
+
+    // With a state directory the output is what state is repaired from: a
+    // device cannot be, and the run says so before it reads any input.
+    let state = dir.path().join("state");
+    let out = dedupd()
+        .args(["dedupe", "--input"])
+        .arg(&input)
+        .args(["--output", "/dev/null", "--state-dir"])
+        .arg(&state)
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--state-dir needs --output to be a regular file"), "{stderr}");
+}
+
+#[test]
+fn an_io_error_names_the_file_and_says_its_cause_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let missing = dir.path().join("no-such-input.ndjson");
+    let out = dedupd().args(["dedupe", "--input"]).arg(&missing).args(["--output", "-"]).output().expect("run");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let line = stderr.lines().find(|l| l.starts_with("dedupd: error:")).unwrap_or_else(|| panic!("{stderr}"));
+    assert!(line.contains(&format!("cannot open input {}", missing.display())), "{line}");
+    assert_eq!(line.matches("(os error 2)").count(), 1, "{line}");
+}
+
+#[test]
 fn conflicts_with_earlier_batches_and_runs_name_the_fields_that_differ() {
     // The originals here come from the usage store, not from the batch:
     // from an earlier run's state and from earlier batches of this run.

@@ -89,7 +89,7 @@ pub enum OfflineError {
     #[error("{what} {path}: {source}")]
     Io { what: &'static str, path: String, source: io::Error },
     #[error(
-        "--state-dir needs --output to be a file: the output file is the source of truth that state is repaired from"
+        "--state-dir needs --output to be a regular file: the output file is the source of truth that state is repaired from"
     )]
     StateNeedsOutputFile,
     #[error(
@@ -791,11 +791,17 @@ fn open_fresh_output(output: &Stdio) -> Result<OutputSink, OfflineError> {
         },
         Stdio::File(p) => {
             let f = File::create(p).map_err(io_err("cannot create output", p))?;
-            let clone = f.try_clone().map_err(io_err("cannot open output", p))?;
+            // A pipe or a device (`--output /dev/null`) has nothing to make
+            // durable, and fsync of one fails with EINVAL: only a regular
+            // file is synced.
+            let clone = match is_regular_file(&f) {
+                true => Some(f.try_clone().map_err(io_err("cannot open output", p))?),
+                false => None,
+            };
             OutputSink {
                 path: Some(p.clone()),
                 writer: BufWriter::with_capacity(1 << 16, Box::new(f)),
-                file: Some(clone),
+                file: clone,
                 fsync: None,
                 last_sync: Instant::now(),
                 next_offset: 0,
@@ -833,6 +839,12 @@ fn repair_from_output(
         .truncate(false)
         .open(path)
         .map_err(io_err("cannot open output", path))?;
+    // Repair reads the output back and the next run appends to it: a pipe
+    // or a device (`/dev/null`) would hand back nothing, and state would be
+    // ahead of an output that no longer exists.
+    if !is_regular_file(&f) {
+        return Err(OfflineError::StateNeedsOutputFile);
+    }
     cut_torn_tail(&mut f).map_err(io_err("cannot repair output", path))?;
     f.seek(SeekFrom::Start(0)).map_err(io_err("cannot read output", path))?;
 
@@ -891,6 +903,12 @@ fn repair_from_output(
         tracing::info!(repaired, "repaired state from the output file");
     }
     Ok(offset as u64)
+}
+
+/// Whether `f` is a regular file: the only kind whose fsync means something.
+/// Anything else, or a file whose kind cannot be read, counts as not one.
+pub(super) fn is_regular_file(f: &File) -> bool {
+    f.metadata().is_ok_and(|m| m.file_type().is_file())
 }
 
 /// Truncates the file after its last newline, so a line half-written when a

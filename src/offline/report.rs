@@ -26,6 +26,9 @@ use crate::event::{push_json_str, IdHash, PayloadHash, Rejection, UsageEvent};
 pub(super) struct ReportWriter {
     path: PathBuf,
     out: BufWriter<File>,
+    /// Whether the report is a regular file, synced at the end of the run;
+    /// a pipe or a device (`/dev/null`) cannot be, and fsync of one fails.
+    durable: bool,
     buf: String,
 }
 
@@ -36,7 +39,8 @@ pub(super) fn open(path: Option<&Path>) -> Result<Option<ReportWriter>, OfflineE
         path: path.display().to_string(),
         source,
     })?;
-    Ok(Some(ReportWriter { path: path.to_owned(), out: BufWriter::new(f), buf: String::with_capacity(1024) }))
+    let durable = super::is_regular_file(&f);
+    Ok(Some(ReportWriter { path: path.to_owned(), out: BufWriter::new(f), durable, buf: String::with_capacity(1024) }))
 }
 
 pub(super) fn end_batch(w: Option<&mut ReportWriter>) -> Result<(), OfflineError> {
@@ -50,7 +54,10 @@ pub(super) fn finish(w: Option<&mut ReportWriter>) -> Result<(), OfflineError> {
     match w {
         Some(w) => {
             w.out.flush().map_err(|e| w.err(e))?;
-            w.out.get_ref().sync_all().map_err(|e| w.err(e))
+            match w.durable {
+                true => w.out.get_ref().sync_all().map_err(|e| w.err(e)),
+                false => Ok(()),
+            }
         }
         None => Ok(()),
     }
