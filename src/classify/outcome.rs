@@ -147,9 +147,15 @@ pub fn classify_records(
 /// A batch decoded, validated, placed and hashed: the part of classifying
 /// it that reads no local state, so a worker does it outside the engine's
 /// lock ([`validate_records`]; the rest is [`classify_validated`]).
+///
+/// Held as the outcomes to be: a valid record is [`Outcome::Accepted`]
+/// until classified, an invalid one already [`Outcome::Rejected`].
+/// Classifying then rewrites only the records that are not new, and an
+/// event (272 bytes) is not moved from one vector into another on its way
+/// (copying events was 11-14% of `dedupd dedupe`'s CPU).
 #[derive(Debug)]
 pub struct Validated {
-    items: Vec<Result<(UsageEvent, IdHash, PayloadHash), Rejection>>,
+    outcomes: Vec<Outcome>,
     sources: Vec<crate::event::Position>,
     misrouted: u64,
 }
@@ -164,7 +170,7 @@ pub fn validate_records(
 ) -> Validated {
     let mut misrouted = 0u64;
     let mut scratch = Vec::with_capacity(256);
-    let mut validated: Vec<Result<(UsageEvent, IdHash, PayloadHash), Rejection>> = Vec::with_capacity(records.len());
+    let mut outcomes: Vec<Outcome> = Vec::with_capacity(records.len());
     for r in records {
         let v = match r.payload {
             None => {
@@ -172,28 +178,33 @@ pub fn validate_records(
             }
             Some(bytes) => validator.validate(bytes, now_ms),
         };
-        let v = v.and_then(|event| {
-            let id = id_hash(&event.tenant_id, &event.event_id);
-            if let Some(p) = placement {
-                if let Some(expected) = p.misplaced(&event, &id, r.source.partition) {
-                    misrouted += 1;
-                    if p.on_misrouted == OnMisrouted::Reject {
-                        return Err(Rejection::new(
-                            RejectReason::Misrouted,
-                            format!(
-                                "the identity belongs on partition {expected} ({} partitioner), not {}",
-                                p.partitioner, r.source.partition
-                            ),
-                        ));
-                    }
+        let event = match v {
+            Ok(event) => event,
+            Err(rejection) => {
+                outcomes.push(Outcome::Rejected(rejection));
+                continue;
+            }
+        };
+        let id = id_hash(&event.tenant_id, &event.event_id);
+        if let Some(p) = placement {
+            if let Some(expected) = p.misplaced(&event, &id, r.source.partition) {
+                misrouted += 1;
+                if p.on_misrouted == OnMisrouted::Reject {
+                    outcomes.push(Outcome::Rejected(Rejection::new(
+                        RejectReason::Misrouted,
+                        format!(
+                            "the identity belongs on partition {expected} ({} partitioner), not {}",
+                            p.partitioner, r.source.partition
+                        ),
+                    )));
+                    continue;
                 }
             }
-            let payload = payload_hash_with(&event, &mut scratch);
-            Ok((event, id, payload))
-        });
-        validated.push(v);
+        }
+        let payload_hash = payload_hash_with(&event, &mut scratch);
+        outcomes.push(Outcome::Accepted { event, id_hash: id, payload_hash });
     }
-    Validated { items: validated, sources: records.iter().map(|r| r.source).collect(), misrouted }
+    Validated { outcomes, sources: records.iter().map(|r| r.source).collect(), misrouted }
 }
 
 /// The stateful half of [`classify_records`]: a validated batch against
@@ -205,15 +216,19 @@ pub fn classify_validated(
     batch: Validated,
     now_ms: i64,
 ) -> Result<Classified, HorizonError> {
-    let Validated { items: mut validated, sources, misrouted } = batch;
-    let mut candidates = Vec::with_capacity(validated.len());
+    let Validated { mut outcomes, sources, misrouted } = batch;
     // A correction or retraction must refer to an event this partition
     // knows (placement puts it beside its original): remembered by the hot
     // cache or the key store, or a valid event earlier in the batch. One
     // that does not is rejected before classification, so neither it nor a
     // retry of it can stand as a first delivery.
-    let originals: Vec<IdHash> =
-        validated.iter().filter_map(|v| v.as_ref().ok()).filter_map(|(e, _, _)| original_of(e)).collect();
+    let originals: Vec<IdHash> = outcomes
+        .iter()
+        .filter_map(|o| match o {
+            Outcome::Accepted { event, .. } => original_of(event),
+            _ => None,
+        })
+        .collect();
     if !originals.is_empty() {
         let hot = classifier.hot_cache();
         let mut known: HashSet<IdHash> = originals.iter().filter(|id| hot.get(id, now_ms).is_some()).copied().collect();
@@ -221,41 +236,61 @@ pub fn classify_validated(
         let mut answers = Vec::with_capacity(cold.len());
         long.lookup_many(classifier.partition(), &cold, &mut answers)?;
         known.extend(cold.iter().zip(&answers).filter(|(_, a)| a.is_some()).map(|(id, _)| *id));
-        for v in &mut validated {
-            let Ok((event, id, _)) = v else { continue };
+        for o in &mut outcomes {
+            let Outcome::Accepted { event, id_hash, .. } = o else { continue };
             match original_of(event) {
-                Some(original) if !known.contains(&original) => *v = Err(unknown_original(event)),
+                Some(original) if !known.contains(&original) => *o = Outcome::Rejected(unknown_original(event)),
                 _ => {
-                    known.insert(*id);
+                    known.insert(*id_hash);
                 }
             }
         }
     }
-    for (v, source) in validated.iter().zip(&sources) {
-        if let Ok((_, id, payload)) = v {
-            candidates.push(Candidate { id_hash: *id, payload_hash: *payload, source: *source });
-        }
-    }
+    let candidates: Vec<Candidate> = outcomes
+        .iter()
+        .zip(&sources)
+        .filter_map(|(o, source)| match o {
+            Outcome::Accepted { id_hash, payload_hash, .. } => {
+                Some(Candidate { id_hash: *id_hash, payload_hash: *payload_hash, source: *source })
+            }
+            _ => None,
+        })
+        .collect();
     let mut verdicts = classifier.classify(&candidates, long, now_ms)?.into_iter();
-    let mut out = Vec::with_capacity(validated.len());
-    for v in validated {
-        let outcome = match v {
-            Err(rejection) => Outcome::Rejected(rejection),
-            Ok((event, id_hash, payload_hash)) => match verdicts.next() {
-                Some(Verdict::Accepted) => Outcome::Accepted { event, id_hash, payload_hash },
-                Some(Verdict::Duplicate { tier, first }) => Outcome::Duplicate { event, id_hash, tier, first },
-                Some(Verdict::Conflict { tier, first }) => {
-                    Outcome::Conflict { event, id_hash, payload_hash, tier, first }
-                }
-                Some(Verdict::Replayed { tier, first }) => Outcome::Replayed { event, id_hash, tier, first },
-                None => {
-                    return Err(HorizonError("classifier returned fewer verdicts than candidates".into()));
-                }
-            },
-        };
-        out.push(outcome);
+    for o in &mut outcomes {
+        if !matches!(o, Outcome::Accepted { .. }) {
+            continue;
+        }
+        let verdict = verdicts
+            .next()
+            .ok_or_else(|| HorizonError("classifier returned fewer verdicts than candidates".into()))?;
+        if verdict == Verdict::Accepted {
+            // Already what it is: the common case moves nothing.
+            continue;
+        }
+        // The stand-in allocates nothing; it holds the place for the
+        // moment the event moves into its bucket.
+        let placeholder = Outcome::Rejected(Rejection { reason: RejectReason::MalformedJson, detail: String::new() });
+        *o = reclassified(std::mem::replace(o, placeholder), verdict);
     }
-    Ok(Classified { outcomes: out, misrouted })
+    Ok(Classified { outcomes, misrouted })
+}
+
+/// A valid record's outcome once its verdict is known. Anything but a
+/// provisionally accepted record, and an accepted verdict, leave it as is.
+fn reclassified(outcome: Outcome, verdict: Verdict) -> Outcome {
+    match (outcome, verdict) {
+        (Outcome::Accepted { event, id_hash, .. }, Verdict::Duplicate { tier, first }) => {
+            Outcome::Duplicate { event, id_hash, tier, first }
+        }
+        (Outcome::Accepted { event, id_hash, payload_hash }, Verdict::Conflict { tier, first }) => {
+            Outcome::Conflict { event, id_hash, payload_hash, tier, first }
+        }
+        (Outcome::Accepted { event, id_hash, .. }, Verdict::Replayed { tier, first }) => {
+            Outcome::Replayed { event, id_hash, tier, first }
+        }
+        (unchanged, _) => unchanged,
+    }
 }
 
 /// The identity of the event a correction or retraction refers to.
