@@ -516,8 +516,13 @@ impl Validator {
         }
         for (k, v) in dims {
             check_len("dimension key", Some(k), self.limits.max_id_bytes)?;
-            if let WireField::Value(v) = v {
-                check_len(&format!("dimensions.{k}"), Some(v), self.limits.max_field_bytes)?;
+            // The field's name is only built for the error: a name per
+            // dimension per event was an allocation for nothing.
+            match v {
+                WireField::Value(v) if v.len() > self.limits.max_field_bytes => {
+                    check_len(&format!("dimensions.{k}"), Some(v), self.limits.max_field_bytes)?;
+                }
+                _ => {}
             }
         }
         Ok(())
