@@ -84,7 +84,8 @@ enum Command {
         /// NDJSON input file, or - for standard input.
         #[arg(long, env = "DEDUPD_INPUT")]
         input: Stdio,
-        /// Accepted events as canonical NDJSON: a file, or - for standard output.
+        /// Accepted events as canonical NDJSON: a file, or - for standard output
+        /// (a pipe or /dev/null works too, and is not fsynced).
         #[arg(long, env = "DEDUPD_OUTPUT")]
         output: Stdio,
         /// Keep state here across runs (the output file is then appended to).
@@ -655,14 +656,15 @@ fn main() -> ExitCode {
 
 /// The error and its causes, joined by ": ". Many of our errors already
 /// name their cause in their own message (`cannot write output F: <io
-/// error>`); a cause whose text ends the line so far is not said twice.
+/// error>`); a cause the line so far already ends with, after ": ", is not
+/// said twice.
 fn error_chain(e: &anyhow::Error) -> String {
     let mut line = String::new();
     for cause in e.chain() {
         let text = cause.to_string();
         if line.is_empty() {
             line = text;
-        } else if !line.ends_with(&text) {
+        } else if !line.strip_suffix(text.as_str()).is_some_and(|head| head.ends_with(": ")) {
             line.push_str(": ");
             line.push_str(&text);
         }
@@ -925,5 +927,28 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             print!("{}", dedupd::offline::bucket_table(&counts, &summary));
             Ok(ExitCode::SUCCESS)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_chain;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("cannot open input in.ndjson: {source}")]
+    struct NamesItsCause {
+        source: std::io::Error,
+    }
+
+    #[test]
+    fn an_error_chain_says_each_cause_once() {
+        let io = || std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let named = anyhow::Error::new(NamesItsCause { source: io() });
+        assert_eq!(error_chain(&named), "cannot open input in.ndjson: no such file");
+        let plain = anyhow::Error::new(io()).context("reading the config");
+        assert_eq!(error_chain(&plain), "reading the config: no such file");
+        // A cause that merely ends like the line is still said.
+        let alike = anyhow::anyhow!("file").context("cannot open the file");
+        assert_eq!(error_chain(&alike), "cannot open the file: file");
     }
 }

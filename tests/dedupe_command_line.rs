@@ -178,7 +178,7 @@ fn conflicts_file_names_both_hashes_and_the_fields_that_differ() {
 }
 
 #[test]
-fn output_and_reports_to_dev_null_are_counted_and_never_synced() {
+fn output_and_reports_to_dev_null_are_counted_and_not_failed_by_fsync() {
     // A user who only wants the counts sends every file to /dev/null; fsync of
     // a device fails with EINVAL, which must not end the run.
     let dir = tempfile::tempdir().expect("tempdir");
@@ -198,7 +198,8 @@ fn output_and_reports_to_dev_null_are_counted_and_never_synced() {
     );
 
     // With a state directory the output is what state is repaired from: a
-    // device cannot be, and the run says so before it reads any input.
+    // device cannot be, and the run says so before it makes the state
+    // directory or reads any input.
     let state = dir.path().join("state");
     let out = dedupd()
         .args(["dedupe", "--input"])
@@ -210,6 +211,7 @@ fn output_and_reports_to_dev_null_are_counted_and_never_synced() {
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--state-dir needs --output to be a regular file"), "{stderr}");
+    assert!(!state.exists(), "the refused run made {}", state.display());
 }
 
 #[test]

@@ -261,9 +261,8 @@ pub fn classify_validated(
         if !matches!(o, Outcome::Accepted { .. }) {
             continue;
         }
-        let verdict = verdicts
-            .next()
-            .ok_or_else(|| HorizonError("classifier returned fewer verdicts than candidates".into()))?;
+        let verdict =
+            verdicts.next().ok_or_else(|| HorizonError("classifier returned fewer verdicts than candidates".into()))?;
         if verdict == Verdict::Accepted {
             // Already what it is: the common case moves nothing.
             continue;

@@ -140,7 +140,10 @@ impl ClosedPeriods {
             fresh.entry(p.tenant_id).or_default().insert((p.year, p.month));
         }
         let any = !fresh.is_empty();
-        *self.0.months.write().unwrap_or_else(std::sync::PoisonError::into_inner) = fresh;
+        // The flag is stored under the write lock: two replacements at once
+        // cannot leave it saying "none" over a set that has some.
+        let mut months = self.0.months.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *months = fresh;
         self.0.any.store(any, std::sync::atomic::Ordering::Release);
     }
 
@@ -518,11 +521,8 @@ impl Validator {
             check_len("dimension key", Some(k), self.limits.max_id_bytes)?;
             // The field's name is only built for the error: a name per
             // dimension per event was an allocation for nothing.
-            match v {
-                WireField::Value(v) if v.len() > self.limits.max_field_bytes => {
-                    check_len(&format!("dimensions.{k}"), Some(v), self.limits.max_field_bytes)?;
-                }
-                _ => {}
+            if let WireField::Value(v) = v {
+                check_len_named(|| format!("dimensions.{k}"), Some(v), self.limits.max_field_bytes)?;
             }
         }
         Ok(())
@@ -631,9 +631,18 @@ fn optional_str<'a>(f: &'a WireField<Text<'_>>) -> Option<&'a str> {
 }
 
 fn check_len(name: &str, v: Option<&str>, limit: usize) -> Result<(), Rejection> {
+    check_len_named(|| name, v, limit)
+}
+
+/// [`check_len`] for a field whose name has to be built: only for the error.
+fn check_len_named<N: std::fmt::Display>(
+    name: impl FnOnce() -> N,
+    v: Option<&str>,
+    limit: usize,
+) -> Result<(), Rejection> {
     match v {
         Some(s) if s.len() > limit => {
-            Err(Rejection::new(RejectReason::FieldTooLong, format!("`{name}` is {} bytes, limit {limit}", s.len())))
+            Err(Rejection::new(RejectReason::FieldTooLong, format!("`{}` is {} bytes, limit {limit}", name(), s.len())))
         }
         _ => Ok(()),
     }
@@ -685,27 +694,40 @@ mod tests {
 
     #[test]
     fn a_period_closed_or_reopened_on_a_shared_set_reaches_every_validator_at_once() {
-        let limits = Limits { max_event_age_ms: i64::MAX / 4, ..Limits::default() };
         let shared = ClosedPeriods::default();
-        let validator = Validator::sharing(limits, shared.clone(), "salt");
-        let now = 1_793_000_000_000; // 2026-10-27
-        let reason = |tenant: &str| validator.validate(&october(tenant), now).err().map(|r| r.reason);
-        assert_eq!(reason("acme"), None, "nothing closed yet");
+        let worker = Validator::sharing(Limits::default(), shared.clone(), "salt");
+        let other = Validator::sharing(Limits::default(), shared.clone(), "salt");
+        // 2026-10-26T07:33Z: the events of 2026-10-15 are inside the default
+        // age limit.
+        let now = 1_793_000_000_000;
+        let reason = |v: &Validator, tenant: &str| v.validate(&october(tenant), now).err().map(|r| r.reason);
+        let closed = Some(RejectReason::ClosedPeriod);
+        assert_eq!(reason(&worker, "acme"), None, "nothing closed yet");
 
-        let periods = ["zeta:2026-10", "acme:2026-11", "acme:2026-10", "acme:2025-10"];
-        shared.replace(periods.iter().map(|p| ClosedPeriod::parse(p).expect("valid period")));
-        assert_eq!(reason("acme"), Some(RejectReason::ClosedPeriod));
-        assert_eq!(reason("zeta"), Some(RejectReason::ClosedPeriod));
-        assert_eq!(reason("other"), None, "another tenant's month is open");
+        // The same month of another year, and the next month of this year:
+        // October 2026 stays open (a lookup that ignored the year or the
+        // month would close it).
+        shared.replace(["acme:2025-10", "acme:2026-11"].map(|p| ClosedPeriod::parse(p).expect("valid period")));
+        assert_eq!(reason(&worker, "acme"), None);
+
+        shared.replace(
+            ["zeta:2026-10", "acme:2026-11", "acme:2026-10", "acme:2025-10"]
+                .map(|p| ClosedPeriod::parse(p).expect("valid period")),
+        );
+        for v in [&worker, &other] {
+            assert_eq!(reason(v, "acme"), closed);
+            assert_eq!(reason(v, "zeta"), closed);
+            assert_eq!(reason(v, "other"), None, "another tenant's month is open");
+        }
         let listed: Vec<String> =
             shared.list().iter().map(|p| format!("{}:{}-{:02}", p.tenant_id, p.year, p.month)).collect();
         assert_eq!(listed, ["acme:2025-10", "acme:2026-10", "acme:2026-11", "zeta:2026-10"]);
 
         shared.replace([ClosedPeriod::parse("zeta:2026-10").expect("valid period")]);
-        assert_eq!(reason("acme"), None, "reopened");
-        assert_eq!(reason("zeta"), Some(RejectReason::ClosedPeriod));
+        assert_eq!(reason(&other, "acme"), None, "reopened");
+        assert_eq!(reason(&other, "zeta"), closed);
         shared.replace([]);
-        assert_eq!(reason("zeta"), None, "every period reopened");
+        assert_eq!(reason(&worker, "zeta"), None, "every period reopened");
         assert!(shared.list().is_empty());
     }
 }

@@ -148,7 +148,8 @@ impl OutputSink {
     }
 
     /// Flushes the last lines and syncs the file whatever the policy: the
-    /// run's output is complete and durable when it returns.
+    /// run's output is complete and durable when it returns (a regular
+    /// file; a pipe or a device is only flushed).
     fn finish(&mut self) -> Result<(), OfflineError> {
         let synced = self.writer.flush().and_then(|()| self.file.as_ref().map_or(Ok(()), File::sync_all));
         synced.map_err(|source| self.write_error(source))
@@ -193,7 +194,9 @@ pub fn run_dedupe_with_progress(
         None => {
             // Without a state directory nothing outlives the run but its
             // output and counts: a ledger folded in memory would be dropped
-            // unread at the end (it was 16% of such a run's CPU).
+            // unread at the end (it was 16% of such a run's CPU). So no
+            // ledger here, whatever `--ledger` says, and an hour whose sum
+            // would overflow ends only a run that keeps the ledger.
             let mut state = LocalState::in_memory(EngineSettings { ledger: false, ..settings.clone() }, false);
             state.assign(OFFLINE_PARTITION, clock.now_ms())?;
             let output = open_fresh_output(&opts.output)?;
@@ -203,6 +206,16 @@ pub fn run_dedupe_with_progress(
             let Stdio::File(path) = &opts.output else {
                 return Err(OfflineError::StateNeedsOutputFile);
             };
+            // Repair reads the output back and the next run appends to it: a
+            // pipe or a device (`/dev/null`) would hand back nothing, and
+            // state would be ahead of an output that keeps nothing. Refused
+            // before the state directory is made or locked.
+            match std::fs::metadata(path) {
+                Ok(m) if !m.file_type().is_file() => return Err(OfflineError::StateNeedsOutputFile),
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_err("cannot open output", path)(e)),
+            }
             let mut state = LocalState::open(Some(dir), settings.clone(), false)?;
             // Periods closed with `dedupd period close --state-dir` take no
             // usage; the book is read once, at the start of the run.
@@ -794,13 +807,10 @@ fn open_fresh_output(output: &Stdio) -> Result<OutputSink, OfflineError> {
         },
         Stdio::File(p) => {
             let f = File::create(p).map_err(io_err("cannot create output", p))?;
-            // A pipe or a device (`--output /dev/null`) has nothing to make
-            // durable, and fsync of one fails with EINVAL: only a regular
-            // file is synced.
-            let clone = match is_regular_file(&f) {
-                true => Some(f.try_clone().map_err(io_err("cannot open output", p))?),
-                false => None,
-            };
+            // Only a regular file is synced (see `is_regular_file`):
+            // `--output /dev/null` counts without writing anything down.
+            let regular = is_regular_file(&f).map_err(io_err("cannot open output", p))?;
+            let clone = if regular { Some(f.try_clone().map_err(io_err("cannot open output", p))?) } else { None };
             OutputSink {
                 path: Some(p.clone()),
                 writer: BufWriter::with_capacity(1 << 16, Box::new(f)),
@@ -842,10 +852,9 @@ fn repair_from_output(
         .truncate(false)
         .open(path)
         .map_err(io_err("cannot open output", path))?;
-    // Repair reads the output back and the next run appends to it: a pipe
-    // or a device (`/dev/null`) would hand back nothing, and state would be
-    // ahead of an output that no longer exists.
-    if !is_regular_file(&f) {
+    // Checked before the state was opened too; here for the file actually
+    // opened.
+    if !is_regular_file(&f).map_err(io_err("cannot open output", path))? {
         return Err(OfflineError::StateNeedsOutputFile);
     }
     cut_torn_tail(&mut f).map_err(io_err("cannot repair output", path))?;
@@ -908,10 +917,11 @@ fn repair_from_output(
     Ok(offset as u64)
 }
 
-/// Whether `f` is a regular file: the only kind whose fsync means something.
-/// Anything else, or a file whose kind cannot be read, counts as not one.
-pub(super) fn is_regular_file(f: &File) -> bool {
-    f.metadata().is_ok_and(|m| m.file_type().is_file())
+/// Whether `f` is a regular file: the only kind whose fsync means something
+/// (a pipe or a device has nothing to make durable, and fsync of one fails
+/// with EINVAL).
+pub(super) fn is_regular_file(f: &File) -> io::Result<bool> {
+    Ok(f.metadata()?.file_type().is_file())
 }
 
 /// Truncates the file after its last newline, so a line half-written when a

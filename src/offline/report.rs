@@ -39,7 +39,11 @@ pub(super) fn open(path: Option<&Path>) -> Result<Option<ReportWriter>, OfflineE
         path: path.display().to_string(),
         source,
     })?;
-    let durable = super::is_regular_file(&f);
+    let durable = super::is_regular_file(&f).map_err(|source| OfflineError::Io {
+        what: "cannot create report",
+        path: path.display().to_string(),
+        source,
+    })?;
     Ok(Some(ReportWriter { path: path.to_owned(), out: BufWriter::new(f), durable, buf: String::with_capacity(1024) }))
 }
 
@@ -54,10 +58,10 @@ pub(super) fn finish(w: Option<&mut ReportWriter>) -> Result<(), OfflineError> {
     match w {
         Some(w) => {
             w.out.flush().map_err(|e| w.err(e))?;
-            match w.durable {
-                true => w.out.get_ref().sync_all().map_err(|e| w.err(e)),
-                false => Ok(()),
+            if w.durable {
+                w.out.get_ref().sync_all().map_err(|e| w.err(e))?;
             }
+            Ok(())
         }
         None => Ok(()),
     }
