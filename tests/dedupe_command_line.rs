@@ -324,15 +324,17 @@ fn a_conflict_with_the_batch_just_before_finds_its_original() {
 #[test]
 fn through_a_pipe_each_batch_comes_out_before_the_next_is_written() {
     // A producer that waits for a batch's output before it sends the next
-    // must not wait forever: reading standard input, `dedupe` must not read
-    // ahead of the batch it is writing, with a state directory or without.
+    // must not wait forever: reading a pipe, `dedupe` must not read ahead of
+    // the batch it is writing, with a state directory or without, and
+    // whether the pipe is given as `-` or by a path (`/dev/stdin`, or a
+    // shell's `<(producer)`).
     let dir = tempfile::tempdir().expect("tempdir");
-    let output = dir.path().join("out.ndjson");
-    for with_state in [false, true] {
+    for (input, with_state) in [("-", false), ("-", true), ("/dev/stdin", true)] {
+        let output = dir.path().join(format!("out-{}.ndjson", input.len()));
         let mut cmd = dedupd();
-        cmd.args(["dedupe", "--batch-records", "1", "--input", "-", "--output"]);
+        cmd.args(["dedupe", "--batch-records", "1", "--input", input, "--output"]);
         if with_state {
-            cmd.arg(&output).arg("--state-dir").arg(dir.path().join("state"));
+            cmd.arg(&output).arg("--state-dir").arg(dir.path().join(format!("state-{}", input.len())));
         } else {
             cmd.arg("-");
         }
@@ -370,7 +372,9 @@ fn through_a_pipe_each_batch_comes_out_before_the_next_is_written() {
                 answers.recv_timeout(deadline - std::time::Instant::now()).ok()
             };
             let line = line.unwrap_or_else(|| {
-                panic!("no output for {id} (state directory: {with_state}) while its batch's input was all written")
+                panic!(
+                    "no output for {id} (input {input}, state directory: {with_state}) while its batch's input was all written"
+                )
             });
             let v: serde_json::Value = serde_json::from_str(&line).expect("JSON line");
             assert_eq!(v["event_id"], id);

@@ -231,10 +231,15 @@ pub fn run_dedupe_with_progress(
     let mut rejected = report::open(opts.rejected.as_deref())?;
     let mut conflicts = report::open(opts.conflicts.as_deref())?;
 
-    let mut input: Box<dyn BufRead> = match &opts.input {
-        Stdio::Std => Box::new(BufReader::with_capacity(1 << 16, io::stdin().lock())),
+    // Whether the input is a regular file, read at its own pace; a pipe
+    // (standard input, or a path such as `/dev/stdin` or a shell's
+    // `<(producer)`) may be a producer waiting for each batch's output.
+    let (mut input, input_is_regular): (Box<dyn BufRead>, bool) = match &opts.input {
+        Stdio::Std => (Box::new(BufReader::with_capacity(1 << 16, io::stdin().lock())), false),
         Stdio::File(p) => {
-            Box::new(BufReader::with_capacity(1 << 16, File::open(p).map_err(io_err("cannot open input", p))?))
+            let f = File::open(p).map_err(io_err("cannot open input", p))?;
+            let regular = is_regular_file(&f).map_err(io_err("cannot open input", p))?;
+            (Box::new(BufReader::with_capacity(1 << 16, f)), regular)
         }
     };
     let input_name = match &opts.input {
@@ -247,20 +252,20 @@ pub fn run_dedupe_with_progress(
     let mut derived_ids = 0u64;
     let mut line_text = String::with_capacity(512);
     let mut reading = Reading { limit, batch_records, next_line: 0, bytes_read: 0 };
-    // With a state directory and an input file, batches are decoded,
+    // With a state directory and a regular input file, batches are decoded,
     // validated and hashed (the stateless half of classification) on a
     // thread of their own, one batch ahead: batch N+1's while this thread
     // classifies, writes and applies batch N, much of which is waiting for
     // its two fsyncs. Without a state directory nothing waits, and two
     // threads took 1.6x the CPU for the same time on this 2-core machine.
-    // From standard input, reading ahead would hold a batch's output back
-    // until the next batch arrived, and a producer waiting for it would
+    // From standard input or any other pipe, reading ahead would hold a
+    // batch's output back until the next batch arrived, and a producer waiting for it would
     // wait forever. In both cases each batch is validated here and the
     // next is read only once this one is done. The lines are read on this
     // thread either way, so the other never blocks on input: when this one
     // returns, early or not, the channel closes and that thread ends.
     std::thread::scope(|scope| -> Result<(), OfflineError> {
-        let mut validation = if opts.state_dir.is_some() && matches!(opts.input, Stdio::File(_)) {
+        let mut validation = if opts.state_dir.is_some() && input_is_regular {
             Validation::ahead(scope, &validator)?
         } else {
             Validation::Here { validator: &validator, waiting: None }
