@@ -215,6 +215,49 @@ fn output_and_reports_to_dev_null_are_counted_and_not_failed_by_fsync() {
 }
 
 #[test]
+fn an_input_named_as_the_output_is_refused_and_left_whole() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let input = dir.path().join("events.ndjson");
+    let text = format!("{}\n{}\n", event("s1", "1"), event("s2", "2"));
+    std::fs::write(&input, &text).expect("write");
+    let out_file = dir.path().join("out.ndjson");
+    let report = dir.path().join("report.ndjson");
+    let state = dir.path().join("state");
+    let refused = |args: &[&std::ffi::OsStr], want: &str| {
+        let out = dedupd().arg("dedupe").args(args).output().expect("run");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+        assert_eq!(std::fs::read_to_string(&input).expect("input"), text, "{args:?} touched the input");
+        assert!(!state.exists(), "{args:?} made the state directory");
+    };
+    let os = |s: &'static str| std::ffi::OsStr::new(s);
+    let same = "--input and --output name the same file";
+    refused(&[os("--input"), input.as_os_str(), os("--output"), input.as_os_str()], same);
+    // Another spelling of the same file, with a state directory.
+    let spelled = dir.path().join(".").join("events.ndjson");
+    refused(
+        &[os("--input"), input.as_os_str(), os("--output"), spelled.as_os_str(), os("--state-dir"), state.as_os_str()],
+        same,
+    );
+    // Two reports on one file not made yet.
+    refused(
+        &[
+            os("--input"),
+            input.as_os_str(),
+            os("--output"),
+            out_file.as_os_str(),
+            os("--rejected"),
+            report.as_os_str(),
+            os("--conflicts"),
+            report.as_os_str(),
+        ],
+        "--rejected and --conflicts name the same file",
+    );
+    assert!(!out_file.exists() && !report.exists(), "a refused run created its outputs");
+}
+
+#[test]
 fn an_io_error_names_the_file_and_says_its_cause_once() {
     let dir = tempfile::tempdir().expect("tempdir");
     let missing = dir.path().join("no-such-input.ndjson");

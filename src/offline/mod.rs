@@ -97,6 +97,11 @@ pub enum OfflineError {
          the output file was truncated or replaced; restore it, or start over with an empty state directory"
     )]
     StateAheadOfOutput { path: String, lines: u64, checkpoint: i64, state_dir: String },
+    #[error(
+        "{first} and {second} name the same file {path}: the run would overwrite one with the other \
+         (an input named as the output is truncated before it is read); give each its own file"
+    )]
+    SameFile { first: &'static str, second: &'static str, path: String },
     #[error("output file {path} line {line} is not a dedupd event ({why}); refusing to repair from it")]
     CorruptOutput { path: String, line: u64, why: String },
     #[error("the state directory's closed periods: {0}")]
@@ -189,6 +194,7 @@ pub fn run_dedupe_with_progress(
 ) -> Result<Summary, OfflineError> {
     let validator = settings.validator();
     let batch_records = opts.batch_records.max(1);
+    refuse_shared_files(opts)?;
 
     let (state, mut output) = match &opts.state_dir {
         None => {
@@ -920,6 +926,55 @@ fn repair_from_output(
         tracing::info!(repaired, "repaired state from the output file");
     }
     Ok(offset as u64)
+}
+
+/// Refuses a run whose input, output and report files are not all
+/// different files, before any of them is opened: the output is created
+/// (truncated) first, so `--input f --output f` would destroy the input and
+/// count nothing, and two outputs on one file would interleave. A pipe or a
+/// device (`/dev/null` for every output) may be named more than once.
+fn refuse_shared_files(opts: &DedupeOptions) -> Result<(), OfflineError> {
+    /// A regular file by its device and inode, so two spellings of one
+    /// path (or a hard link) are the same; a path not made yet by its
+    /// absolute spelling.
+    #[derive(PartialEq)]
+    enum Identity {
+        Inode(u64, u64),
+        Path(PathBuf),
+    }
+    fn identity(path: &Path) -> Result<Option<Identity>, OfflineError> {
+        use std::os::unix::fs::MetadataExt;
+        match std::fs::metadata(path) {
+            Ok(m) if m.file_type().is_file() => Ok(Some(Identity::Inode(m.dev(), m.ino()))),
+            Ok(_) => Ok(None),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                Ok(Some(Identity::Path(std::path::absolute(path).map_err(io_err("cannot resolve", path))?)))
+            }
+            Err(e) => Err(io_err("cannot open", path)(e)),
+        }
+    }
+    let file = |s: &Stdio| match s {
+        Stdio::Std => None,
+        Stdio::File(p) => Some(p.clone()),
+    };
+    let named: Vec<(&'static str, PathBuf)> = [
+        ("--input", file(&opts.input)),
+        ("--output", file(&opts.output)),
+        ("--rejected", opts.rejected.clone()),
+        ("--conflicts", opts.conflicts.clone()),
+    ]
+    .into_iter()
+    .filter_map(|(flag, path)| path.map(|p| (flag, p)))
+    .collect();
+    let mut seen: Vec<(&'static str, Identity)> = Vec::with_capacity(named.len());
+    for (flag, path) in &named {
+        let Some(id) = identity(path)? else { continue };
+        if let Some((first, _)) = seen.iter().find(|(_, other)| *other == id) {
+            return Err(OfflineError::SameFile { first, second: flag, path: path.display().to_string() });
+        }
+        seen.push((flag, id));
+    }
+    Ok(())
 }
 
 /// Whether `f` is a regular file: the only kind whose fsync means something
