@@ -677,7 +677,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Dedupe { input, output, state_dir, rejected, conflicts, batch_records, tuning } => {
             let (settings, _) = engine_settings(&tuning)?;
             let total_bytes = match &input {
-                Stdio::File(p) => std::fs::metadata(p).ok().map(|m| m.len()),
+                // A pipe given by path has no length to draw progress against.
+                Stdio::File(p) => std::fs::metadata(p).ok().filter(|m| m.is_file()).map(|m| m.len()),
                 Stdio::Std => None,
             };
             let opts = DedupeOptions { input, output, state_dir, rejected, conflicts, batch_records };

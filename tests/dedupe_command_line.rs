@@ -232,15 +232,26 @@ fn an_input_named_as_the_output_is_refused_and_left_whole() {
         assert!(!state.exists(), "{args:?} made the state directory");
     };
     let os = |s: &'static str| std::ffi::OsStr::new(s);
-    let same = "--input and --output name the same file";
-    refused(&[os("--input"), input.as_os_str(), os("--output"), input.as_os_str()], same);
+    let same = |first: &str, a: &std::path::Path, second: &str, b: &std::path::Path| {
+        format!("{first} {} and {second} {} are the same file", a.display(), b.display())
+    };
+    refused(
+        &[os("--input"), input.as_os_str(), os("--output"), input.as_os_str()],
+        &same("--input", &input, "--output", &input),
+    );
     // Another spelling of the same file, with a state directory.
     let spelled = dir.path().join(".").join("events.ndjson");
     refused(
         &[os("--input"), input.as_os_str(), os("--output"), spelled.as_os_str(), os("--state-dir"), state.as_os_str()],
-        same,
+        &same("--input", &input, "--output", &spelled),
     );
-    // Two reports on one file not made yet.
+    // A hard link is the same file.
+    let linked = dir.path().join("linked.ndjson");
+    std::fs::hard_link(&input, &linked).expect("hard link");
+    refused(&[os("--input"), linked.as_os_str(), os("--output"), input.as_os_str()], "are the same file");
+    // Two reports on one file not made yet, spelled two ways.
+    std::fs::create_dir(dir.path().join("sub")).expect("mkdir");
+    let around = dir.path().join("sub").join("..").join("report.ndjson");
     refused(
         &[
             os("--input"),
@@ -250,11 +261,40 @@ fn an_input_named_as_the_output_is_refused_and_left_whole() {
             os("--rejected"),
             report.as_os_str(),
             os("--conflicts"),
-            report.as_os_str(),
+            around.as_os_str(),
         ],
-        "--rejected and --conflicts name the same file",
+        &same("--rejected", &report, "--conflicts", &around),
     );
     assert!(!out_file.exists() && !report.exists(), "a refused run created its outputs");
+
+    // `-` is what standard input really is: here the file named as the output.
+    let out = dedupd()
+        .args(["dedupe", "--input", "-", "--output"])
+        .arg(&input)
+        .stdin(std::fs::File::open(&input).expect("open"))
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--input - (standard input) and --output"));
+    assert_eq!(std::fs::read_to_string(&input).expect("input"), text, "stdin's file was touched");
+
+    // A report inside an existing state directory would damage it.
+    std::fs::create_dir(&state).expect("mkdir state");
+    let inside = state.join("rejected.ndjson");
+    let out = dedupd()
+        .args(["dedupe", "--input"])
+        .arg(&input)
+        .args(["--output"])
+        .arg(&out_file)
+        .arg("--rejected")
+        .arg(&inside)
+        .arg("--state-dir")
+        .arg(&state)
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is inside the state directory"));
+    assert!(!inside.exists() && !out_file.exists());
 }
 
 #[test]

@@ -15,7 +15,7 @@
 //! Side files (`--rejected`, `--conflicts`) are reports, not sources of truth:
 //! after a crash a rerun may write a report line again.
 //!
-//! With `--state-dir` and an input file, batches are decoded, validated and
+//! With `--state-dir` and a regular input file, batches are decoded, validated and
 //! hashed one batch ahead on a thread of their own (`Validation`), beside
 //! the batch whose output and state are being written, and each batch's
 //! usage-store append and WAL fsync are made beside the next batch
@@ -30,6 +30,7 @@ pub use demo::{bucket_table, run_offline_demo};
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, BufRead, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::thread::ScopedJoinHandle;
@@ -97,11 +98,10 @@ pub enum OfflineError {
          the output file was truncated or replaced; restore it, or start over with an empty state directory"
     )]
     StateAheadOfOutput { path: String, lines: u64, checkpoint: i64, state_dir: String },
-    #[error(
-        "{first} and {second} name the same file {path}: the run would overwrite one with the other \
-         (an input named as the output is truncated before it is read); give each its own file"
-    )]
-    SameFile { first: &'static str, second: &'static str, path: String },
+    #[error("{first} {first_path} and {second} {second_path} are the same file: one would overwrite the other; give each its own file")]
+    SameFile { first: &'static str, first_path: String, second: &'static str, second_path: String },
+    #[error("{flag} {path} is inside the state directory {state_dir}: writing it would damage the state; name a file outside it")]
+    InsideStateDir { flag: &'static str, path: String, state_dir: String },
     #[error("output file {path} line {line} is not a dedupd event ({why}); refusing to repair from it")]
     CorruptOutput { path: String, line: u64, why: String },
     #[error("the state directory's closed periods: {0}")]
@@ -241,7 +241,12 @@ pub fn run_dedupe_with_progress(
     // (standard input, or a path such as `/dev/stdin` or a shell's
     // `<(producer)`) may be a producer waiting for each batch's output.
     let (mut input, input_is_regular): (Box<dyn BufRead>, bool) = match &opts.input {
-        Stdio::Std => (Box::new(BufReader::with_capacity(1 << 16, io::stdin().lock())), false),
+        Stdio::Std => {
+            // Standard input redirected from a regular file (`< f`) reads
+            // ahead like `--input f`; when that cannot be told, it does not.
+            let regular = duplicate(io::stdin().as_fd()).and_then(|f| is_regular_file(&f)).unwrap_or(false);
+            (Box::new(BufReader::with_capacity(1 << 16, io::stdin().lock())), regular)
+        }
         Stdio::File(p) => {
             let f = File::open(p).map_err(io_err("cannot open input", p))?;
             let regular = is_regular_file(&f).map_err(io_err("cannot open input", p))?;
@@ -395,9 +400,9 @@ pub fn run_dedupe_with_progress(
                     reports.write(last)?;
                 }
                 let originals = reading_now.take().unwrap_or(Originals::Known(Vec::new()));
-                // Reading ahead (an input file), a batch whose originals are
+                // Reading ahead (a regular input file), a batch whose originals are
                 // still being read has its reports wait for the next batch;
-                // from standard input each batch's reports are written before
+                // from a pipe each batch's reports are written before
                 // the next batch is read, so a producer waiting for them never
                 // waits on its own next batch.
                 let defer = validation.is_ahead() && matches!(originals, Originals::Reading(_));
@@ -929,52 +934,153 @@ fn repair_from_output(
 }
 
 /// Refuses a run whose input, output and report files are not all
-/// different files, before any of them is opened: the output is created
-/// (truncated) first, so `--input f --output f` would destroy the input and
-/// count nothing, and two outputs on one file would interleave. A pipe or a
-/// device (`/dev/null` for every output) may be named more than once.
+/// different files, or whose outputs lie inside the state directory,
+/// before any file is opened: the output is created (truncated) first, so
+/// `--input f --output f` would destroy the input and count nothing, and
+/// two outputs on one file or pipe would write over or into each other. A
+/// device (`/dev/null` for every output, a terminal) may be named more than
+/// once. `-` is checked as what standard input or output really is.
 fn refuse_shared_files(opts: &DedupeOptions) -> Result<(), OfflineError> {
-    /// A regular file by its device and inode, so two spellings of one
-    /// path (or a hard link) are the same; a path not made yet by its
-    /// absolute spelling.
-    #[derive(PartialEq)]
-    enum Identity {
-        Inode(u64, u64),
-        Path(PathBuf),
-    }
-    fn identity(path: &Path) -> Result<Option<Identity>, OfflineError> {
-        use std::os::unix::fs::MetadataExt;
-        match std::fs::metadata(path) {
-            Ok(m) if m.file_type().is_file() => Ok(Some(Identity::Inode(m.dev(), m.ino()))),
-            Ok(_) => Ok(None),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                Ok(Some(Identity::Path(std::path::absolute(path).map_err(io_err("cannot resolve", path))?)))
-            }
-            Err(e) => Err(io_err("cannot open", path)(e)),
-        }
-    }
-    let file = |s: &Stdio| match s {
-        Stdio::Std => None,
-        Stdio::File(p) => Some(p.clone()),
+    let named: [(&'static str, &'static str, Option<Named>); 4] = [
+        ("--input", "cannot open input", Named::of(&opts.input, Named::Stdin)),
+        ("--output", "cannot create output", Named::of(&opts.output, Named::Stdout)),
+        ("--rejected", "cannot create report", opts.rejected.clone().map(Named::Path)),
+        ("--conflicts", "cannot create report", opts.conflicts.clone().map(Named::Path)),
+    ];
+    let state_dir = match &opts.state_dir {
+        Some(d) => std::fs::canonicalize(d).ok(),
+        None => None,
     };
-    let named: Vec<(&'static str, PathBuf)> = [
-        ("--input", file(&opts.input)),
-        ("--output", file(&opts.output)),
-        ("--rejected", opts.rejected.clone()),
-        ("--conflicts", opts.conflicts.clone()),
-    ]
-    .into_iter()
-    .filter_map(|(flag, path)| path.map(|p| (flag, p)))
-    .collect();
-    let mut seen: Vec<(&'static str, Identity)> = Vec::with_capacity(named.len());
-    for (flag, path) in &named {
-        let Some(id) = identity(path)? else { continue };
-        if let Some((first, _)) = seen.iter().find(|(_, other)| *other == id) {
-            return Err(OfflineError::SameFile { first, second: flag, path: path.display().to_string() });
+    let mut seen: Vec<(&'static str, String, FileIdentity)> = Vec::with_capacity(named.len());
+    for (flag, what, named) in named {
+        let Some(named) = named else { continue };
+        let shown = named.to_string();
+        if let (Some(state), Named::Path(p), false) = (&state_dir, &named, flag == "--input") {
+            if resolved_parent(p).is_some_and(|parent| parent.starts_with(state)) || same_path(p, state) {
+                return Err(OfflineError::InsideStateDir { flag, path: shown, state_dir: state.display().to_string() });
+            }
         }
-        seen.push((flag, id));
+        let Some(id) = named.identity().map_err(|source| OfflineError::Io { what, path: shown.clone(), source })?
+        else {
+            continue;
+        };
+        if let Some((first, first_path, _)) = seen.iter().find(|(_, _, other)| *other == id) {
+            return Err(OfflineError::SameFile {
+                first,
+                first_path: first_path.clone(),
+                second: flag,
+                second_path: shown,
+            });
+        }
+        seen.push((flag, shown, id));
     }
     Ok(())
+}
+
+/// A file named on the command line: a path, or `-`.
+enum Named {
+    Path(PathBuf),
+    Stdin,
+    Stdout,
+}
+
+impl Named {
+    fn of(s: &Stdio, std: Named) -> Option<Named> {
+        Some(match s {
+            Stdio::Std => std,
+            Stdio::File(p) => Named::Path(p.clone()),
+        })
+    }
+
+    /// Which file this is, or `None` for one that may be named twice (a
+    /// device) or that cannot be opened anyway (its directory is missing:
+    /// the open fails later and says so).
+    fn identity(&self) -> io::Result<Option<FileIdentity>> {
+        let m = match self {
+            Named::Path(p) => match std::fs::metadata(p) {
+                Ok(m) => m,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return not_made_yet(p),
+                Err(e) => return Err(e),
+            },
+            Named::Stdin => duplicate(io::stdin().as_fd())?.metadata()?,
+            Named::Stdout => duplicate(io::stdout().as_fd())?.metadata()?,
+        };
+        Ok(FileIdentity::of(&m))
+    }
+}
+
+impl std::fmt::Display for Named {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Named::Path(p) => write!(f, "{}", p.display()),
+            Named::Stdin => f.write_str("- (standard input)"),
+            Named::Stdout => f.write_str("- (standard output)"),
+        }
+    }
+}
+
+/// Standard input or output as a `File` of its own (a duplicate of its
+/// descriptor, closed when dropped), to ask what it is.
+fn duplicate(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<File> {
+    Ok(File::from(fd.try_clone_to_owned()?))
+}
+
+/// One file, however it is spelled: by device and inode (a hard link, a
+/// symlink, `a/../f` and `./f` are the same file), or, not made yet, by its
+/// directory's device and inode and its name.
+#[derive(PartialEq)]
+enum FileIdentity {
+    Inode(u64, u64),
+    Entry(u64, u64, std::ffi::OsString),
+}
+
+impl FileIdentity {
+    /// Regular files, directories, pipes and sockets; devices are not kept
+    /// (writing one twice loses nothing, or shows both on a terminal).
+    fn of(m: &std::fs::Metadata) -> Option<FileIdentity> {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let t = m.file_type();
+        (!t.is_char_device() && !t.is_block_device()).then(|| FileIdentity::Inode(m.dev(), m.ino()))
+    }
+}
+
+/// The identity of a path with no file behind it yet. A dangling symlink
+/// is followed to the file `File::create` would make.
+fn not_made_yet(path: &Path) -> io::Result<Option<FileIdentity>> {
+    use std::os::unix::fs::MetadataExt;
+    let mut path = path.to_path_buf();
+    // A bound on the symlinks followed; the kernel's own is 40.
+    for _ in 0..40 {
+        match std::fs::symlink_metadata(&path) {
+            Ok(m) if m.file_type().is_symlink() => {
+                let target = std::fs::read_link(&path)?;
+                path = match path.parent() {
+                    Some(dir) if target.is_relative() => dir.join(target),
+                    _ => target,
+                };
+            }
+            _ => break,
+        }
+    }
+    let Some(name) = path.file_name() else { return Ok(None) };
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    match std::fs::metadata(dir) {
+        Ok(d) => Ok(Some(FileIdentity::Entry(d.dev(), d.ino(), name.to_owned()))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The directory `path` is (or would be) made in, resolved; `None` when it
+/// does not exist.
+fn resolved_parent(path: &Path) -> Option<PathBuf> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::canonicalize(dir).ok()
+}
+
+/// Whether `path`, resolved, is `dir` (already resolved).
+fn same_path(path: &Path, dir: &Path) -> bool {
+    std::fs::canonicalize(path).is_ok_and(|p| p == dir)
 }
 
 /// Whether `f` is a regular file: the only kind whose fsync means something
