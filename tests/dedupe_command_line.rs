@@ -267,6 +267,14 @@ fn an_input_named_as_the_output_is_refused_and_left_whole() {
     );
     assert!(!out_file.exists() && !report.exists(), "a refused run created its outputs");
 
+    // The state directory named as the output, neither made yet.
+    let fresh = dir.path().join("fresh");
+    refused(
+        &[os("--input"), input.as_os_str(), os("--output"), fresh.as_os_str(), os("--state-dir"), fresh.as_os_str()],
+        &same("--state-dir", &fresh, "--output", &fresh),
+    );
+    assert!(!fresh.exists(), "the refused run made {}", fresh.display());
+
     // `-` is what standard input really is: here the file named as the output.
     let out = dedupd()
         .args(["dedupe", "--input", "-", "--output"])

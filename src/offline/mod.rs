@@ -951,12 +951,23 @@ fn refuse_shared_files(opts: &DedupeOptions) -> Result<(), OfflineError> {
         Some(d) => std::fs::canonicalize(d).ok(),
         None => None,
     };
-    let mut seen: Vec<(&'static str, String, FileIdentity)> = Vec::with_capacity(named.len());
+    let mut seen: Vec<(&'static str, String, FileIdentity)> = Vec::with_capacity(named.len() + 1);
+    // The state directory itself, made yet or not: an output of the same
+    // name would make it a file, or fail on the directory after it was made.
+    if let Some(dir) = &opts.state_dir {
+        let shown = dir.display().to_string();
+        let id = Named::Path(dir.clone()).identity().map_err(|source| OfflineError::Io {
+            what: "cannot open state directory",
+            path: shown.clone(),
+            source,
+        })?;
+        seen.extend(id.map(|id| ("--state-dir", shown, id)));
+    }
     for (flag, what, named) in named {
         let Some(named) = named else { continue };
         let shown = named.to_string();
         if let (Some(state), Named::Path(p), false) = (&state_dir, &named, flag == "--input") {
-            if resolved_parent(p).is_some_and(|parent| parent.starts_with(state)) || same_path(p, state) {
+            if resolved_parent(p).is_some_and(|parent| parent.starts_with(state)) {
                 return Err(OfflineError::InsideStateDir { flag, path: shown, state_dir: state.display().to_string() });
             }
         }
@@ -1076,11 +1087,6 @@ fn not_made_yet(path: &Path) -> io::Result<Option<FileIdentity>> {
 fn resolved_parent(path: &Path) -> Option<PathBuf> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::canonicalize(dir).ok()
-}
-
-/// Whether `path`, resolved, is `dir` (already resolved).
-fn same_path(path: &Path, dir: &Path) -> bool {
-    std::fs::canonicalize(path).is_ok_and(|p| p == dir)
 }
 
 /// Whether `f` is a regular file: the only kind whose fsync means something
