@@ -270,11 +270,12 @@ pub fn run_dedupe_with_progress(
     // its two fsyncs. Without a state directory nothing waits, and two
     // threads took 1.6x the CPU for the same time on this 2-core machine.
     // From standard input or any other pipe, reading ahead would hold a
-    // batch's output back until the next batch arrived, and a producer waiting for it would
-    // wait forever. In both cases each batch is validated here and the
-    // next is read only once this one is done. The lines are read on this
-    // thread either way, so the other never blocks on input: when this one
-    // returns, early or not, the channel closes and that thread ends.
+    // batch's output back until the next batch arrived, and a producer
+    // waiting for it would wait forever. In both cases each batch is
+    // validated here and the next is read only once this one is done. The
+    // lines are read on this thread either way, so the other never blocks
+    // on input: when this one returns, early or not, the channel closes and
+    // that thread ends.
     std::thread::scope(|scope| -> Result<(), OfflineError> {
         let mut validation = if opts.state_dir.is_some() && input_is_regular {
             Validation::ahead(scope, &validator)?
@@ -1074,8 +1075,7 @@ fn not_made_yet(path: &Path) -> io::Result<Option<FileIdentity>> {
         }
     }
     let Some(name) = path.file_name() else { return Ok(None) };
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    match std::fs::metadata(dir) {
+    match std::fs::metadata(directory_of(&path)) {
         Ok(d) => Ok(Some(FileIdentity::Entry(d.dev(), d.ino(), name.to_owned()))),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(e),
@@ -1085,8 +1085,12 @@ fn not_made_yet(path: &Path) -> io::Result<Option<FileIdentity>> {
 /// The directory `path` is (or would be) made in, resolved; `None` when it
 /// does not exist.
 fn resolved_parent(path: &Path) -> Option<PathBuf> {
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::canonicalize(dir).ok()
+    std::fs::canonicalize(directory_of(path)).ok()
+}
+
+/// The directory a file `path` names is made in (`.` for a bare name).
+fn directory_of(path: &Path) -> &Path {
+    path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."))
 }
 
 /// Whether `f` is a regular file: the only kind whose fsync means something
