@@ -215,6 +215,66 @@ fn output_and_reports_to_dev_null_are_counted_and_not_failed_by_fsync() {
 }
 
 #[test]
+fn a_byte_order_mark_starting_the_input_is_not_part_of_its_first_event() {
+    // Windows tools write UTF-8 files with a byte order mark and CRLF line
+    // ends. The mark belongs to the file: left on the first line, a real
+    // usage event was rejected as malformed JSON. Anywhere else it is part
+    // of its line, and a blank line is a record like any other (rejected),
+    // so the four counts still add up to the input's line count.
+    let bom = "\u{feff}";
+    let text = format!(
+        "{bom}{}\r\n{}\r\n\r\n{bom}{}\r\n",
+        event("w1", "1"),
+        event("w2", "2"),
+        event("w3", "3")
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let input = dir.path().join("windows.ndjson");
+    std::fs::write(&input, &text).expect("write");
+    let (output, rejected) = (dir.path().join("out.ndjson"), dir.path().join("rejected.ndjson"));
+    let from_file = dedupd()
+        .args(["dedupe", "--input"])
+        .arg(&input)
+        .arg("--output")
+        .arg(&output)
+        .arg("--rejected")
+        .arg(&rejected)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run");
+    let mut from_stdin = dedupd()
+        .args(["dedupe", "--input", "-", "--output", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    from_stdin.stdin.take().expect("stdin").write_all(text.as_bytes()).expect("write stdin");
+    let from_stdin = from_stdin.wait_with_output().expect("run");
+    let counts = serde_json::json!({"accepted": 2, "duplicates": 0, "conflicts": 0, "rejected": 2});
+    for (how, out) in [("file", &from_file), ("stdin", &from_stdin)] {
+        assert!(out.status.success(), "{how}: {}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(last_line(&out.stderr), counts, "{how}");
+    }
+    let accepted = std::fs::read_to_string(&output).expect("output");
+    let ids: Vec<String> = accepted
+        .lines()
+        .chain(String::from_utf8_lossy(&from_stdin.stdout).lines())
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")["event_id"].as_str().expect("id").to_owned())
+        .collect();
+    assert_eq!(ids, ["w1", "w2", "w1", "w2"]);
+    let reasons: Vec<(u64, String)> = std::fs::read_to_string(&rejected)
+        .expect("rejected")
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("json");
+            (v["line"].as_u64().expect("line"), v["reason"].as_str().expect("reason").to_owned())
+        })
+        .collect();
+    assert_eq!(reasons, [(3, "malformed_json".to_owned()), (4, "malformed_json".to_owned())]);
+}
+
+#[test]
 fn an_input_named_as_the_output_is_refused_and_left_whole() {
     let dir = tempfile::tempdir().expect("tempdir");
     let input = dir.path().join("events.ndjson");

@@ -673,6 +673,9 @@ impl Reading {
                 break;
             }
             self.bytes_read += l.len + 1;
+            if self.next_line == 0 {
+                skip_byte_order_mark(&mut l);
+            }
             lines.push(l);
             self.next_line += 1;
         }
@@ -799,6 +802,21 @@ impl Validation<'_, '_> {
             (Some(Err(panic)), Ok(())) => std::panic::resume_unwind(panic),
             (_, run) => run,
         }
+    }
+}
+
+/// UTF-8's byte order mark, which some Windows tools write at the start of
+/// a text file.
+const BYTE_ORDER_MARK: &[u8] = b"\xEF\xBB\xBF";
+
+/// Takes a byte order mark off the input's first line: it marks the file,
+/// not the first record, and left on, that record (a real usage event)
+/// would be rejected as malformed JSON. Only the input's very start is a
+/// byte order mark; one anywhere else stays part of its line.
+fn skip_byte_order_mark(first: &mut Line) {
+    if first.bytes.starts_with(BYTE_ORDER_MARK) {
+        first.bytes.drain(..BYTE_ORDER_MARK.len());
+        first.len -= BYTE_ORDER_MARK.len() as u64;
     }
 }
 
