@@ -222,12 +222,7 @@ fn a_byte_order_mark_starting_the_input_is_not_part_of_its_first_event() {
     // of its line, and a blank line is a record like any other (rejected),
     // so the four counts still add up to the input's line count.
     let bom = "\u{feff}";
-    let text = format!(
-        "{bom}{}\r\n{}\r\n\r\n{bom}{}\r\n",
-        event("w1", "1"),
-        event("w2", "2"),
-        event("w3", "3")
-    );
+    let text = format!("{bom}{}\r\n{}\r\n\r\n{bom}{}\r\n", event("w1", "1"), event("w2", "2"), event("w3", "3"));
     let dir = tempfile::tempdir().expect("tempdir");
     let input = dir.path().join("windows.ndjson");
     std::fs::write(&input, &text).expect("write");
@@ -260,7 +255,9 @@ fn a_byte_order_mark_starting_the_input_is_not_part_of_its_first_event() {
     let ids: Vec<String> = accepted
         .lines()
         .chain(String::from_utf8_lossy(&from_stdin.stdout).lines())
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")["event_id"].as_str().expect("id").to_owned())
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).expect("json")["event_id"].as_str().expect("id").to_owned()
+        })
         .collect();
     assert_eq!(ids, ["w1", "w2", "w1", "w2"]);
     let reasons: Vec<(u64, String)> = std::fs::read_to_string(&rejected)
