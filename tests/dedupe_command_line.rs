@@ -363,6 +363,44 @@ fn an_input_named_as_the_output_is_refused_and_left_whole() {
 }
 
 #[test]
+fn a_mistyped_input_fails_with_every_file_as_it_was() {
+    // The output and the reports were made (truncated) before the input was
+    // opened: a typo in `--input` emptied yesterday's output and reports,
+    // and with `--state-dir` made a state directory, before failing.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (output, rejected, conflicts) =
+        (dir.path().join("out.ndjson"), dir.path().join("rejected.ndjson"), dir.path().join("conflicts.ndjson"));
+    let kept = format!("{}\n", event("k1", "1"));
+    for f in [&output, &rejected, &conflicts] {
+        std::fs::write(f, &kept).expect("write");
+    }
+    let state = dir.path().join("state");
+    for with_state in [false, true] {
+        let mut cmd = dedupd();
+        cmd.args(["dedupe", "--input"])
+            .arg(dir.path().join("no-such-input.ndjson"))
+            .arg("--output")
+            .arg(&output)
+            .arg("--rejected")
+            .arg(&rejected)
+            .arg("--conflicts")
+            .arg(&conflicts)
+            .stdin(Stdio::null());
+        if with_state {
+            cmd.arg("--state-dir").arg(&state);
+        }
+        let out = cmd.output().expect("run");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "state dir {with_state}: {stderr}");
+        assert!(stderr.contains("cannot open input"), "{stderr}");
+        for f in [&output, &rejected, &conflicts] {
+            assert_eq!(std::fs::read_to_string(f).expect("read"), kept, "{} (state dir {with_state})", f.display());
+        }
+        assert!(!state.exists(), "the failed run made {}", state.display());
+    }
+}
+
+#[test]
 fn an_io_error_names_the_file_and_says_its_cause_once() {
     let dir = tempfile::tempdir().expect("tempdir");
     let missing = dir.path().join("no-such-input.ndjson");
@@ -805,4 +843,67 @@ fn progress_is_drawn_on_a_terminal_and_never_in_a_file() {
     assert!(pty.status.success(), "{shown}");
     assert!(shown.contains("20000 records: 20000 accepted"), "no progress on the terminal:\n{shown}");
     assert!(shown.contains("\"accepted\":20000"), "the summary still ends the run:\n{shown}");
+}
+
+#[test]
+fn read_only_tools_refuse_a_path_that_is_not_a_state_directory_and_make_nothing() {
+    // A mistyped --state-dir (or an unmounted volume) was answered with
+    // confidence: verify said ok, inspect said unknown, usage verify said no
+    // drift, and all but verify made a whole new state directory there.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let missing = dir.path().join("typo");
+    let plain_file = dir.path().join("file");
+    std::fs::write(&plain_file, "not a directory").expect("write");
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).expect("mkdir");
+    let tool_runs: [&[&str]; 4] = [
+        &["verify"],
+        &["inspect", "--tenant", "acme", "--event-id", "e1"],
+        &["usage", "verify"],
+        &["usage", "--tenant", "acme", "--from", "2026-10", "--to", "2026-12", "--group-by", "dimension:region"],
+    ];
+    for target in [&missing, &plain_file, &empty] {
+        for args in tool_runs {
+            let out = dedupd().args(args).arg("--state-dir").arg(target).stdin(Stdio::null()).output().expect("run");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{args:?} on {}: {stderr}", target.display());
+            assert!(stderr.contains("is not a dedupd state directory"), "{args:?}: {stderr}");
+        }
+    }
+    assert!(!missing.exists(), "a tool made {}", missing.display());
+    assert_eq!(std::fs::read_dir(&empty).expect("read").count(), 0, "a tool wrote into the empty directory");
+
+    // A state directory used with `--ledger false` has no ledger, and a tool
+    // must not make one: `usage` and `period close` would then read it as
+    // zero usage for the month.
+    let (state, output, input) =
+        (dir.path().join("state"), dir.path().join("out.ndjson"), dir.path().join("in.ndjson"));
+    std::fs::write(&input, format!("{}\n{}\n", event("l1", "2.5"), event("l2", "4"))).expect("write");
+    let out = dedupd()
+        .args(["dedupe", "--ledger", "false", "--input"])
+        .arg(&input)
+        .arg("--output")
+        .arg(&output)
+        .arg("--state-dir")
+        .arg(&state)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let inspect = dedupd()
+        .args(["inspect", "--tenant", "acme", "--event-id", "l1", "--state-dir"])
+        .arg(&state)
+        .stdin(Stdio::null())
+        .output()
+        .expect("inspect");
+    assert!(inspect.status.success(), "{}", String::from_utf8_lossy(&inspect.stderr));
+    assert!(String::from_utf8_lossy(&inspect.stdout).contains("\"known\": true"), "{inspect:?}");
+    let check =
+        dedupd().args(["usage", "verify", "--state-dir"]).arg(&state).stdin(Stdio::null()).output().expect("run");
+    let stderr = String::from_utf8_lossy(&check.stderr);
+    assert_eq!(check.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("no ledger"), "{stderr}");
+    assert!(!state.join("ledger").exists(), "a tool made a ledger in a directory run without one");
+    let v = dedupd().args(["verify", "--state-dir"]).arg(&state).stdin(Stdio::null()).output().expect("verify");
+    assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stdout));
 }

@@ -196,6 +196,31 @@ pub fn run_dedupe_with_progress(
     let batch_records = opts.batch_records.max(1);
     refuse_shared_files(opts)?;
 
+    // The input is opened before any output is made or truncated, or any
+    // state directory made: a mistyped `--input` must fail with every file
+    // as it was (it emptied an existing output and reports before).
+    //
+    // Whether the input is a regular file, read at its own pace; a pipe
+    // (standard input, or a path such as `/dev/stdin` or a shell's
+    // `<(producer)`) may be a producer waiting for each batch's output.
+    let (mut input, input_is_regular): (Box<dyn BufRead>, bool) = match &opts.input {
+        Stdio::Std => {
+            // Standard input redirected from a regular file (`< f`) reads
+            // ahead like `--input f`; when that cannot be told, it does not.
+            let regular = duplicate(io::stdin().as_fd()).and_then(|f| is_regular_file(&f)).unwrap_or(false);
+            (Box::new(BufReader::with_capacity(1 << 16, io::stdin().lock())), regular)
+        }
+        Stdio::File(p) => {
+            let f = File::open(p).map_err(io_err("cannot open input", p))?;
+            let regular = is_regular_file(&f).map_err(io_err("cannot open input", p))?;
+            (Box::new(BufReader::with_capacity(1 << 16, f)), regular)
+        }
+    };
+    let input_name = match &opts.input {
+        Stdio::Std => "standard input".to_owned(),
+        Stdio::File(p) => p.display().to_string(),
+    };
+
     let (state, mut output) = match &opts.state_dir {
         None => {
             // Without a state directory nothing outlives the run but its
@@ -236,27 +261,6 @@ pub fn run_dedupe_with_progress(
 
     let mut rejected = report::open(opts.rejected.as_deref())?;
     let mut conflicts = report::open(opts.conflicts.as_deref())?;
-
-    // Whether the input is a regular file, read at its own pace; a pipe
-    // (standard input, or a path such as `/dev/stdin` or a shell's
-    // `<(producer)`) may be a producer waiting for each batch's output.
-    let (mut input, input_is_regular): (Box<dyn BufRead>, bool) = match &opts.input {
-        Stdio::Std => {
-            // Standard input redirected from a regular file (`< f`) reads
-            // ahead like `--input f`; when that cannot be told, it does not.
-            let regular = duplicate(io::stdin().as_fd()).and_then(|f| is_regular_file(&f)).unwrap_or(false);
-            (Box::new(BufReader::with_capacity(1 << 16, io::stdin().lock())), regular)
-        }
-        Stdio::File(p) => {
-            let f = File::open(p).map_err(io_err("cannot open input", p))?;
-            let regular = is_regular_file(&f).map_err(io_err("cannot open input", p))?;
-            (Box::new(BufReader::with_capacity(1 << 16, f)), regular)
-        }
-    };
-    let input_name = match &opts.input {
-        Stdio::Std => "standard input".to_owned(),
-        Stdio::File(p) => p.display().to_string(),
-    };
 
     let limit = validator.limits().max_record_bytes;
     let mut summary = Summary::default();

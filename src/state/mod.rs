@@ -85,10 +85,29 @@ pub enum StateError {
     Period(String),
     #[error("cannot create state directory {dir}: {source}")]
     CreateDir { dir: PathBuf, source: std::io::Error },
+    #[error("{dir} is not a dedupd state directory ({why}); check the path")]
+    NotAStateDir { dir: PathBuf, why: String },
     #[error("partition {partition} is not assigned to this process")]
     NotAssigned { partition: i32 },
     #[error("output offsets must increase within a batch: {previous} then {next} on partition {partition}")]
     OffsetsOutOfOrder { partition: i32, previous: i64, next: i64 },
+}
+
+/// That `dir` is a state directory a run of dedupd made: it exists and
+/// holds the usage store and the key store (the ledger is optional).
+pub fn check_state_dir(dir: &Path) -> Result<(), StateError> {
+    let not = |why: String| Err(StateError::NotAStateDir { dir: dir.to_owned(), why });
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => return not("not a directory".into()),
+        Err(e) => return not(e.to_string()),
+    }
+    for part in ["usage", "keystore"] {
+        if !dir.join(part).is_dir() {
+            return not(format!("it holds no {part}/"));
+        }
+    }
+    Ok(())
 }
 
 /// Gauges for the metrics layer.
@@ -614,8 +633,16 @@ impl LocalState {
     /// from there: a tool run with other settings would write its own
     /// on-time/late verdicts for good. So a tool answers as of the ledger's
     /// last written checkpoint, and the worker's next start catches up.
+    ///
+    /// A tool reads what is there and makes nothing: a mistyped path is an
+    /// error, not a new empty state directory that answers "unknown" and
+    /// "no drift", and a directory used with `--ledger false` gets no empty
+    /// ledger (which `usage` and `period close` would then read as zero
+    /// usage).
     pub fn open_for_reading(state_dir: &Path, settings: EngineSettings) -> Result<LocalState, StateError> {
-        LocalState::open_uncaught(Some(state_dir), settings, false, Arc::new(NoopObserver))
+        check_state_dir(state_dir)?;
+        let ledger = settings.ledger && state_dir.join("ledger").is_dir();
+        LocalState::open_uncaught(Some(state_dir), EngineSettings { ledger, ..settings }, false, Arc::new(NoopObserver))
     }
 
     fn open_uncaught(

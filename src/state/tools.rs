@@ -21,6 +21,9 @@ use super::{locked, LocalState, StateError, StoredEvent};
 /// show as a torn WAL tail, which is not corruption). Returns the report and
 /// whether everything is intact.
 pub fn verify_state_dir(state_dir: &Path) -> Result<(String, bool), StateError> {
+    // A mistyped path or an unmounted volume is not a clean state
+    // directory: each store would read as absent, and verify said ok.
+    super::check_state_dir(state_dir)?;
     let mut out = String::new();
     let mut clean = true;
     let usage_dir = state_dir.join("usage");
