@@ -94,12 +94,15 @@ impl UsageQuery {
     }
 
     /// Whether a rollup's counter-hour is selected. Hours are the unit: an
-    /// hour is in when it starts inside `[hour_of(from), to)`.
+    /// hour is in when it starts inside `[from, to)`, at both ends alike, so
+    /// ranges that meet (`--to` of one the `--from` of the next) never count
+    /// an hour twice, on the hour or not. (`from` was rounded down to its
+    /// hour: an hour straddling the meeting point was in both ranges.)
     pub fn selects(&self, key: &HourKey) -> bool {
         key.counter.tenant_id == self.tenant_id
             && self.customer_id.as_ref().is_none_or(|c| *c == key.counter.customer_id)
             && self.meter.as_ref().is_none_or(|m| *m == key.counter.meter)
-            && key.hour_ms >= super::hour_of(self.from_ms)
+            && key.hour_ms >= self.from_ms
             && key.hour_ms < self.to_ms
     }
 
@@ -184,6 +187,25 @@ mod tests {
         assert_eq!(only_b.total(data.iter().map(|(k, r)| (k, r)))["total"].sum, Decimal::from(4));
         let backwards = UsageQuery { to_ms: day, ..q };
         assert!(backwards.check().unwrap_err().contains("backwards"));
+    }
+
+    #[test]
+    fn ranges_that_meet_off_the_hour_count_each_hour_once() {
+        let h9 = 1_700_038_800_000; // 2023-11-15T09:00Z
+        let data: Vec<(HourKey, Rollup)> = (0..4).map(|i| (key("a", h9 + i * HOUR_MS), rollup(1 << i))).collect();
+        let sum = |from_ms: i64, to_ms: i64| {
+            let q =
+                UsageQuery { tenant_id: "t".into(), customer_id: None, meter: None, from_ms, to_ms, group_by: None };
+            q.total(data.iter().map(|(k, r)| (k, r))).get("total").map_or(Decimal::ZERO, |r| r.sum)
+        };
+        let half = HOUR_MS / 2;
+        // Hours starting at 10:00 and 11:00 lie in [09:30, 11:30); 10:00 in
+        // [09:30, 10:30) only, 11:00 in [10:30, 11:30) only.
+        assert_eq!(sum(h9 + half, h9 + HOUR_MS + half), Decimal::from(2));
+        assert_eq!(sum(h9 + HOUR_MS + half, h9 + 2 * HOUR_MS + half), Decimal::from(4));
+        assert_eq!(sum(h9 + half, h9 + 2 * HOUR_MS + half), Decimal::from(6));
+        // On the hour, as before: [09:00, 11:00) is 09:00 and 10:00.
+        assert_eq!(sum(h9, h9 + 2 * HOUR_MS), Decimal::from(3));
     }
 
     #[test]
