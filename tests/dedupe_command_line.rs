@@ -32,6 +32,20 @@ fn event(id: &str, quantity: &str) -> String {
     )
 }
 
+/// `dedupd dedupe --input - --output -` fed `input` on standard input, run
+/// to completion (its standard input closes once `input` is written).
+fn dedupe_stdin_to_stdout(input: &str) -> std::process::Output {
+    let mut child = dedupd()
+        .args(["dedupe", "--input", "-", "--output", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    child.stdin.take().expect("stdin").write_all(input.as_bytes()).expect("feed");
+    child.wait_with_output().expect("wait")
+}
+
 /// Runs the child to completion and returns its output and peak RSS in KiB.
 fn run_measured(mut cmd: Command) -> (std::process::Output, i64) {
     let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn dedupd");
@@ -127,15 +141,7 @@ fn stdin_to_stdout_with_the_summary_as_the_last_stderr_line() {
         event("b", "1e0"),
     ]
     .join("\n");
-    let mut child = dedupd()
-        .args(["dedupe", "--input", "-", "--output", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    child.stdin.take().expect("stdin").write_all(input.as_bytes()).expect("feed");
-    let out = child.wait_with_output().expect("wait");
+    let out = dedupe_stdin_to_stdout(&input);
     assert!(out.status.success());
     assert_eq!(
         last_line(&out.stderr),
@@ -237,15 +243,7 @@ fn a_byte_order_mark_starting_the_input_is_not_part_of_its_first_event() {
         .stdin(Stdio::null())
         .output()
         .expect("run");
-    let mut from_stdin = dedupd()
-        .args(["dedupe", "--input", "-", "--output", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    from_stdin.stdin.take().expect("stdin").write_all(text.as_bytes()).expect("write stdin");
-    let from_stdin = from_stdin.wait_with_output().expect("run");
+    let from_stdin = dedupe_stdin_to_stdout(&text);
     let counts = serde_json::json!({"accepted": 2, "duplicates": 0, "conflicts": 0, "rejected": 2});
     for (how, out) in [("file", &from_file), ("stdin", &from_stdin)] {
         assert!(out.status.success(), "{how}: {}", String::from_utf8_lossy(&out.stderr));
