@@ -854,11 +854,13 @@ fn read_only_tools_refuse_a_path_that_is_not_a_state_directory_and_make_nothing(
     std::fs::write(&plain_file, "not a directory").expect("write");
     let empty = dir.path().join("empty");
     std::fs::create_dir(&empty).expect("mkdir");
-    let tool_runs: [&[&str]; 4] = [
+    let tool_runs: [&[&str]; 6] = [
         &["verify"],
         &["inspect", "--tenant", "acme", "--event-id", "e1"],
         &["usage", "verify"],
         &["usage", "--tenant", "acme", "--from", "2026-10", "--to", "2026-12", "--group-by", "dimension:region"],
+        &["usage", "--tenant", "acme", "--from", "2026-10", "--to", "2026-12"],
+        &["period", "show", "--tenant", "acme", "--period", "2026-10"],
     ];
     for target in [&missing, &plain_file, &empty] {
         for args in tool_runs {

@@ -634,7 +634,7 @@ impl LocalState {
     /// on-time/late verdicts for good. So a tool answers as of the ledger's
     /// last written checkpoint, and the worker's next start catches up.
     ///
-    /// A tool reads what is there and makes nothing: a mistyped path is an
+    /// A tool makes no state directory and no ledger: a mistyped path is an
     /// error, not a new empty state directory that answers "unknown" and
     /// "no drift", and a directory used with `--ledger false` gets no empty
     /// ledger (which `usage` and `period close` would then read as zero

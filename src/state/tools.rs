@@ -157,6 +157,7 @@ pub fn inspect(
 /// (seeing the ledger as of the moment it opens). A worker holds only its
 /// partitions' share: the whole deployment's totals are on the rollups topic.
 pub fn usage(state_dir: &Path, query: &UsageQuery) -> Result<UsageAnswer, StateError> {
+    super::check_state_dir(state_dir)?;
     let store = LedgerStore::open_read_only(&state_dir.join("ledger"))?;
     Ok(crate::ledger::Ledger::Durable(Box::new(store)).answer(query)?)
 }
@@ -173,6 +174,7 @@ pub fn period(
     period: Period,
     now_ms: i64,
 ) -> Result<PeriodReport, StateError> {
+    super::check_state_dir(state_dir)?;
     let book = PeriodBook::load(state_dir).map_err(StateError::Period)?;
     let ledger = crate::ledger::Ledger::Durable(Box::new(LedgerStore::open_read_only(&state_dir.join("ledger"))?));
     let now = ledger.period_totals(tenant_id, period)?;
