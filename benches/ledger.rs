@@ -167,7 +167,7 @@ fn month_total(c: &mut Criterion) {
         b.iter(|| {
             let mut rows = Vec::new();
             store.rollups(&query.tenant_id, query.customer_id.as_deref(), |k, _, r| rows.push((k, r))).expect("scan");
-            let answer = UsageAnswer::of(&query, rows.iter().map(|(k, r)| (k, r)), Vec::new());
+            let answer = UsageAnswer::of(&query, rows.iter().map(|(k, r)| (k, r)), Vec::new()).expect("answer");
             let counts: BTreeMap<&String, u64> = answer.rows.iter().map(|(g, r)| (g, r.count)).collect();
             assert_eq!(counts.len(), meters as usize);
             answer

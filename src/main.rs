@@ -614,11 +614,20 @@ fn check_format(format: &str) -> anyhow::Result<()> {
 }
 
 /// Prints a report as `--format` asks: pretty JSON, or the table.
-fn print_report(format: &str, json: serde_json::Value, table: impl FnOnce() -> String) -> anyhow::Result<()> {
+/// Each side is built only when asked for, and may fail (a total that does
+/// not fit an exact decimal): the error, not a wrong number.
+fn print_report<E>(
+    format: &str,
+    json: impl FnOnce() -> Result<serde_json::Value, E>,
+    table: impl FnOnce() -> Result<String, E>,
+) -> anyhow::Result<()>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
     if format == "json" {
-        println!("{}", serde_json::to_string_pretty(&json)?);
+        println!("{}", serde_json::to_string_pretty(&json()?)?);
     } else {
-        print!("{}", table());
+        print!("{}", table()?);
     }
     Ok(())
 }
@@ -790,7 +799,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     _ => anyhow::bail!("give --state-dir, or --brokers and --rollups-topic"),
                 }
             };
-            print_report(&format, answer.to_json(), || answer.to_table())?;
+            print_report(&format, || answer.to_json(), || answer.to_table())?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Period {
@@ -826,7 +835,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 (Some(dir), ..) => dedupd::state::period(&dir, action, &tenant, period, now_ms)?,
                 _ => anyhow::bail!("give --state-dir, or --brokers, --periods-topic and --rollups-topic"),
             };
-            print_report(&format, report.to_json(), || report.to_table())?;
+            print_report(&format, || report.to_json(), || report.to_table())?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect { state_dir, tenant, event_id, tuning } => {

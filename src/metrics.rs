@@ -1349,7 +1349,7 @@ mod tests {
         let state = Arc::new(std::sync::Mutex::new(state));
         let source: UsageSource = Arc::new(move |q| {
             let s = state.lock().map_err(|e| e.to_string())?;
-            Ok(s.usage(q).map_err(|e| e.to_string())?.map(|a| a.to_json()))
+            s.usage(q).map_err(|e| e.to_string())?.map(|a| a.to_json()).transpose().map_err(|e| e.to_string())
         });
         let m = Arc::new(Metrics::new());
         let server =

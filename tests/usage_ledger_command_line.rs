@@ -361,3 +361,50 @@ fn a_closed_month_is_frozen_refuses_usage_and_shows_corrections_as_pending() {
     assert!(!old.status.success());
     assert!(String::from_utf8_lossy(&old.stderr).contains("dedupd period close"), "{old:?}");
 }
+
+/// Every hour's sum fits an exact decimal, their total does not: `usage`
+/// and `period show` panicked (exit 101, "Addition overflowed", a worker's
+/// `/v1/usage` with them); now each says which total, exit 2.
+#[test]
+fn a_total_past_the_exact_decimal_range_is_an_error_not_a_panic() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let now = now_ms();
+    let ts = now - now.rem_euclid(HOUR_MS) - HOUR_MS / 2;
+    let huge = "50000000000000000000000000000";
+    let rejected = dedupe_into(
+        dir.path(),
+        "huge",
+        &[line("h1", "cus_1", "api_calls", huge, ts), line("h2", "cus_2", "api_calls", huge, ts)],
+    );
+    assert!(rejected.is_empty(), "{rejected:?}");
+    let fmt = |ms: i64| dedupd::event::format_timestamp_ms(ms);
+    let month = fmt(ts)[..7].to_owned();
+    for format in ["json", "table"] {
+        let out = dedupd()
+            .args([
+                "usage",
+                "--tenant",
+                "acme",
+                "--format",
+                format,
+                "--from",
+                &fmt(ts - HOUR_MS),
+                "--to",
+                &fmt(now + HOUR_MS),
+            ])
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .output()
+            .expect("run usage");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "usage --format {format}: {stderr}");
+        assert!(stderr.contains("overflows an exact decimal"), "{stderr}");
+    }
+    // One customer alone is within range and answers.
+    let one = usage_json(&dir.path().join("state"), &["--customer", "cus_1"], ts - HOUR_MS, now + HOUR_MS);
+    assert_eq!(dec(&one["net"]), huge.parse::<Decimal>().expect("decimal"));
+    let out = period_cmd(dir.path(), "show", &month);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "period show: {stderr}");
+    assert!(stderr.contains("the net total overflows an exact decimal"), "{stderr}");
+}

@@ -57,6 +57,9 @@ pub enum KafkaError {
     ConsumerFatal { detail: String },
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A usage or period total the rollups topic's sums cannot give exactly.
+    #[error(transparent)]
+    Total(#[from] crate::ledger::FoldError),
     #[error("output record {partition}@{offset} of topic `{topic}` is not a dedupd record: {detail}")]
     ForeignOutputRecord { topic: String, partition: i32, offset: i64, detail: String },
     #[error(transparent)]

@@ -87,7 +87,7 @@ pub fn act_on_topics(
     let book = read_book(brokers, periods_topic)?;
     let RollupsTopic { rollups, adjustments } = read_rollups(brokers, rollups_topic)?;
     let now =
-        period_totals(tenant_id, period, rollups.iter().map(|(k, _, r)| (k, r)), adjustments.iter().map(|(_, a)| a));
+        period_totals(tenant_id, period, rollups.iter().map(|(k, _, r)| (k, r)), adjustments.iter().map(|(_, a)| a))?;
     let (changed, report) = book.act(action, tenant_id, period, now_ms, &now).map_err(KafkaError::Config)?;
     if let Some(record) = changed {
         publish(brokers, periods_topic, &record)?;

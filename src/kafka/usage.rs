@@ -180,7 +180,7 @@ pub fn usage_from_topic(brokers: &Brokers, topic: &str, query: &UsageQuery) -> R
         query,
         selected.iter().map(|(k, r)| (k, r)),
         adjustments.into_iter().map(|(_, a)| a).filter(|a| a.counter.tenant_id == query.tenant_id),
-    ))
+    )?)
 }
 
 /// Every partition's accepted events, in offset order, as the output topic

@@ -675,7 +675,7 @@ pub async fn run(
             let local = engine.clone();
             let usage: crate::metrics::UsageSource = Arc::new(move |query| {
                 let answer = read_engine(&local).usage(query).map_err(|e| e.to_string())?;
-                Ok(answer.map(|a| a.to_json()))
+                answer.map(|a| a.to_json()).transpose().map_err(|e| e.to_string())
             });
             let server = MetricsServer::bind(addr, metrics.clone()).await?.with_usage(usage);
             tracing::info!(addr = %server.local_addr(), "metrics endpoint listening");

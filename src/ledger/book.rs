@@ -28,7 +28,7 @@ use std::path::Path;
 
 use rust_decimal::Decimal;
 
-use super::rollup::{Adjustment, HourKey, Rollup};
+use super::rollup::{checked_difference, checked_sum, checked_total, Adjustment, FoldError, HourKey, Rollup};
 use super::Period;
 use crate::event::{format_timestamp_ms, ClosedPeriod, EventKind};
 
@@ -274,7 +274,8 @@ impl PeriodBook {
             PeriodAction::Reopen => Some(self.reopen(tenant_id, period, at_ms)?),
             PeriodAction::Show => None,
         };
-        let report = PeriodReport::of(tenant_id, period, changed.as_ref().or(self.get(tenant_id, period)), now);
+        let report = PeriodReport::of(tenant_id, period, changed.as_ref().or(self.get(tenant_id, period)), now)
+            .map_err(|e| e.to_string())?;
         Ok((changed, report))
     }
 
@@ -321,7 +322,8 @@ pub fn period_totals<'a>(
     period: Period,
     rollups: impl IntoIterator<Item = (&'a HourKey, &'a Rollup)>,
     adjustments: impl IntoIterator<Item = &'a Adjustment>,
-) -> BTreeMap<CounterOfTenant, CounterTotal> {
+) -> Result<BTreeMap<CounterOfTenant, CounterTotal>, FoldError> {
+    const WHAT: &str = "a counter's total for the period";
     let mut watermarks: BTreeMap<CounterOfTenant, i64> = BTreeMap::new();
     let mut totals: BTreeMap<CounterOfTenant, CounterTotal> = BTreeMap::new();
     for (k, r) in rollups {
@@ -335,7 +337,7 @@ pub fn period_totals<'a>(
         }
         if period.contains(k.hour_ms) {
             let t = totals.entry(counter).or_default();
-            t.quantity += r.sum;
+            t.quantity = checked_total(t.quantity, r.sum, WHAT)?;
             t.events += r.count;
             t.corrections += r.corrections;
         }
@@ -345,7 +347,7 @@ pub fn period_totals<'a>(
             continue;
         }
         let t = totals.entry((a.counter.customer_id.clone(), a.counter.meter.clone())).or_default();
-        t.quantity += a.amount;
+        t.quantity = checked_total(t.quantity, a.amount, WHAT)?;
         if a.kind == EventKind::Usage {
             t.events += 1;
         } else {
@@ -355,7 +357,7 @@ pub fn period_totals<'a>(
     for (counter, t) in &mut totals {
         t.watermark_ms = watermarks.get(counter).copied();
     }
-    totals
+    Ok(totals)
 }
 
 /// One (customer, meter) line of `dedupd period show`.
@@ -393,7 +395,7 @@ impl PeriodReport {
         period: Period,
         record: Option<&PeriodRecord>,
         now: &BTreeMap<CounterOfTenant, CounterTotal>,
-    ) -> PeriodReport {
+    ) -> Result<PeriodReport, FoldError> {
         let status = record.map_or(PeriodStatus::Open, PeriodRecord::status);
         let empty = BTreeMap::new();
         let frozen = match (status, record) {
@@ -412,14 +414,14 @@ impl PeriodReport {
                 let base = f.unwrap_or(&zero);
                 let (pending_quantity, pending_events, pending_corrections) = if status == PeriodStatus::Closed {
                     (
-                        current.quantity - base.quantity,
+                        checked_difference(current.quantity, base.quantity, "a counter's pending quantity")?,
                         current.events as i64 - base.events as i64,
                         current.corrections as i64 - base.corrections as i64,
                     )
                 } else {
                     (Decimal::ZERO, 0, 0)
                 };
-                PeriodLine {
+                Ok(PeriodLine {
                     customer_id: c.0.clone(),
                     meter: c.1.clone(),
                     frozen: f.cloned(),
@@ -427,31 +429,40 @@ impl PeriodReport {
                     pending_events,
                     pending_corrections,
                     net: current.quantity,
-                }
+                })
             })
-            .collect();
-        PeriodReport {
+            .collect::<Result<Vec<_>, FoldError>>()?;
+        let report = PeriodReport {
             tenant_id: tenant_id.to_owned(),
             period,
             status,
             history: record.map(|r| r.history.clone()).unwrap_or_default(),
             lines,
-        }
+        };
+        report.totals()?;
+        Ok(report)
     }
 
-    pub fn frozen_total(&self) -> Decimal {
-        self.lines.iter().filter_map(|l| l.frozen.as_ref()).map(|f| f.quantity).sum()
+    pub fn frozen_total(&self) -> Result<Decimal, FoldError> {
+        checked_sum(self.lines.iter().filter_map(|l| l.frozen.as_ref()).map(|f| f.quantity), "the frozen total")
     }
 
-    pub fn pending_total(&self) -> Decimal {
-        self.lines.iter().map(|l| l.pending_quantity).sum()
+    pub fn pending_total(&self) -> Result<Decimal, FoldError> {
+        checked_sum(self.lines.iter().map(|l| l.pending_quantity), "the pending total")
     }
 
-    pub fn net_total(&self) -> Decimal {
-        self.lines.iter().map(|l| l.net).sum()
+    pub fn net_total(&self) -> Result<Decimal, FoldError> {
+        checked_sum(self.lines.iter().map(|l| l.net), "the net total")
     }
 
-    pub fn to_json(&self) -> serde_json::Value {
+    /// Frozen, pending and net over every line, each exact, or the one
+    /// that is not.
+    pub fn totals(&self) -> Result<(Decimal, Decimal, Decimal), FoldError> {
+        Ok((self.frozen_total()?, self.pending_total()?, self.net_total()?))
+    }
+
+    pub fn to_json(&self) -> Result<serde_json::Value, FoldError> {
+        let (frozen, pending, net) = self.totals()?;
         let dec = |d: Decimal| d.normalize().to_string();
         let lines: Vec<serde_json::Value> = self
             .lines
@@ -480,21 +491,22 @@ impl PeriodReport {
             .iter()
             .map(|c| serde_json::json!({"status": c.status.as_str(), "at": format_timestamp_ms(c.at_ms)}))
             .collect();
-        serde_json::json!({
+        Ok(serde_json::json!({
             "tenant_id": self.tenant_id,
             "period": self.period.to_string(),
             "status": self.status.as_str(),
             "history": history,
             "lines": lines,
-            "frozen": dec(self.frozen_total()),
-            "pending": dec(self.pending_total()),
-            "net": dec(self.net_total()),
-        })
+            "frozen": dec(frozen),
+            "pending": dec(pending),
+            "net": dec(net),
+        }))
     }
 
     /// A fixed-width table for a terminal.
-    pub fn to_table(&self) -> String {
+    pub fn to_table(&self) -> Result<String, FoldError> {
         use std::fmt::Write;
+        let (frozen, pending, net) = self.totals()?;
         let dec = |d: Decimal| d.normalize().to_string();
         let mut out = String::new();
         let _ = writeln!(out, "period {} of tenant {}: {}", self.period, self.tenant_id, self.status.as_str());
@@ -520,14 +532,8 @@ impl PeriodReport {
                 dec(l.net)
             );
         }
-        let _ = writeln!(
-            out,
-            "frozen {}  pending {}  net {}",
-            dec(self.frozen_total()),
-            dec(self.pending_total()),
-            dec(self.net_total())
-        );
-        out
+        let _ = writeln!(out, "frozen {}  pending {}  net {}", dec(frozen), dec(pending), dec(net));
+        Ok(out)
     }
 }
 
@@ -577,13 +583,13 @@ mod tests {
         let c: CounterOfTenant = ("c".into(), "m".into());
         book.insert(book.close("t", p, 1, [(c.clone(), total(10, 2))].into()).expect("close"));
         let now = [(c.clone(), total(7, 2)), (("d".into(), "m".into()), total(4, 1))].into();
-        let r = PeriodReport::of("t", p, book.get("t", p), &now);
+        let r = PeriodReport::of("t", p, book.get("t", p), &now).expect("report");
         assert_eq!(r.status, PeriodStatus::Closed);
-        assert_eq!((r.frozen_total(), r.pending_total(), r.net_total()), (10.into(), 1.into(), 11.into()));
+        assert_eq!(r.totals(), Ok((10.into(), 1.into(), 11.into())));
         assert_eq!(r.lines[0].pending_quantity, Decimal::from(-3), "a retraction after close is pending");
         assert_eq!(r.lines[1].frozen, None);
         // Open: no frozen total, nothing pending, net is the month.
-        let open = PeriodReport::of("t", p, None, &now);
-        assert_eq!((open.frozen_total(), open.pending_total(), open.net_total()), (0.into(), 0.into(), 11.into()));
+        let open = PeriodReport::of("t", p, None, &now).expect("report");
+        assert_eq!(open.totals(), Ok((0.into(), 0.into(), 11.into())));
     }
 }

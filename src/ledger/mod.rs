@@ -43,8 +43,8 @@ pub use check::{compare_rollups, unexplained_rollups, HeldRollups};
 pub use period::Period;
 pub use query::{parse_bound, GroupBy, UsageAnswer, UsageQuery, NO_DIMENSION};
 pub use rollup::{
-    hour_of, hour_order, Adjustment, AdjustmentReason, CounterKey, FoldError, Folded, HourKey, Lateness, LedgerMaps,
-    Rollup, DEFAULT_LATENESS_MS, HOUR_MS,
+    checked_difference, checked_sum, checked_total, hour_of, hour_order, Adjustment, AdjustmentReason, CounterKey,
+    FoldError, Folded, HourKey, Lateness, LedgerMaps, Rollup, DEFAULT_LATENESS_MS, HOUR_MS,
 };
 pub use store::{LedgerError, LedgerStore, Preview, Replays, TenantLedger, WRITE_BEHIND};
 
@@ -190,7 +190,7 @@ impl Ledger {
             ));
         }
         let (rollups, adjustments) = self.tenant_ledger(&query.tenant_id, query.customer_id.as_deref())?;
-        Ok(UsageAnswer::of(query, rollups.iter().map(|(k, r)| (k, r)), adjustments))
+        Ok(UsageAnswer::of(query, rollups.iter().map(|(k, r)| (k, r)), adjustments)?)
     }
 
     /// What one tenant's `period` holds now in this ledger, per customer
@@ -201,7 +201,7 @@ impl Ledger {
         period: Period,
     ) -> Result<std::collections::BTreeMap<CounterOfTenant, CounterTotal>, LedgerError> {
         let (rollups, adjustments) = self.tenant_ledger(tenant_id, None)?;
-        Ok(period_totals(tenant_id, period, rollups.iter().map(|(k, r)| (k, r)), adjustments.iter()))
+        Ok(period_totals(tenant_id, period, rollups.iter().map(|(k, r)| (k, r)), adjustments.iter())?)
     }
 
     /// One tenant's rollups (of `customer`, when given) and adjustments as

@@ -142,14 +142,17 @@ impl UsageQuery {
     }
 
     /// Sums the selected rollups (of any partitions) into rows by label.
-    pub fn total<'a>(&self, rollups: impl IntoIterator<Item = (&'a HourKey, &'a Rollup)>) -> BTreeMap<String, Rollup> {
+    pub fn total<'a>(
+        &self,
+        rollups: impl IntoIterator<Item = (&'a HourKey, &'a Rollup)>,
+    ) -> Result<BTreeMap<String, Rollup>, super::FoldError> {
         let mut rows: BTreeMap<String, Rollup> = BTreeMap::new();
         for (key, rollup) in rollups {
             if self.selects(key) {
-                rows.entry(self.label(key)).or_default().merge(rollup);
+                rows.entry(self.label(key)).or_default().merge(rollup)?;
             }
         }
-        rows
+        Ok(rows)
     }
 }
 
@@ -179,12 +182,12 @@ mod tests {
             to_ms: day + 48 * HOUR_MS,
             group_by: Some(GroupBy::Day),
         };
-        let rows = q.total(data.iter().map(|(k, r)| (k, r)));
+        let rows = q.total(data.iter().map(|(k, r)| (k, r))).expect("total");
         assert_eq!(rows.len(), 2);
         assert_eq!(rows["2023-11-15"].sum, Decimal::from(3));
         assert_eq!(rows["2023-11-16"].sum, Decimal::from(4));
         let only_b = UsageQuery { customer_id: Some("b".into()), group_by: None, ..q.clone() };
-        assert_eq!(only_b.total(data.iter().map(|(k, r)| (k, r)))["total"].sum, Decimal::from(4));
+        assert_eq!(only_b.total(data.iter().map(|(k, r)| (k, r))).expect("total")["total"].sum, Decimal::from(4));
         let backwards = UsageQuery { to_ms: day, ..q };
         assert!(backwards.check().unwrap_err().contains("backwards"));
     }
@@ -196,7 +199,7 @@ mod tests {
         let sum = |from_ms: i64, to_ms: i64| {
             let q =
                 UsageQuery { tenant_id: "t".into(), customer_id: None, meter: None, from_ms, to_ms, group_by: None };
-            q.total(data.iter().map(|(k, r)| (k, r))).get("total").map_or(Decimal::ZERO, |r| r.sum)
+            q.total(data.iter().map(|(k, r)| (k, r))).expect("total").get("total").map_or(Decimal::ZERO, |r| r.sum)
         };
         let half = HOUR_MS / 2;
         // Hours starting at 10:00 and 11:00 lie in [09:30, 11:30); 10:00 in
@@ -250,7 +253,7 @@ mod tests {
             maps.fold(&lateness, events.iter().map(|(o, e)| (e, *o))).expect("fold");
             rollups.extend(maps.hours);
         }
-        let from_rollups = UsageAnswer::of(&by_day, rollups.iter().map(|(k, r)| (k, r)), Vec::new());
+        let from_rollups = UsageAnswer::of(&by_day, rollups.iter().map(|(k, r)| (k, r)), Vec::new()).expect("answer");
         assert_eq!(from_events.rolled_up(), from_rollups.rolled_up());
         assert_eq!(from_events.rows["2023-11-15"].count, 40);
         assert!(GroupBy::parse("dimension:").is_err());
@@ -272,7 +275,7 @@ impl UsageAnswer {
         query: &UsageQuery,
         rollups: impl IntoIterator<Item = (&'a HourKey, &'a Rollup)>,
         adjustments: impl IntoIterator<Item = super::Adjustment>,
-    ) -> UsageAnswer {
+    ) -> Result<UsageAnswer, super::FoldError> {
         let mut adjustments: Vec<super::Adjustment> = adjustments
             .into_iter()
             .filter(|a| {
@@ -283,7 +286,9 @@ impl UsageAnswer {
             })
             .collect();
         adjustments.sort_by(|a, b| (a.event_ms, &a.event_id).cmp(&(b.event_ms, &b.event_id)));
-        UsageAnswer { rows: query.total(rollups), adjustments }
+        let answer = UsageAnswer { rows: query.total(rollups)?, adjustments };
+        answer.totals()?;
+        Ok(answer)
     }
 
     /// Answers `query` from the accepted events themselves, each
@@ -314,22 +319,30 @@ impl UsageAnswer {
                 }
             }
         }
-        let mut answer = UsageAnswer::of(query, std::iter::empty(), adjustments);
+        let mut answer = UsageAnswer::of(query, std::iter::empty(), adjustments)?;
         answer.rows = rows;
+        answer.totals()?;
         Ok(answer)
     }
 
     /// Sum of every row.
-    pub fn rolled_up(&self) -> rust_decimal::Decimal {
-        self.rows.values().map(|r| r.sum).sum()
+    pub fn rolled_up(&self) -> Result<rust_decimal::Decimal, super::FoldError> {
+        super::checked_sum(self.rows.values().map(|r| r.sum), "the rolled-up total")
     }
 
     /// Sum of the adjustments.
-    pub fn adjusted(&self) -> rust_decimal::Decimal {
-        self.adjustments.iter().map(|a| a.amount).sum()
+    pub fn adjusted(&self) -> Result<rust_decimal::Decimal, super::FoldError> {
+        super::checked_sum(self.adjustments.iter().map(|a| a.amount), "the adjustments' total")
     }
 
-    pub fn to_json(&self) -> serde_json::Value {
+    /// Rolled up, adjusted and net, each exact, or the one that is not.
+    pub fn totals(&self) -> Result<AnswerTotals, super::FoldError> {
+        let (rolled_up, adjusted) = (self.rolled_up()?, self.adjusted()?);
+        Ok(AnswerTotals { rolled_up, adjusted, net: super::checked_total(rolled_up, adjusted, "the net total")? })
+    }
+
+    pub fn to_json(&self) -> Result<serde_json::Value, super::FoldError> {
+        let AnswerTotals { rolled_up, adjusted, net } = self.totals()?;
         let dec = |d: rust_decimal::Decimal| d.normalize().to_string();
         let rows: Vec<serde_json::Value> = self
             .rows
@@ -363,18 +376,19 @@ impl UsageAnswer {
                 })
             })
             .collect();
-        serde_json::json!({
+        Ok(serde_json::json!({
             "rows": rows,
-            "rolled_up": dec(self.rolled_up()),
+            "rolled_up": dec(rolled_up),
             "adjustments": adjustments,
-            "adjusted": dec(self.adjusted()),
-            "net": dec(self.rolled_up() + self.adjusted()),
-        })
+            "adjusted": dec(adjusted),
+            "net": dec(net),
+        }))
     }
 
     /// A fixed-width table for a terminal.
-    pub fn to_table(&self) -> String {
+    pub fn to_table(&self) -> Result<String, super::FoldError> {
         use std::fmt::Write;
+        let AnswerTotals { rolled_up, adjusted, net } = self.totals()?;
         let dec = |d: rust_decimal::Decimal| d.normalize().to_string();
         let mut out = String::new();
         let width = self.rows.keys().map(String::len).max().unwrap_or(5).max(5);
@@ -390,7 +404,7 @@ impl UsageAnswer {
                 r.max.map(dec).unwrap_or_else(|| "-".into())
             );
         }
-        let _ = writeln!(out, "rolled up {}", dec(self.rolled_up()));
+        let _ = writeln!(out, "rolled up {}", dec(rolled_up));
         for a in &self.adjustments {
             let _ = writeln!(
                 out,
@@ -404,9 +418,17 @@ impl UsageAnswer {
                 crate::event::format_timestamp_ms(a.event_ms)
             );
         }
-        let _ = writeln!(out, "adjusted {}  net {}", dec(self.adjusted()), dec(self.rolled_up() + self.adjusted()));
-        out
+        let _ = writeln!(out, "adjusted {}  net {}", dec(adjusted), dec(net));
+        Ok(out)
     }
+}
+
+/// An answer's three totals.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AnswerTotals {
+    pub rolled_up: rust_decimal::Decimal,
+    pub adjusted: rust_decimal::Decimal,
+    pub net: rust_decimal::Decimal,
 }
 
 /// Parses a query bound: `YYYY-MM` (the month's first instant), `YYYY-MM-DD`

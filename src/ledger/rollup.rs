@@ -217,8 +217,10 @@ impl Rollup {
 
     /// Adds another partition's rollup of the same counter-hour (or another
     /// hour, for coarser groups): what a reader does across partitions.
-    pub fn merge(&mut self, other: &Rollup) {
-        self.sum += other.sum;
+    /// Each sum is within bounds, their total need not be: an error then,
+    /// and `self` unchanged.
+    pub fn merge(&mut self, other: &Rollup) -> Result<(), FoldError> {
+        self.sum = checked_total(self.sum, other.sum, "the usage total of a row")?;
         self.count += other.count;
         self.corrections += other.corrections;
         self.max = match (self.max, other.max) {
@@ -230,6 +232,7 @@ impl Rollup {
             (a, b) => a.or(b),
         };
         self.latest_event_ms = self.latest_event_ms.max(other.latest_event_ms);
+        Ok(())
     }
 }
 
@@ -238,6 +241,26 @@ impl Rollup {
 pub enum FoldError {
     #[error("the sum of {counter:?} in hour {hour_ms} overflows an exact decimal")]
     Overflow { counter: CounterKey, hour_ms: i64 },
+    /// A total over hours, partitions or counters (each within bounds)
+    /// that is not: an answer must say so, not print a wrong number or
+    /// stop the process.
+    #[error("{what} overflows an exact decimal")]
+    TotalOverflow { what: String },
+}
+
+/// `a + b` exactly, or the error naming `what` was being totalled.
+pub fn checked_total(a: Decimal, b: Decimal, what: &str) -> Result<Decimal, FoldError> {
+    a.checked_add(b).ok_or_else(|| FoldError::TotalOverflow { what: what.to_owned() })
+}
+
+/// `a - b` exactly, or the error naming `what` was being totalled.
+pub fn checked_difference(a: Decimal, b: Decimal, what: &str) -> Result<Decimal, FoldError> {
+    a.checked_sub(b).ok_or_else(|| FoldError::TotalOverflow { what: what.to_owned() })
+}
+
+/// The exact sum of `values`, or the error naming `what` they are.
+pub fn checked_sum(values: impl IntoIterator<Item = Decimal>, what: &str) -> Result<Decimal, FoldError> {
+    values.into_iter().try_fold(Decimal::ZERO, |acc, v| checked_total(acc, v, what))
 }
 
 /// How far behind its counter's watermark an event may be and still update
@@ -480,6 +503,17 @@ mod tests {
         e.kind = EventKind::Usage;
         e.correction_ref = None;
         e
+    }
+
+    #[test]
+    fn a_merge_past_the_exact_range_is_an_error_and_changes_nothing() {
+        let half = Decimal::MAX / Decimal::from(2) + Decimal::ONE;
+        let one = Rollup { sum: half, count: 1, ..Rollup::default() };
+        let mut total = one.clone();
+        assert!(matches!(total.merge(&one), Err(FoldError::TotalOverflow { .. })));
+        assert_eq!(total, one, "a failed merge leaves the row as it was");
+        assert!(matches!(checked_sum([half, half], "x"), Err(FoldError::TotalOverflow { what }) if what == "x"));
+        assert_eq!(checked_sum([half, -half], "x"), Ok(Decimal::ZERO));
     }
 
     #[test]
