@@ -398,7 +398,7 @@ fn a_total_past_the_exact_decimal_range_is_an_error_not_a_panic() {
             .expect("run usage");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "usage --format {format}: {stderr}");
-        assert!(stderr.contains("overflows an exact decimal"), "{stderr}");
+        assert!(stderr.contains("does not fit an exact decimal"), "{stderr}");
     }
     // One customer alone is within range and answers.
     let one = usage_json(&dir.path().join("state"), &["--customer", "cus_1"], ts - HOUR_MS, now + HOUR_MS);
@@ -406,5 +406,52 @@ fn a_total_past_the_exact_decimal_range_is_an_error_not_a_panic() {
     let out = period_cmd(dir.path(), "show", &month);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "period show: {stderr}");
-    assert!(stderr.contains("the net total overflows an exact decimal"), "{stderr}");
+    assert!(stderr.contains("the net total does not fit an exact decimal"), "{stderr}");
+}
+
+/// An accepted event its hour's sum cannot take exactly (past the largest
+/// decimal here) is published already when the ledger folds it. The fold
+/// failed: the run stopped after writing the output (exit 2), and every
+/// later run, repairing state from that output, failed the same way. Now
+/// the event is a `sum_limit` adjustment: runs go on, the ledger agrees
+/// with the accepted events, and a total that cannot be exact is an error.
+#[test]
+fn an_event_past_its_hours_sum_limit_is_an_adjustment_and_the_state_directory_goes_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let now = now_ms();
+    let ts = now - now.rem_euclid(HOUR_MS) - HOUR_MS / 2;
+    let huge = "50000000000000000000000000000";
+    let lines = [
+        line("s1", "cus_1", "api_calls", huge, ts),
+        line("s2", "cus_1", "api_calls", huge, ts + 1),
+        line("s3", "cus_1", "api_calls", "1", ts + 2),
+    ];
+    assert!(dedupe_into(dir.path(), "first", &lines).is_empty());
+    assert_eq!(std::fs::read_to_string(dir.path().join("out.ndjson")).expect("output").lines().count(), 3);
+    // A later run opens the state directory (it failed there before) and
+    // finds the same input all duplicates.
+    assert!(dedupe_into(dir.path(), "again", &lines).is_empty());
+    assert_eq!(std::fs::read_to_string(dir.path().join("out.ndjson")).expect("output").lines().count(), 3);
+    let state = dir.path().join("state");
+    run_ok(dedupd().args(["usage", "verify", "--state-dir"]).arg(&state));
+    let fmt = |ms: i64| dedupd::event::format_timestamp_ms(ms);
+    let out = dedupd()
+        .args([
+            "usage",
+            "--tenant",
+            "acme",
+            "--format",
+            "json",
+            "--from",
+            &fmt(ts - HOUR_MS),
+            "--to",
+            &fmt(now + HOUR_MS),
+        ])
+        .arg("--state-dir")
+        .arg(&state)
+        .output()
+        .expect("run usage");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("the net total does not fit an exact decimal"), "{stderr}");
 }

@@ -248,7 +248,9 @@ pub fn classify_batch(
     let replays: Vec<(&UsageEvent, i64)> = replays.iter().map(|(e, o)| (e, *o)).collect();
     let mut rollups = Vec::new();
     if let Some(mut preview) = using(with, |e| e.ledger_preview(partition, &events, &replays))? {
-        summary.late = preview.folded.adjustments.len() as u64;
+        summary.late =
+            preview.folded.adjustments.iter().filter(|a| a.reason == crate::ledger::AdjustmentReason::Late).count()
+                as u64;
         if let Some(rollups_partitions) = layout.rollups_partitions {
             summary.republished = preview.republished_records() as u64;
             rollups = std::mem::take(&mut preview.rollups);

@@ -198,7 +198,7 @@ impl Rollup {
     /// that would overflow 96 bits saturates nothing, it is an error the
     /// caller reports (see [`FoldError`]).
     pub fn fold(&mut self, event: &UsageEvent) -> Result<(), FoldError> {
-        self.sum = self.sum.checked_add(event.quantity).ok_or_else(|| FoldError::Overflow {
+        self.sum = exact_sum(self.sum, event.quantity).ok_or_else(|| FoldError::Overflow {
             counter: CounterKey::of(event),
             hour_ms: hour_of(event.timestamp_ms),
         })?;
@@ -239,23 +239,31 @@ impl Rollup {
 /// A fold that cannot be exact.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FoldError {
-    #[error("the sum of {counter:?} in hour {hour_ms} overflows an exact decimal")]
+    #[error("the sum of {counter:?} in hour {hour_ms} does not fit an exact decimal (at most 28 significant digits)")]
     Overflow { counter: CounterKey, hour_ms: i64 },
     /// A total over hours, partitions or counters (each within bounds)
     /// that is not: an answer must say so, not print a wrong number or
     /// stop the process.
-    #[error("{what} overflows an exact decimal")]
+    #[error("{what} does not fit an exact decimal (at most 28 significant digits)")]
     TotalOverflow { what: String },
+}
+
+/// `a + b`, when a `Decimal` holds it exactly. `checked_add` fails only
+/// past the largest value: a sum that needs more than its 28 or so
+/// significant digits (10^19 + 10^-10) comes back rounded, with fewer
+/// decimal places than its operands, which is how rounding shows.
+pub fn exact_sum(a: Decimal, b: Decimal) -> Option<Decimal> {
+    a.checked_add(b).filter(|s| s.scale() >= a.scale().max(b.scale()))
 }
 
 /// `a + b` exactly, or the error naming `what` was being totalled.
 pub fn checked_total(a: Decimal, b: Decimal, what: &str) -> Result<Decimal, FoldError> {
-    a.checked_add(b).ok_or_else(|| FoldError::TotalOverflow { what: what.to_owned() })
+    exact_sum(a, b).ok_or_else(|| FoldError::TotalOverflow { what: what.to_owned() })
 }
 
 /// `a - b` exactly, or the error naming `what` was being totalled.
 pub fn checked_difference(a: Decimal, b: Decimal, what: &str) -> Result<Decimal, FoldError> {
-    a.checked_sub(b).ok_or_else(|| FoldError::TotalOverflow { what: what.to_owned() })
+    exact_sum(a, -b).ok_or_else(|| FoldError::TotalOverflow { what: what.to_owned() })
 }
 
 /// The exact sum of `values`, or the error naming `what` they are.
@@ -298,18 +306,26 @@ impl Lateness {
 pub enum AdjustmentReason {
     /// Later than the lateness window behind its counter's watermark.
     Late,
+    /// On time, but its hour's sum with it would not fit an exact decimal
+    /// (past the largest value, or needing more than 28 significant
+    /// digits). The event is published already, so the fold cannot fail:
+    /// failing it stopped the run after the output was written, and every
+    /// later run, repairing from that output, failed the same way.
+    SumLimit,
 }
 
 impl AdjustmentReason {
     pub fn as_str(self) -> &'static str {
         match self {
             AdjustmentReason::Late => "late",
+            AdjustmentReason::SumLimit => "sum_limit",
         }
     }
 
     pub fn parse(s: &str) -> Option<AdjustmentReason> {
         match s {
             "late" => Some(AdjustmentReason::Late),
+            "sum_limit" => Some(AdjustmentReason::SumLimit),
             _ => None,
         }
     }
@@ -422,22 +438,29 @@ pub(crate) fn fold_into<'a>(
     let mut adjustments = Vec::new();
     for (i, (event, offset)) in events.enumerate() {
         let (counter, watermark) = tally.counter(i, event);
+        let adjustment = |reason| Adjustment {
+            period: super::Period::of_ms(event.timestamp_ms),
+            counter: CounterKey::clone(&counter),
+            event_id: event.event_id.clone(),
+            kind: event.kind,
+            amount: event.quantity,
+            event_ms: event.timestamp_ms,
+            reason,
+            output_offset: offset,
+        };
         if lateness.is_late(event, watermark) {
-            adjustments.push(Adjustment {
-                period: super::Period::of_ms(event.timestamp_ms),
-                counter: CounterKey::clone(&counter),
-                event_id: event.event_id.clone(),
-                kind: event.kind,
-                amount: event.quantity,
-                event_ms: event.timestamp_ms,
-                reason: AdjustmentReason::Late,
-                output_offset: offset,
-            });
+            adjustments.push(adjustment(AdjustmentReason::Late));
             continue;
         }
         let hour_ms = hour_of(event.timestamp_ms);
         let (rollup, first) = tally.hour(&counter, hour_ms);
-        rollup.fold(event)?;
+        // A failed fold changes nothing (a new hour's first event always
+        // fits): the event becomes an adjustment, leaving its hour and the
+        // watermark alone as a late one does.
+        if rollup.fold(event).is_err() {
+            adjustments.push(adjustment(AdjustmentReason::SumLimit));
+            continue;
+        }
         if first && listed {
             hours.push(HourKey { counter: counter.clone(), hour_ms });
         }
@@ -514,6 +537,38 @@ mod tests {
         assert_eq!(total, one, "a failed merge leaves the row as it was");
         assert!(matches!(checked_sum([half, half], "x"), Err(FoldError::TotalOverflow { what }) if what == "x"));
         assert_eq!(checked_sum([half, -half], "x"), Ok(Decimal::ZERO));
+    }
+
+    #[test]
+    fn an_event_its_hour_cannot_sum_exactly_becomes_an_adjustment_and_moves_nothing() {
+        let t = 1_700_000_000_000 - 1_700_000_000_000 % HOUR_MS;
+        let at = |customer: &str, qty: &str| {
+            let mut e = usage(customer, t + 60_000, 0);
+            e.quantity = qty.parse().expect("decimal");
+            e
+        };
+        let huge = "50000000000000000000000000000";
+        // Past the largest value, and more digits than a Decimal holds: both
+        // were folded before, the first by failing the batch after it was
+        // published, the second by rounding the sum with no word.
+        for (first, second) in [(huge, huge), ("10000000000000000000", "0.0000000001")] {
+            let mut maps = LedgerMaps::default();
+            maps.fold(&Lateness::default(), [(&at("c", first), 0)]).expect("fold");
+            let before = maps.clone();
+            let folded = maps.fold(&Lateness::default(), [(&at("c", second), 1)]).expect("fold never fails");
+            assert_eq!(maps, before, "{second}: the hour and the watermark are as they were");
+            assert_eq!(folded.adjustments.len(), 1, "{second}");
+            let a = &folded.adjustments[0];
+            assert_eq!(
+                (a.amount, a.reason, a.output_offset),
+                (at("c", second).quantity, AdjustmentReason::SumLimit, 1)
+            );
+            assert_eq!(AdjustmentReason::parse(a.reason.as_str()), Some(AdjustmentReason::SumLimit));
+            // Another counter's hour is its own.
+            assert!(maps.fold(&Lateness::default(), [(&at("d", second), 2)]).expect("fold").adjustments.is_empty());
+        }
+        assert_eq!(exact_sum(Decimal::new(10, 1), Decimal::new(5, 2)), Some(Decimal::new(105, 2)));
+        assert_eq!(exact_sum("10000000000000000000".parse().expect("d"), "0.0000000001".parse().expect("d")), None);
     }
 
     #[test]

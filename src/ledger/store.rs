@@ -1240,6 +1240,7 @@ fn push_adjustment(out: &mut Vec<u8>, a: &Adjustment) {
     out.extend_from_slice(&flip(a.event_ms));
     out.push(match a.reason {
         AdjustmentReason::Late => 0,
+        AdjustmentReason::SumLimit => 1,
     });
     out.extend_from_slice(&flip(a.output_offset));
 }
@@ -1259,6 +1260,7 @@ fn decode_adjustment(b: &[u8]) -> Result<Adjustment, LedgerError> {
     let event_ms = r.i64()?;
     let reason = match r.u8()? {
         0 => AdjustmentReason::Late,
+        1 => AdjustmentReason::SumLimit,
         other => return Err(corrupt(format!("unknown reason {other}"))),
     };
     let output_offset = r.i64()?;
@@ -1533,7 +1535,7 @@ mod tests {
     }
 
     #[test]
-    fn a_fold_that_overflows_changes_nothing_previewed_or_applied() {
+    fn an_event_its_hour_cannot_sum_is_an_adjustment_previewed_and_applied_alike() {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = LedgerStore::open(dir.path()).expect("open");
         let t = 1_700_000_000_000;
@@ -1547,16 +1549,28 @@ mod tests {
         let small = event("c_small", Decimal::from(5));
         let huge = event("c_huge", Decimal::MAX);
         let lateness = Lateness::default();
-        // The small event's hour is folded before the second huge one
-        // overflows its own: both attempts must leave no trace of it.
+        // The second huge event would take its hour past the largest exact
+        // decimal. It is published already (the preview runs before the
+        // publish, the apply after it), so neither may fail: both make it
+        // an adjustment, and its hour keeps the first.
         let overflowing = [(&small, 0), (&huge, 1), (&huge, 2)];
-        assert!(matches!(store.preview(3, &lateness, &overflowing, &[]), Err(LedgerError::Fold(_))));
-        assert!(matches!(store.apply(3, &lateness, &overflowing), Err(LedgerError::Fold(_))));
-        assert_eq!(store.checkpoint(3).expect("checkpoint"), None, "a failed apply moves no checkpoint");
-        store.apply(3, &lateness, &[(&small, 0)]).expect("apply");
+        let preview = store.preview(3, &lateness, &overflowing, &[]).expect("preview");
+        let previewed: Vec<(AdjustmentReason, i64)> =
+            preview.folded.adjustments.iter().map(|a| (a.reason, a.output_offset)).collect();
+        assert_eq!(previewed, [(AdjustmentReason::SumLimit, 2)]);
+        store.apply(3, &lateness, &overflowing).expect("apply");
+        assert_eq!(store.checkpoint(3).expect("checkpoint"), Some(2));
         let mut sums = Vec::new();
         store.all_rollups(|k, _, r| sums.push((k.counter.customer_id.clone(), r.sum, r.count))).expect("scan");
-        assert_eq!(sums, [("c_small".to_owned(), Decimal::from(5), 1)]);
+        sums.sort();
+        assert_eq!(sums, [("c_huge".to_owned(), Decimal::MAX, 1), ("c_small".to_owned(), Decimal::from(5), 1)]);
+        let kept: Vec<(AdjustmentReason, Decimal, i64)> = store
+            .all_adjustments()
+            .expect("scan")
+            .into_iter()
+            .map(|(_, a)| (a.reason, a.amount, a.output_offset))
+            .collect();
+        assert_eq!(kept, [(AdjustmentReason::SumLimit, Decimal::MAX, 2)], "stored as it was previewed");
     }
 
     #[test]

@@ -1521,7 +1521,7 @@ mod tests {
     }
 
     #[test]
-    fn a_ledger_fold_that_fails_holds_the_checkpoint_back() {
+    fn a_published_event_its_hour_cannot_sum_is_kept_as_an_adjustment_and_survives_a_restart() {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut state = LocalState::open(Some(dir.path()), EngineSettings::default(), true).expect("open");
         state.assign(2, NOW).expect("assign");
@@ -1537,14 +1537,32 @@ mod tests {
         };
         let fine = [event(1, 0, 1.into()), event(2, 1, 1.into())];
         state.apply_published(2, &fine, NOW).expect("apply");
-        // Two events whose sum no exact decimal holds: the ledger's fold
-        // (first of the tiers) fails, so the batch fails and the state's
-        // checkpoint stays where the ledger is, for the batch to come again.
+        // Two events no exact decimal holds on top of the hour's 2,
+        // published already. The ledger's fold failed the batch, and the
+        // batch, coming again (or repaired from the output after a
+        // restart), failed the same way forever. Each is now an adjustment
+        // of its own, and the hour keeps its 2.
         let huge = rust_decimal::Decimal::MAX;
         let overflowing = [event(3, 2, huge), event(4, 3, huge)];
-        let err = state.apply_published(2, &overflowing, NOW).expect_err("an overflowing total");
-        assert!(matches!(err, StateError::Ledger(_)), "{err}");
-        assert_eq!(state.checkpoint(2), Some(1));
+        state.apply_published(2, &overflowing, NOW).expect("an event past the sum limit is applied");
+        assert_eq!(state.checkpoint(2), Some(3));
+        let adjustments = |state: &LocalState| -> Vec<(crate::ledger::AdjustmentReason, i64)> {
+            match state.ledger() {
+                Some(crate::ledger::Ledger::Durable(store)) => store
+                    .all_adjustments()
+                    .expect("scan")
+                    .into_iter()
+                    .map(|(_, a)| (a.reason, a.output_offset))
+                    .collect(),
+                _ => panic!("a durable ledger"),
+            }
+        };
+        state.close().expect("close");
+        let mut state = LocalState::open(Some(dir.path()), EngineSettings::default(), true).expect("reopen");
+        state.assign(2, NOW).expect("assign");
+        assert_eq!(state.checkpoint(2), Some(3));
+        let sum_limit = crate::ledger::AdjustmentReason::SumLimit;
+        assert_eq!(adjustments(&state), [(sum_limit, 2), (sum_limit, 3)]);
     }
 
     /// A ledger repaired behind the usage store (which holds the events
