@@ -32,11 +32,13 @@ fn event(id: &str, quantity: &str) -> String {
     )
 }
 
-/// `dedupd dedupe --input - --output -` fed `input` on standard input, run
-/// to completion (its standard input closes once `input` is written).
-fn dedupe_stdin_to_stdout(input: &str) -> std::process::Output {
+/// `dedupd dedupe --input - --output -` (and `extra`) fed `input` on
+/// standard input, run to completion (its standard input closes once
+/// `input` is written).
+fn dedupe_stdin_to_stdout(input: &str, extra: &[&str]) -> std::process::Output {
     let mut child = dedupd()
         .args(["dedupe", "--input", "-", "--output", "-"])
+        .args(extra)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -141,7 +143,7 @@ fn stdin_to_stdout_with_the_summary_as_the_last_stderr_line() {
         event("b", "1e0"),
     ]
     .join("\n");
-    let out = dedupe_stdin_to_stdout(&input);
+    let out = dedupe_stdin_to_stdout(&input, &[]);
     assert!(out.status.success());
     assert_eq!(
         last_line(&out.stderr),
@@ -243,7 +245,7 @@ fn a_byte_order_mark_starting_the_input_is_not_part_of_its_first_event() {
         .stdin(Stdio::null())
         .output()
         .expect("run");
-    let from_stdin = dedupe_stdin_to_stdout(&text);
+    let from_stdin = dedupe_stdin_to_stdout(&text, &[]);
     let counts = serde_json::json!({"accepted": 2, "duplicates": 0, "conflicts": 0, "rejected": 2});
     for (how, out) in [("file", &from_file), ("stdin", &from_stdin)] {
         assert!(out.status.success(), "{how}: {}", String::from_utf8_lossy(&out.stderr));
@@ -267,6 +269,16 @@ fn a_byte_order_mark_starting_the_input_is_not_part_of_its_first_event() {
         })
         .collect();
     assert_eq!(reasons, [(3, "malformed_json".to_owned()), (4, "malformed_json".to_owned())]);
+
+    // A first record exactly at the size limit, after its mark, is whole.
+    let record = event("w1", "1");
+    let limit = record.len().to_string();
+    let at_limit = dedupe_stdin_to_stdout(&format!("{bom}{record}\n"), &["--max-record-bytes", &limit]);
+    assert!(at_limit.status.success(), "{}", String::from_utf8_lossy(&at_limit.stderr));
+    assert_eq!(
+        last_line(&at_limit.stderr),
+        serde_json::json!({"accepted": 1, "duplicates": 0, "conflicts": 0, "rejected": 0})
+    );
 }
 
 #[test]

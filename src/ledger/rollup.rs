@@ -250,10 +250,18 @@ pub enum FoldError {
 
 /// `a + b`, when a `Decimal` holds it exactly. `checked_add` fails only
 /// past the largest value: a sum that needs more than its 28 or so
-/// significant digits (10^19 + 10^-10) comes back rounded, with fewer
-/// decimal places than its operands, which is how rounding shows.
+/// significant digits (10^19 + 10^-10) comes back rounded. Rounding always
+/// leaves fewer decimal places than the operands, so a sum that kept them
+/// is exact; fewer places happen exactly too (a zero operand gives back the
+/// other as it is: `0.0 + 3` is `3`), so then the sum is checked by taking
+/// `a` back off it.
 pub fn exact_sum(a: Decimal, b: Decimal) -> Option<Decimal> {
-    a.checked_add(b).filter(|s| s.scale() >= a.scale().max(b.scale()))
+    let s = a.checked_add(b)?;
+    if s.scale() >= a.scale().max(b.scale()) || s.checked_sub(a) == Some(b) {
+        Some(s)
+    } else {
+        None
+    }
 }
 
 /// `a + b` exactly, or the error naming `what` was being totalled.
@@ -456,8 +464,15 @@ pub(crate) fn fold_into<'a>(
         let (rollup, first) = tally.hour(&counter, hour_ms);
         // A failed fold changes nothing (a new hour's first event always
         // fits): the event becomes an adjustment, leaving its hour and the
-        // watermark alone as a late one does.
+        // watermark alone as a late one does. The hour is listed even so
+        // when this was its first touch in the fold: a holder tells the
+        // first touch once, and a later event of the batch that fits would
+        // change the hour unlisted, so never written nor published. Listed
+        // unchanged, it is written again as it is (totals, not deltas).
         if rollup.fold(event).is_err() {
+            if first && listed {
+                hours.push(HourKey { counter: counter.clone(), hour_ms });
+            }
             adjustments.push(adjustment(AdjustmentReason::SumLimit));
             continue;
         }
@@ -568,6 +583,19 @@ mod tests {
             assert!(maps.fold(&Lateness::default(), [(&at("d", second), 2)]).expect("fold").adjustments.is_empty());
         }
         assert_eq!(exact_sum(Decimal::new(10, 1), Decimal::new(5, 2)), Some(Decimal::new(105, 2)));
+        // An hour whose usage was retracted holds a zero with decimal
+        // places; the next whole quantity is billed in it, not set aside.
+        let mut maps = LedgerMaps::default();
+        let mut retraction = at("c", "-2.5");
+        retraction.kind = EventKind::Retraction;
+        let events = [at("c", "2.5"), retraction, at("c", "3")];
+        let folded = maps.fold(&Lateness::default(), events.iter().zip(0..)).expect("fold");
+        assert!(folded.adjustments.is_empty(), "{:?}", folded.adjustments);
+        assert_eq!(maps.hours[&folded.hours[0]].sum, Decimal::from(3));
+        // A zero with decimal places (an hour whose usage was retracted)
+        // plus a whole number is exact, with fewer places than the zero.
+        assert_eq!(exact_sum(Decimal::new(0, 1), Decimal::from(3)), Some(Decimal::from(3)));
+        assert_eq!(exact_sum(Decimal::from(3), Decimal::new(0, 4)), Some(Decimal::from(3)));
         assert_eq!(exact_sum("10000000000000000000".parse().expect("d"), "0.0000000001".parse().expect("d")), None);
     }
 

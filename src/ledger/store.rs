@@ -1571,6 +1571,29 @@ mod tests {
             .map(|(_, a)| (a.reason, a.amount, a.output_offset))
             .collect();
         assert_eq!(kept, [(AdjustmentReason::SumLimit, Decimal::MAX, 2)], "stored as it was previewed");
+
+        // A batch whose first event in an hour is set aside and whose next
+        // fits: the hour changes, and is published and written. (The set
+        // aside one used up the hour's first touch, and the one that fit
+        // changed it unlisted: in the cache only, lost at the next start.)
+        let mut retraction = event("c_huge", -Decimal::ONE);
+        retraction.kind = EventKind::Retraction;
+        let batch = [(&huge, 3), (&retraction, 4)];
+        let preview = store.preview(3, &lateness, &batch, &[]).expect("preview");
+        let published: Vec<(String, Decimal)> =
+            preview.rollups().map(|(k, r)| (k.counter.customer_id.clone(), r.sum)).collect();
+        assert_eq!(published, [("c_huge".to_owned(), Decimal::MAX - Decimal::ONE)]);
+        store.apply(3, &lateness, &batch).expect("apply");
+        store.write_pending().expect("write");
+        drop(store);
+        let store = LedgerStore::open(dir.path()).expect("reopen");
+        let mut sums = Vec::new();
+        store.all_rollups(|k, _, r| sums.push((k.counter.customer_id.clone(), r.sum))).expect("scan");
+        sums.sort();
+        assert_eq!(
+            sums,
+            [("c_huge".to_owned(), Decimal::MAX - Decimal::ONE), ("c_small".to_owned(), Decimal::from(5))]
+        );
     }
 
     #[test]

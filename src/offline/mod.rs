@@ -226,8 +226,7 @@ pub fn run_dedupe_with_progress(
             // Without a state directory nothing outlives the run but its
             // output and counts: a ledger folded in memory would be dropped
             // unread at the end (it was 16% of such a run's CPU). So no
-            // ledger here, whatever `--ledger` says, and an hour whose sum
-            // would overflow ends only a run that keeps the ledger.
+            // ledger here, whatever `--ledger` says.
             let mut state = LocalState::in_memory(EngineSettings { ledger: false, ..settings.clone() }, false);
             state.assign(OFFLINE_PARTITION, clock.now_ms())?;
             let output = open_fresh_output(&opts.output)?;
@@ -668,7 +667,11 @@ impl Reading {
         let mut lines = Vec::with_capacity(self.batch_records);
         while lines.len() < self.batch_records {
             let mut l = Line::default();
-            let more = read_bounded_line(input, self.limit, &mut l).map_err(|source| OfflineError::Io {
+            // The first line may start with a byte order mark, which is not
+            // part of the record: room for it, so that a record at the limit
+            // is kept whole once the mark is off.
+            let limit = if self.next_line == 0 { self.limit + BYTE_ORDER_MARK.len() } else { self.limit };
+            let more = read_bounded_line(input, limit, &mut l).map_err(|source| OfflineError::Io {
                 what: "cannot read input",
                 path: input_name.to_owned(),
                 source,
