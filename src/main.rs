@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use clap::{FromArgMatches, Parser, Subcommand};
 
 use dedupd::classify::SystemClock;
 use dedupd::config::{EngineSettings, FileConfig, PropertySource, TuningArgs};
@@ -638,6 +638,48 @@ fn usage_brokers(servers: String, client: &ClientArgs) -> anyhow::Result<dedupd:
     Ok(dedupd::kafka::usage::Brokers { servers, properties, timeout: std::time::Duration::from_secs(30) })
 }
 
+/// The flags that make `usage` and `period` read Kafka topics instead of a
+/// state directory.
+const TOPIC_MODE_FLAGS: [&str; 4] = ["brokers", "rollups_topic", "output_topic", "periods_topic"];
+
+impl Cli {
+    /// The command line's parser, with one exception to "a flag also reads
+    /// `DEDUPD_<FLAG>`": `usage` and `period` answer either from a state
+    /// directory or from topics, and a worker's environment sets both
+    /// kinds (`DEDUPD_STATE_DIR`, `DEDUPD_BROKERS`, `DEDUPD_ROLLUPS_TOPIC`).
+    /// When the command line names one kind only, the other kind's
+    /// environment is not read: the flags typed win, and the run is not
+    /// refused over a variable the user never set on it. Both kinds typed
+    /// are still refused.
+    fn command_for(args: &[std::ffi::OsString]) -> clap::Command {
+        use clap::CommandFactory;
+        let typed = |id: &str| {
+            let flag = format!("--{}", id.replace('_', "-"));
+            args.iter().filter_map(|a| a.to_str()).any(|a| a == flag || a.starts_with(&format!("{flag}=")))
+        };
+        let state_typed = typed("state_dir");
+        let topics_typed = TOPIC_MODE_FLAGS.iter().any(|id| typed(id));
+        let unread: &[&str] = match (state_typed, topics_typed) {
+            (true, false) => &TOPIC_MODE_FLAGS,
+            (false, true) => &["state_dir"],
+            _ => &[],
+        };
+        fn without_env(mut cmd: clap::Command, ids: &[&str]) -> clap::Command {
+            for id in ids {
+                if cmd.get_arguments().any(|a| a.get_id() == *id) {
+                    cmd = cmd.mut_arg(*id, |a| a.env(None::<&'static str>));
+                }
+            }
+            cmd
+        }
+        Cli::command()
+            .mut_subcommand("usage", |usage| {
+                without_env(usage, unread).mut_subcommand("verify", |verify| without_env(verify, unread))
+            })
+            .mut_subcommand("period", |period| without_env(period, unread))
+    }
+}
+
 fn engine_settings(tuning: &TuningArgs) -> anyhow::Result<(EngineSettings, FileConfig)> {
     let file = match &tuning.config {
         Some(path) => FileConfig::load(path)?,
@@ -648,7 +690,11 @@ fn engine_settings(tuning: &TuningArgs) -> anyhow::Result<(EngineSettings, FileC
 
 fn main() -> ExitCode {
     let small_pages = dedupd::process::disable_transparent_huge_pages();
-    let cli = Cli::parse();
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let cli = match Cli::command_for(&args).try_get_matches_from(&args).and_then(|m| Cli::from_arg_matches(&m)) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     // The demo prints a table for a person; per-batch logs would bury it.
     init_tracing(if matches!(cli.command, Command::Demo { .. }) { "warn" } else { "info" }, cli.log_format);
     if !small_pages {

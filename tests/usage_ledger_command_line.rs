@@ -455,3 +455,40 @@ fn an_event_past_its_hours_sum_limit_is_an_adjustment_and_the_state_directory_go
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("the net total does not fit an exact decimal"), "{stderr}");
 }
+
+/// A worker's environment names both ways of answering (`DEDUPD_STATE_DIR`
+/// and `DEDUPD_BROKERS`, `DEDUPD_ROLLUPS_TOPIC`, ...). `usage` and `period`
+/// on the command line with `--state-dir` were refused over a topic flag
+/// the user never typed; the flags typed win now, and typing both ways is
+/// still refused.
+#[test]
+fn flags_typed_for_one_way_of_answering_win_over_the_environment_of_the_other() {
+    let (dir, base) = ledger_with_traffic();
+    let state = dir.path().join("state");
+    let fmt = |ms: i64| dedupd::event::format_timestamp_ms(ms);
+    let (from, to) = (fmt(base - 100 * HOUR_MS), fmt(base + HOUR_MS));
+    let month = fmt(base)[..7].to_owned();
+    let worker_env = |cmd: &mut Command| {
+        cmd.env("DEDUPD_BROKERS", "127.0.0.1:9")
+            .env("DEDUPD_ROLLUPS_TOPIC", "usage-rollups")
+            .env("DEDUPD_OUTPUT_TOPIC", "usage-accepted")
+            .env("DEDUPD_PERIODS_TOPIC", "usage-periods");
+    };
+    let runs: [Vec<&str>; 3] = [
+        vec!["usage", "--tenant", "acme", "--from", &from, "--to", &to],
+        vec!["usage", "verify"],
+        vec!["period", "show", "--tenant", "acme", "--period", &month],
+    ];
+    for args in &runs {
+        let mut cmd = dedupd();
+        cmd.args(args).arg("--state-dir").arg(&state);
+        worker_env(&mut cmd);
+        run_ok(&mut cmd);
+    }
+    let mut both = dedupd();
+    both.args(&runs[0]).arg("--state-dir").arg(&state).args(["--rollups-topic", "r", "--brokers", "127.0.0.1:9"]);
+    let out = both.output().expect("run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("cannot be used with"), "{stderr}");
+}
