@@ -362,47 +362,50 @@ fn a_closed_month_is_frozen_refuses_usage_and_shows_corrections_as_pending() {
     assert!(String::from_utf8_lossy(&old.stderr).contains("dedupd period close"), "{old:?}");
 }
 
+/// Half past the last whole hour, and a quantity near the largest exact
+/// decimal (about 7.9e28): two of it in one total do not fit.
+fn last_half_hour_and_a_huge_quantity() -> (i64, &'static str) {
+    let now = now_ms();
+    (now - now.rem_euclid(HOUR_MS) - HOUR_MS / 2, "50000000000000000000000000000")
+}
+
+/// `usage --format FORMAT` over the two hours around `ts`, which must fail
+/// (exit 2): its error.
+fn usage_refused(state: &std::path::Path, format: &str, ts: i64) -> String {
+    let fmt = |ms: i64| dedupd::event::format_timestamp_ms(ms);
+    let (from, to) = (fmt(ts - HOUR_MS), fmt(ts + 2 * HOUR_MS));
+    let out = dedupd()
+        .args(["usage", "--tenant", "acme", "--format", format, "--from", &from, "--to", &to, "--state-dir"])
+        .arg(state)
+        .output()
+        .expect("run usage");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(2), "usage --format {format}: {stderr}");
+    stderr
+}
+
 /// Every hour's sum fits an exact decimal, their total does not: `usage`
 /// and `period show` panicked (exit 101, "Addition overflowed", a worker's
 /// `/v1/usage` with them); now each says which total, exit 2.
 #[test]
 fn a_total_past_the_exact_decimal_range_is_an_error_not_a_panic() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let now = now_ms();
-    let ts = now - now.rem_euclid(HOUR_MS) - HOUR_MS / 2;
-    let huge = "50000000000000000000000000000";
+    let (ts, huge) = last_half_hour_and_a_huge_quantity();
     let rejected = dedupe_into(
         dir.path(),
         "huge",
         &[line("h1", "cus_1", "api_calls", huge, ts), line("h2", "cus_2", "api_calls", huge, ts)],
     );
     assert!(rejected.is_empty(), "{rejected:?}");
-    let fmt = |ms: i64| dedupd::event::format_timestamp_ms(ms);
-    let month = fmt(ts)[..7].to_owned();
+    let state = dir.path().join("state");
     for format in ["json", "table"] {
-        let out = dedupd()
-            .args([
-                "usage",
-                "--tenant",
-                "acme",
-                "--format",
-                format,
-                "--from",
-                &fmt(ts - HOUR_MS),
-                "--to",
-                &fmt(now + HOUR_MS),
-            ])
-            .arg("--state-dir")
-            .arg(dir.path().join("state"))
-            .output()
-            .expect("run usage");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "usage --format {format}: {stderr}");
+        let stderr = usage_refused(&state, format, ts);
         assert!(stderr.contains("does not fit an exact decimal"), "{stderr}");
     }
     // One customer alone is within range and answers.
-    let one = usage_json(&dir.path().join("state"), &["--customer", "cus_1"], ts - HOUR_MS, now + HOUR_MS);
+    let one = usage_json(&state, &["--customer", "cus_1"], ts - HOUR_MS, ts + 2 * HOUR_MS);
     assert_eq!(dec(&one["net"]), huge.parse::<Decimal>().expect("decimal"));
+    let month = dedupd::event::format_timestamp_ms(ts)[..7].to_owned();
     let out = period_cmd(dir.path(), "show", &month);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "period show: {stderr}");
@@ -418,9 +421,7 @@ fn a_total_past_the_exact_decimal_range_is_an_error_not_a_panic() {
 #[test]
 fn an_event_past_its_hours_sum_limit_is_an_adjustment_and_the_state_directory_goes_on() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let now = now_ms();
-    let ts = now - now.rem_euclid(HOUR_MS) - HOUR_MS / 2;
-    let huge = "50000000000000000000000000000";
+    let (ts, huge) = last_half_hour_and_a_huge_quantity();
     let lines = [
         line("s1", "cus_1", "api_calls", huge, ts),
         line("s2", "cus_1", "api_calls", huge, ts + 1),
@@ -434,25 +435,7 @@ fn an_event_past_its_hours_sum_limit_is_an_adjustment_and_the_state_directory_go
     assert_eq!(std::fs::read_to_string(dir.path().join("out.ndjson")).expect("output").lines().count(), 3);
     let state = dir.path().join("state");
     run_ok(dedupd().args(["usage", "verify", "--state-dir"]).arg(&state));
-    let fmt = |ms: i64| dedupd::event::format_timestamp_ms(ms);
-    let out = dedupd()
-        .args([
-            "usage",
-            "--tenant",
-            "acme",
-            "--format",
-            "json",
-            "--from",
-            &fmt(ts - HOUR_MS),
-            "--to",
-            &fmt(now + HOUR_MS),
-        ])
-        .arg("--state-dir")
-        .arg(&state)
-        .output()
-        .expect("run usage");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let stderr = usage_refused(&state, "json", ts);
     assert!(stderr.contains("the net total does not fit an exact decimal"), "{stderr}");
 }
 
