@@ -257,8 +257,8 @@ pub fn verify_topics(
 /// What [`verify_topics`] compares, once both topics are read (the
 /// simulator's final check runs it on the model broker's topics): every
 /// partition's accepted events refolded in offset order with `lateness`,
-/// against every rollup and adjustment of the rollups topic. Err: the
-/// events do not fold (a quantity out of range).
+/// against every rollup and adjustment of the rollups topic, its reason
+/// included (`late` or `sum_limit`). Err: the events do not fold.
 pub fn compare_topics(
     by_partition: &OutputEvents,
     rollups: RollupsTopic,
@@ -279,21 +279,32 @@ pub fn compare_topics(
             check.adjustments += 1;
             let key = (p, want.counter.tenant_id.clone(), want.event_id.clone());
             match stored_adjustments.remove(&key) {
-                Some(got) if got.amount == want.amount && got.period == want.period => {}
+                // Not the output offset: the topic's records do not carry it.
+                Some(got) if got.amount == want.amount && got.period == want.period && got.reason == want.reason => {}
                 Some(got) => check.drift.push(format!(
-                    "partition {p} adjustment of {}: topic says {} in {}, output says {} in {}",
-                    want.event_id, got.amount, got.period, want.amount, want.period
+                    "partition {p} adjustment of {}: topic says {} in {} ({}), output says {} in {} ({})",
+                    want.event_id,
+                    got.amount,
+                    got.period,
+                    got.reason.as_str(),
+                    want.amount,
+                    want.period,
+                    want.reason.as_str()
                 )),
                 None => check.drift.push(format!(
-                    "partition {p} late event {} ({}) has no adjustment on the rollups topic",
-                    want.event_id, want.amount
+                    "partition {p} event {} ({}, {}) has no adjustment on the rollups topic",
+                    want.event_id,
+                    want.amount,
+                    want.reason.as_str()
                 )),
             }
         }
     }
     unexplained_rollups(stored, SIDES, &mut check.drift);
     for ((p, _, id), _) in stored_adjustments {
-        check.drift.push(format!("partition {p} adjustment of {id} has no late event behind it on the output"));
+        check
+            .drift
+            .push(format!("partition {p} adjustment of {id} has no late or set-aside event behind it on the output"));
     }
     Ok(check)
 }
@@ -354,6 +365,35 @@ fn parse_ledger_record(value: &[u8]) -> Result<LedgerRecord, String> {
 mod tests {
     use super::*;
     use crate::kafka::records::{adjustment_record, rollup_record};
+
+    #[test]
+    fn an_adjustment_with_another_reason_on_the_topic_is_drift() {
+        let t = 1_700_000_000_000 - 1_700_000_000_000 % 3_600_000;
+        let event = |id: &str, ts: i64| {
+            let mut e = crate::storage::testutil::sample_event_at(0, 0, 0, ts).event;
+            e.event_id = id.into();
+            e.timestamp_ms = ts;
+            e.kind = EventKind::Usage;
+            e.correction_ref = None;
+            e.quantity = Decimal::ONE;
+            e
+        };
+        // The second is three days behind the first: late.
+        let events: OutputEvents = [(0, vec![(0, event("on_time", t)), (1, event("late", t - 72 * 3_600_000))])].into();
+        let lateness = Lateness::default();
+        let mut maps = LedgerMaps::default();
+        let folded = maps.fold(&lateness, events[&0].iter().map(|(o, e)| (e, *o))).expect("fold");
+        assert_eq!(folded.adjustments.len(), 1, "the late event is an adjustment");
+        let topic = |reason| RollupsTopic {
+            rollups: maps.hours.iter().map(|(k, r)| (k.clone(), 0, r.clone())).collect(),
+            adjustments: folded.adjustments.iter().map(|a| (0, Adjustment { reason, ..a.clone() })).collect(),
+        };
+        let same = compare_topics(&events, topic(AdjustmentReason::Late), &lateness).expect("compare");
+        assert!(same.drift.is_empty(), "{:?}", same.drift);
+        let other = compare_topics(&events, topic(AdjustmentReason::SumLimit), &lateness).expect("compare");
+        assert_eq!(other.drift.len(), 1, "{:?}", other.drift);
+        assert!(other.drift[0].contains("(sum_limit), output says 1 in"), "{:?}", other.drift);
+    }
 
     #[test]
     fn rollup_and_adjustment_records_read_back_to_what_was_published() {
