@@ -71,6 +71,24 @@ pub enum Ledger {
     Durable(Box<LedgerStore>),
 }
 
+/// Rare and a sign of a producer's bug (a quantity near 10^28, or more
+/// digits than a sum holds): said once per batch, with the first such
+/// event, since nothing else shows it.
+fn warn_of_set_aside(partition: i32, adjustments: &[Adjustment]) {
+    let mut set_aside = adjustments.iter().filter(|a| a.reason == AdjustmentReason::SumLimit);
+    if let Some(first) = set_aside.next() {
+        tracing::warn!(
+            partition,
+            events = 1 + set_aside.count(),
+            tenant = %first.counter.tenant_id,
+            customer = %first.counter.customer_id,
+            meter = %first.counter.meter,
+            event_id = %first.event_id,
+            "accepted events set aside as sum_limit adjustments: their hour's sum cannot take them exactly"
+        );
+    }
+}
+
 fn held(parts: &Mutex<BTreeMap<i32, MemoryPartition>>) -> MutexGuard<'_, BTreeMap<i32, MemoryPartition>> {
     parts.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -142,36 +160,22 @@ impl Ledger {
     /// What changed is not returned: a batch's rollups are published from
     /// its [`preview`](Self::preview), before the apply.
     pub fn apply(&self, partition: i32, lateness: &Lateness, events: &[(&UsageEvent, i64)]) -> Result<(), LedgerError> {
-        let adjustments = match self {
-            Ledger::Durable(store) => store.apply(partition, lateness, events)?.adjustments,
+        match self {
+            Ledger::Durable(store) => {
+                warn_of_set_aside(partition, &store.apply(partition, lateness, events)?.adjustments)
+            }
             Ledger::Memory(parts) => {
                 let mut parts = held(parts);
                 let held = parts.entry(partition).or_default();
                 let checkpoint = held.checkpoint;
                 let fresh = events.iter().copied().filter(|(_, o)| checkpoint.is_none_or(|c| *o > c));
                 let adjustments = held.maps.fold_in(lateness, fresh)?;
-                held.adjustments.extend(adjustments.iter().cloned());
+                warn_of_set_aside(partition, &adjustments);
+                held.adjustments.extend(adjustments);
                 if let Some((_, last)) = events.last() {
                     held.checkpoint = Some(checkpoint.map_or(*last, |c| c.max(*last)));
                 }
-                adjustments
             }
-        };
-        // Rare and a sign of a producer's bug (a quantity near 10^28, or
-        // more digits than a sum holds): said once per batch, with the
-        // first such event, since nothing else shows it.
-        let set_aside: Vec<&Adjustment> =
-            adjustments.iter().filter(|a| a.reason == AdjustmentReason::SumLimit).collect();
-        if let Some(first) = set_aside.first() {
-            tracing::warn!(
-                partition,
-                events = set_aside.len(),
-                tenant = %first.counter.tenant_id,
-                customer = %first.counter.customer_id,
-                meter = %first.counter.meter,
-                event_id = %first.event_id,
-                "accepted events set aside as sum_limit adjustments: their hour's sum cannot take them exactly"
-            );
         }
         Ok(())
     }

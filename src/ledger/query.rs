@@ -276,19 +276,13 @@ impl UsageAnswer {
         rollups: impl IntoIterator<Item = (&'a HourKey, &'a Rollup)>,
         adjustments: impl IntoIterator<Item = super::Adjustment>,
     ) -> Result<UsageAnswer, super::FoldError> {
-        let mut adjustments: Vec<super::Adjustment> = adjustments
-            .into_iter()
-            .filter(|a| {
-                query.selects(&HourKey {
-                    counter: std::sync::Arc::new(a.counter.clone()),
-                    hour_ms: super::hour_of(a.event_ms),
-                })
-            })
-            .collect();
-        adjustments.sort_by(|a, b| (a.event_ms, &a.event_id).cmp(&(b.event_ms, &b.event_id)));
-        let answer = UsageAnswer { rows: query.total(rollups)?, adjustments };
-        answer.totals()?;
-        Ok(answer)
+        UsageAnswer { rows: query.total(rollups)?, adjustments: selected_adjustments(query, adjustments) }.checked()
+    }
+
+    /// The answer, once its totals are known to be exact.
+    fn checked(self) -> Result<UsageAnswer, super::FoldError> {
+        self.totals()?;
+        Ok(self)
     }
 
     /// Answers `query` from the accepted events themselves, each
@@ -319,10 +313,7 @@ impl UsageAnswer {
                 }
             }
         }
-        let mut answer = UsageAnswer::of(query, std::iter::empty(), adjustments)?;
-        answer.rows = rows;
-        answer.totals()?;
-        Ok(answer)
+        UsageAnswer { rows, adjustments: selected_adjustments(query, adjustments) }.checked()
     }
 
     /// Sum of every row.
@@ -421,6 +412,24 @@ impl UsageAnswer {
         let _ = writeln!(out, "adjusted {}  net {}", dec(adjusted), dec(net));
         Ok(out)
     }
+}
+
+/// The adjustments `query` selects, by event time and id.
+fn selected_adjustments(
+    query: &UsageQuery,
+    adjustments: impl IntoIterator<Item = super::Adjustment>,
+) -> Vec<super::Adjustment> {
+    let mut selected: Vec<super::Adjustment> = adjustments
+        .into_iter()
+        .filter(|a| {
+            query.selects(&HourKey {
+                counter: std::sync::Arc::new(a.counter.clone()),
+                hour_ms: super::hour_of(a.event_ms),
+            })
+        })
+        .collect();
+    selected.sort_by(|a, b| (a.event_ms, &a.event_id).cmp(&(b.event_ms, &b.event_id)));
+    selected
 }
 
 /// An answer's three totals.
