@@ -89,6 +89,7 @@ fn store_opts() -> KeyStoreOptions {
         horizon_ms: HORIZON_MS,
         block_bytes: env_u64("DEDUPD_BENCH_BLOCK_BYTES", d.block_bytes as u64) as usize,
         write_buffer_bytes: env_u64("DEDUPD_BENCH_WRITE_BUFFER_BYTES", d.write_buffer_bytes as u64) as usize,
+        filter_bits_per_key: env_u64("DEDUPD_BENCH_FILTER_BITS", d.filter_bits_per_key as u64) as f64,
         ..d
     }
 }
@@ -129,6 +130,13 @@ fn main() -> R<()> {
         per_sec(total, load),
         ks.disk_bytes() as f64 / 1e9,
         ks.disk_bytes() as f64 / total as f64
+    );
+    let held = ks.filter_and_index_bytes()?;
+    println!(
+        "load: filters and indexes {:.0} MB in memory = {:.2} bytes/key ({} bloom-equivalent filter bits per key)",
+        held as f64 / 1e6,
+        held as f64 / total as f64,
+        store_opts().filter_bits_per_key
     );
 
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);

@@ -28,7 +28,8 @@ pub struct KeyStoreOptions {
     /// error and [`KeyStore::window_below_floor`](super::KeyStore::window_below_floor) says so.
     pub window_floor_ms: i64,
     /// Block cache for data blocks (filters and indexes are held by the open
-    /// table readers, about 1.3 bytes per key, outside this budget).
+    /// table readers, outside this budget: see
+    /// [`KeyStore::filter_and_index_bytes`](super::KeyStore::filter_and_index_bytes)).
     pub block_cache_bytes: usize,
     /// Memtable size of the keys column family.
     pub write_buffer_bytes: usize,
@@ -43,8 +44,11 @@ pub struct KeyStoreOptions {
     /// loses nothing; only a host crash can lose the last batches, which
     /// repair then re-applies. Callers wanting a durable point call `flush`.
     pub sync_writes: bool,
-    /// Whole-key bloom filter bits per key.
-    pub bloom_bits_per_key: f64,
+    /// Whole-key filter strength, in bloom-equivalent bits per key: the
+    /// false-positive rate of a bloom filter with this many bits. Tables
+    /// below level 0 carry a Ribbon filter of that rate in about 70% of the
+    /// memory; level 0, rewritten soon, a bloom filter (cheaper to build).
+    pub filter_bits_per_key: f64,
     /// Data block size: a found key costs one block read of this size;
     /// smaller blocks grow the index.
     pub block_bytes: usize,
@@ -72,7 +76,7 @@ impl Default for KeyStoreOptions {
             background_jobs: 2,
             keep_revoked_partitions: true,
             sync_writes: false,
-            bloom_bits_per_key: 10.0,
+            filter_bits_per_key: 14.0,
             block_bytes: 4 << 10,
             histogram_bucket_ms: 3_600_000,
             periodic_compaction_secs: 86_400,
@@ -106,8 +110,8 @@ impl KeyStoreOptions {
         if self.write_buffer_bytes < (1 << 20) {
             return bad("keystore_write_buffer_bytes", "must be at least 1 MiB");
         }
-        if !(1.0..=32.0).contains(&self.bloom_bits_per_key) {
-            return bad("keystore_bloom_bits_per_key", "must be within 1..=32");
+        if !(1.0..=32.0).contains(&self.filter_bits_per_key) {
+            return bad("keystore_filter_bits_per_key", "must be within 1..=32");
         }
         if !(1024..=(1 << 20)).contains(&self.block_bytes) {
             return bad("keystore_block_bytes", "must be within 1 KiB..=1 MiB");
@@ -152,12 +156,41 @@ pub(crate) fn db_options(o: &KeyStoreOptions) -> Options {
 }
 
 pub(crate) fn keys_cf_options(o: &KeyStoreOptions, cache: &Cache, floor: Floor) -> Options {
+    keys_options(o, cache, floor, Tables::Lasting)
+}
+
+/// What the tables a set of options writes are for, which decides their
+/// filter (see `keys_options`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Tables {
+    /// Tables that stay a while: RocksDB's flushes and compactions (by
+    /// level), and bulk loads, ingested into the bottommost level.
+    Lasting,
+    /// A layer of applied keys written out (`recent.rs`): its ids are
+    /// random, so it is ingested into level 0 and soon compacted away.
+    Layer,
+}
+
+fn keys_options(o: &KeyStoreOptions, cache: &Cache, floor: Floor, tables: Tables) -> Options {
     let mut cf = Options::default();
     let mut t = BlockBasedOptions::default();
     t.set_block_cache(cache);
     // Lookups are mostly for absent keys: every level needs its filter,
-    // including the bottommost (so no optimize_filters_for_hits).
-    t.set_bloom_filter(o.bloom_bits_per_key, false);
+    // including the bottommost (so no optimize_filters_for_hits). A false
+    // positive costs a data block read, from disk when the block is cold:
+    // at 50M keys with 10-bit bloom filters (~1% false positives) those
+    // reads were most of an absent key's lookup. Ribbon filters at
+    // 14 bloom-equivalent bits (~0.2%) take the memory 10-bit bloom filters
+    // took, and absent-key lookups ran about twice as fast
+    // (benches/keystore.rs, 2026-11-30). Level 0 and a layer's table keep
+    // bloom filters of as many bits (the same rate, more memory): building
+    // a Ribbon filter costs several times the CPU, and level-0 tables are
+    // rewritten soon. RocksDB picks by level, and takes a table written
+    // outside it (a layer's, a bulk load's) for the bottommost level.
+    match tables {
+        Tables::Lasting => t.set_hybrid_ribbon_filter(o.filter_bits_per_key, 1),
+        Tables::Layer => t.set_bloom_filter(o.filter_bits_per_key, false),
+    }
     t.set_whole_key_filtering(true);
     // Filters and indexes stay with the table readers, always in memory:
     // an absent-key probe then never waits on a cache miss.
@@ -245,10 +278,11 @@ pub(crate) fn meta_cf_options() -> Options {
     cf
 }
 
-/// Options for writing bulk-load SST files: the keys CF's table format,
-/// uncompressed like the level they land in.
-pub(crate) fn sst_writer_options(o: &KeyStoreOptions, cache: &Cache, floor: Floor) -> Options {
-    keys_cf_options(o, cache, floor)
+/// Options for writing SST files to ingest (a bulk load's, a layer's): the
+/// keys CF's table format, uncompressed like the level they land in, with
+/// the filter their tables want.
+pub(crate) fn sst_writer_options(o: &KeyStoreOptions, cache: &Cache, floor: Floor, tables: Tables) -> Options {
+    keys_options(o, cache, floor, tables)
 }
 
 /// Read options for looking keys up: the blocks read do not go into the

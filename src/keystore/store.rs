@@ -24,8 +24,8 @@ use super::histogram::{cell_key, parse_cell_key, BucketStats, Histogram};
 use super::horizon::Floor;
 use super::lookups::Lookups;
 use super::options::{
-    db_options, keys_cf_options, lookup, meta_cf_options, sst_writer_options, total_order, KeyStoreOptions, KEYS_CF,
-    META_CF,
+    db_options, keys_cf_options, lookup, meta_cf_options, sst_writer_options, total_order, KeyStoreOptions, Tables,
+    KEYS_CF, META_CF,
 };
 use super::recent::{encode_apply, encode_drop, list_logs, read_log, Frame, Layer, Layers, Log, Recent, RECENT_DIR};
 
@@ -792,7 +792,8 @@ impl KeyStore {
         }
         let staging = self.dir.join("bulk-load.tmp");
         std::fs::create_dir_all(&staging).map_err(|source| KeystoreError::Io { path: staging.clone(), source })?;
-        let writer_opts = sst_writer_options(&self.opts, &Cache::new_lru_cache(1 << 20), self.floor.clone());
+        let writer_opts =
+            sst_writer_options(&self.opts, &Cache::new_lru_cache(1 << 20), self.floor.clone(), Tables::Lasting);
         let floor = self.floor.get();
         let mut files: Vec<PathBuf> = Vec::new();
         let mut writer: Option<SstFileWriter<'_>> = None;
@@ -885,6 +886,13 @@ impl KeyStore {
 
     pub fn options(&self) -> &KeyStoreOptions {
         &self.opts
+    }
+
+    /// Memory the open tables' filters and indexes hold, outside the block
+    /// cache (RocksDB's estimate for the keys family): with the store's
+    /// size, what a key costs in memory whatever the traffic.
+    pub fn filter_and_index_bytes(&self) -> Result<u64, KeystoreError> {
+        self.int_property(KEYS_CF, rocksdb::properties::ESTIMATE_TABLE_READERS_MEM)
     }
 
     fn int_property(&self, cf: &'static str, name: &rocksdb::properties::PropName) -> Result<u64, KeystoreError> {
@@ -1005,7 +1013,8 @@ impl Spill {
                 }
                 _ => {}
             }
-            let writer_opts = sst_writer_options(&self.opts, &Cache::new_lru_cache(1 << 20), self.floor.clone());
+            let writer_opts =
+                sst_writer_options(&self.opts, &Cache::new_lru_cache(1 << 20), self.floor.clone(), Tables::Layer);
             let mut writer = SstFileWriter::create(&writer_opts);
             writer.open(&path).map_err(KeystoreError::rocks("create layer SST"))?;
             let mut value = Vec::with_capacity(MAX_VALUE_LEN);
