@@ -153,6 +153,71 @@ fn usage_verify_finds_no_drift_then_finds_a_tampered_ledger() {
     assert!(text.contains("DRIFT partition 0") && text.contains("1 drifting"), "{text}");
 }
 
+/// A ledger that lost, or never folded, accepted events holds less usage
+/// than the usage store: that is drift, whether the partition has no
+/// checkpoint at all (the ledger emptied) or an older one (the ledger
+/// restored from a copy taken before later runs).
+#[test]
+fn usage_verify_reports_accepted_events_the_ledger_never_folded() {
+    let (dir, base) = ledger_with_traffic();
+    let state = dir.path().join("state");
+    let verify = || {
+        let out = dedupd().args(["usage", "verify", "--state-dir"]).arg(&state).output().expect("run");
+        (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let ledger = state.join("ledger");
+    let older = dir.path().join("ledger-before-the-second-run");
+    std::fs::rename(&ledger, &older).expect("set the ledger aside");
+
+    // The ledger emptied: its partition 0 has no checkpoint, and all five
+    // accepted events (output offsets 0..=4) are unfolded.
+    std::fs::create_dir(&ledger).expect("empty ledger");
+    let (code, text) = verify();
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("partition 0: the usage store holds 5 accepted events the ledger has not folded")
+            && text.contains("output offsets 0..=4; ledger checkpoint none")
+            && text.contains("1 drifting"),
+        "{text}"
+    );
+
+    // A second run with the ledger on folds everything (the ledger catches
+    // up from the usage store, then takes the new events): no drift.
+    std::fs::remove_dir_all(&ledger).expect("drop the empty ledger");
+    let more = dir.path().join("more.ndjson");
+    std::fs::write(
+        &more,
+        line("b1", "cus_1", "api_calls", "4", base) + "\n" + &line("b2", "cus_2", "api_calls", "6", base) + "\n",
+    )
+    .expect("write input");
+    run_ok(
+        dedupd()
+            .args(["dedupe", "--input"])
+            .arg(&more)
+            .arg("--output")
+            .arg(dir.path().join("out.ndjson"))
+            .arg("--state-dir")
+            .arg(&state),
+    );
+    let (code, text) = verify();
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("7 accepted events refolded") && text.contains("0 drifting"), "{text}");
+
+    // The ledger as it was before that run: its checkpoint is 4, and the
+    // two events past it are unfolded, though every hour it holds agrees
+    // with the five events it folded.
+    std::fs::remove_dir_all(&ledger).expect("drop the current ledger");
+    std::fs::rename(&older, &ledger).expect("restore the older ledger");
+    let (code, text) = verify();
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("holds 2 accepted events the ledger has not folded (output offsets 5..=6; ledger checkpoint 4)")
+            && text.contains("5 accepted events refolded")
+            && text.contains("1 drifting"),
+        "{text}"
+    );
+}
+
 #[test]
 fn bad_questions_get_clear_errors_and_change_nothing() {
     let (dir, _) = ledger_with_traffic();

@@ -187,18 +187,48 @@ pub fn period(
     Ok(report)
 }
 
-/// The accepted events of partition `p` the ledger has folded (up to its
-/// checkpoint), in output order: what its rollups were folded from.
-fn applied_events(state: &LocalState, ledger: &LedgerStore, p: i32) -> Result<Vec<StoredEvent>, StateError> {
-    let upto = ledger.checkpoint(p)?;
-    let mut events: Vec<StoredEvent> = Vec::new();
+/// The accepted events of partition `p` in the usage store, in output
+/// order, split at the ledger's checkpoint: those it has folded (what its
+/// rollups were folded from) and those it has not.
+struct PartitionEvents {
+    folded: Vec<StoredEvent>,
+    unfolded: Vec<StoredEvent>,
+    checkpoint: Option<i64>,
+}
+
+fn partition_events(state: &LocalState, ledger: &LedgerStore, p: i32) -> Result<PartitionEvents, StateError> {
+    let checkpoint = ledger.checkpoint(p)?;
+    let (mut folded, mut unfolded) = (Vec::new(), Vec::new());
     state.for_each_stored(p, |e| {
-        if upto.is_some_and(|c| e.key.output.offset <= c) {
-            events.push(e.clone());
+        if checkpoint.is_some_and(|c| e.key.output.offset <= c) {
+            folded.push(e.clone());
+        } else {
+            unfolded.push(e.clone());
         }
     })?;
-    events.sort_by_key(|e| e.key.output.offset);
-    Ok(events)
+    folded.sort_by_key(|e| e.key.output.offset);
+    unfolded.sort_by_key(|e| e.key.output.offset);
+    Ok(PartitionEvents { folded, unfolded, checkpoint })
+}
+
+impl PartitionEvents {
+    /// Accepted events the ledger never folded, as a drift line: `usage`
+    /// leaves them out of every answer. After a crash a worker's next start
+    /// with the ledger on folds them (the ledger catches up from the usage
+    /// store); otherwise the ledger was lost, emptied or restored from an
+    /// older copy, and the usage it reports is short by these events.
+    fn unfolded_drift(&self, p: i32) -> Option<String> {
+        let (first, last) = (self.unfolded.first()?, self.unfolded.last()?);
+        let checkpoint = self.checkpoint.map_or_else(|| "none".to_owned(), |c| c.to_string());
+        Some(format!(
+            "partition {p}: the usage store holds {} accepted events the ledger has not folded (output offsets \
+             {}..={}; ledger checkpoint {checkpoint}); usage answers leave them out until a worker starts \
+             on this directory with the ledger on and folds them",
+            self.unfolded.len(),
+            first.key.output.offset,
+            last.key.output.offset
+        ))
+    }
 }
 
 /// `dedupd usage --group-by dimension:KEY --state-dir`: the query answered
@@ -223,7 +253,7 @@ pub fn usage_from_events(
     if let Some(d) = &state.durable {
         let stored = locked(&d.usage).partitions();
         for p in stored {
-            let events = applied_events(&state, ledger, p)?;
+            let events = partition_events(&state, ledger, p)?.folded;
             partitions.push(events.into_iter().map(|e| (e.key.output.offset, e.event)).collect::<Vec<_>>());
         }
     }
@@ -249,6 +279,8 @@ pub struct LedgerCheck {
 /// `dedupd usage verify --state-dir`: refolds every partition's accepted
 /// events from the usage store, in output order up to the ledger's
 /// checkpoint, and compares every rollup and adjustment with the ledger.
+/// Accepted events past the checkpoint (or in a partition the ledger has
+/// no checkpoint for) are drift too: the ledger does not hold them.
 /// Opens (and locks) the directory, like `inspect`. Hours whose events the
 /// usage store has already aged out (`--retention`) are reported as drift:
 /// keep retention at least as long as the periods still being billed.
@@ -279,7 +311,9 @@ pub fn verify_ledger(state_dir: &Path, settings: EngineSettings) -> Result<Ledge
     partitions.sort_unstable();
     partitions.dedup();
     for p in partitions {
-        let events = applied_events(&state, ledger, p)?;
+        let split = partition_events(&state, ledger, p)?;
+        check.drift.extend(split.unfolded_drift(p));
+        let events = split.folded;
         check.events += events.len() as u64;
         let mut maps = LedgerMaps::default();
         let folded = maps
