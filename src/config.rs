@@ -553,12 +553,17 @@ impl EngineSettings {
         let max_dimensions = pick("max_dimensions", &args.max_dimensions, file.max_dimensions, parse_u64)?;
         let derive_salt = args.derive_salt.clone().or_else(|| file.derive_salt.clone()).unwrap_or(d.derive_salt);
         if !args.closed_periods.is_empty() || file.closed_periods.is_some() {
-            return Err(invalid(
-                "closed_periods",
-                "the fixed list of closed periods was replaced by `dedupd period close --tenant T --period YYYY-MM`: \
-                 periods now live in the periods topic (`--periods-topic`) or the state directory, shared by every \
-                 worker; remove the setting and close each period once with the command",
-            ));
+            // The flag is singular (`--closed-period`, repeatable), the key
+            // and variable plural: named as typed.
+            return Err(ConfigError::Invalid {
+                key: "closed_periods",
+                flag: "closed-period".to_owned(),
+                env: "CLOSED_PERIODS".to_owned(),
+                why: "the fixed list of closed periods was replaced by `dedupd period close --tenant T --period \
+                      YYYY-MM`: periods now live in the periods topic (`--periods-topic`) or the state directory, \
+                      shared by every worker; remove the setting and close each period once with the command"
+                    .to_owned(),
+            });
         }
         let closed_periods = ClosedPeriods::default();
 
@@ -677,11 +682,15 @@ impl EngineSettings {
                 ),
             ));
         }
-        if self.keystore_window_floor > self.horizon {
+        // The floor guards what a size cap leaves of the window: with no
+        // cap the window is the horizon and the alert cannot fire, so a
+        // horizon shorter than the default floor needs no floor typed.
+        if self.keystore_max_bytes.is_some() && self.keystore_window_floor > self.horizon {
             return Err(invalid(
                 "keystore_window_floor",
                 format!(
-                    "keystore_window_floor {} is longer than horizon {}: the alert would always fire",
+                    "keystore_window_floor {} is longer than horizon {}: with keystore_max_bytes set the alert would \
+                     fire whenever the cap binds; set the floor to at most the horizon",
                     d(self.keystore_window_floor),
                     d(self.horizon)
                 ),
@@ -695,6 +704,11 @@ impl EngineSettings {
                 "keystore_lookup_threads",
                 format!("must be at most {}", crate::keystore::MAX_LOOKUP_HELPERS),
             ));
+        }
+        // The key store refuses a smaller layer too, but only when it opens,
+        // after the state directory is made, naming its own option.
+        if self.keystore_write_buffer_bytes < (1 << 20) {
+            return Err(invalid("keystore_write_buffer", "must be at least 1MiB"));
         }
         if self.keystore_background_jobs == 0 {
             return Err(invalid("keystore_background_jobs", "must be at least 1"));
@@ -829,6 +843,35 @@ mod tests {
         let e = resolve(TuningArgs { closed_periods: vec!["acme:2026-13".into()], ..Default::default() }, "")
             .expect_err("bad month");
         assert!(e.to_string().contains("closed_periods") && e.to_string().contains("dedupd period close"), "{e}");
+        assert!(e.to_string().contains("(flag --closed-period, env DEDUPD_CLOSED_PERIODS)"), "the flag as typed: {e}");
+    }
+
+    /// What the key store would refuse only once its directory is made is
+    /// refused here, named as the operator types it.
+    #[test]
+    fn a_layer_smaller_than_a_mebibyte_is_refused_with_its_own_name() {
+        let e = resolve(TuningArgs::default(), r#"keystore_write_buffer = "512KiB""#).expect_err("too small");
+        assert!(
+            e.to_string()
+                .contains("`keystore_write_buffer` (flag --keystore-write-buffer, env DEDUPD_KEYSTORE_WRITE_BUFFER)"),
+            "{e}"
+        );
+        resolve(TuningArgs::default(), r#"keystore_write_buffer = "1MiB""#).expect("the smallest layer");
+    }
+
+    /// The window floor guards what a size cap leaves of the window: a
+    /// horizon shorter than the default floor is refused only beside a cap.
+    #[test]
+    fn a_short_horizon_needs_a_lower_window_floor_only_beside_a_size_cap() {
+        let short = "horizon = \"14d\"\nmax_event_age = \"14d\"\n";
+        resolve(TuningArgs::default(), short).expect("no cap: the alert cannot fire");
+        let e = resolve(TuningArgs::default(), &format!("{short}keystore_max_bytes = \"1GiB\"\n")).expect_err("capped");
+        assert!(e.to_string().contains("`keystore_window_floor`"), "{e}");
+        resolve(
+            TuningArgs::default(),
+            &format!("{short}keystore_max_bytes = \"1GiB\"\nkeystore_window_floor = \"14d\"\n"),
+        )
+        .expect("a floor within the horizon");
     }
 
     #[test]

@@ -550,10 +550,19 @@ impl RunArgs {
     }
 }
 
+/// Settings that contradict each other, refused before anything starts.
 /// Warm standbys keep other owners' partitions in local state; a key store
 /// that drops every revoked partition would throw that away at each
-/// handover back, so the two settings contradict each other.
-fn check_standbys(run: &RunSettings, engine: &EngineSettings) -> anyhow::Result<()> {
+/// handover back. A rollups topic is filled by the ledger: with the ledger
+/// off the worker would publish no rollups, and billing reading that topic
+/// (and `usage`, `period close`) would see no usage at all.
+fn check_contradictions(run: &RunSettings, engine: &EngineSettings) -> anyhow::Result<()> {
+    if let Some(topic) = run.topics.rollups.as_deref().filter(|_| !engine.ledger) {
+        anyhow::bail!(
+            "--rollups-topic {topic} needs --ledger true: the ledger folds the rollups the topic carries, and with it \
+             off the worker would publish none (billing would read no usage)"
+        );
+    }
     if run.standby_replicas > 0 && !engine.keep_revoked_partitions {
         anyhow::bail!(
             "--standby-replicas {} needs --keep-revoked-partitions true: a standby keeps the state of partitions \
@@ -730,7 +739,11 @@ fn error_chain(e: &anyhow::Error) -> String {
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Dedupe { input, output, state_dir, rejected, conflicts, batch_records, tuning } => {
-            let (settings, _) = engine_settings(&tuning)?;
+            let (settings, file) = engine_settings(&tuning)?;
+            // As `run` reads it: the flag (or its variable) over the file's
+            // key. A worker's file reused offline must not drop its state
+            // and count every event again.
+            let state_dir = state_dir.or_else(|| file.state_dir.clone());
             let total_bytes = match &input {
                 // A pipe given by path has no length to draw progress against.
                 Stdio::File(p) => std::fs::metadata(p).ok().filter(|m| m.is_file()).map(|m| m.len()),
@@ -893,7 +906,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::CheckConfig { run, tuning } => {
             let (settings, file) = engine_settings(&tuning)?;
             let (run_settings, state_dir) = run.resolve(&file, &|k| std::env::var(k).ok())?;
-            check_standbys(&run_settings, &settings)?;
+            check_contradictions(&run_settings, &settings)?;
             let limits = settings.validator().limits().clone();
             run_settings
                 .check_record_bounds(limits.max_output_bytes, limits.max_id_bytes)
@@ -907,7 +920,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Run { run, tuning } => {
             let (settings, file) = engine_settings(&tuning)?;
             let (run_settings, state_dir) = run.resolve(&file, &|k| std::env::var(k).ok())?;
-            check_standbys(&run_settings, &settings)?;
+            check_contradictions(&run_settings, &settings)?;
             tracing::info!(
                 version = env!("CARGO_PKG_VERSION"),
                 run = %run_settings.describe(),

@@ -142,6 +142,88 @@ fn standby_replicas_are_resolved_and_refused_beside_a_key_store_that_drops_revok
     assert_eq!(negative.status.code(), Some(2), "{negative:?}");
 }
 
+/// A rollups topic is what billing reads; the ledger is what fills it. With
+/// the ledger off a worker would publish no rollups, and every reader of
+/// that topic would see no usage: refused, from flags and from the file,
+/// by `check-config` as by `run` (which refuses before connecting).
+#[test]
+fn a_rollups_topic_with_the_ledger_off_is_refused() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let args = setup(dir.path());
+    let with_rollups = |extra: &[&str]| {
+        dedupd()
+            .arg("check-config")
+            .args(&args)
+            .args(["--rollups-topic", "usage-rollups"])
+            .args(extra)
+            .output()
+            .expect("run")
+    };
+    let ok = with_rollups(&[]);
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    for refused in [
+        with_rollups(&["--ledger", "false"]),
+        dedupd()
+            .arg("run")
+            .args(&args)
+            .args(["--rollups-topic", "usage-rollups", "--ledger", "false"])
+            .output()
+            .expect("run"),
+    ] {
+        assert_eq!(refused.status.code(), Some(2), "{refused:?}");
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert!(stderr.contains("--rollups-topic usage-rollups needs --ledger true"), "{stderr}");
+    }
+    let from_file = dir.path().join("no-ledger.toml");
+    let base = std::fs::read_to_string(dir.path().join("dedupd.toml")).expect("config");
+    std::fs::write(&from_file, format!("{base}rollups_topic = \"usage-rollups\"\nledger = false\n")).expect("config");
+    let out = dedupd().arg("check-config").arg("--config").arg(&from_file).output().expect("check-config");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+}
+
+/// `dedupe` reads the worker's file as `run` does: a `state_dir` there keeps
+/// state across runs (the flag still wins). Ignored, the second run counted
+/// every event again as new and truncated the first run's output.
+#[test]
+fn dedupe_keeps_state_in_the_state_dir_its_config_file_names() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let state = dir.path().join("state");
+    let config = dir.path().join("offline.toml");
+    std::fs::write(&config, format!("state_dir = {:?}\n", state.display().to_string())).expect("config");
+    let input = dir.path().join("in.ndjson");
+    let event = |id: &str| {
+        format!(
+            r#"{{"event_id":"{id}","tenant_id":"acme","customer_id":"c","meter":"m","quantity":"1","timestamp":{}}}"#,
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis()
+        )
+    };
+    std::fs::write(&input, format!("{}\n{}\n", event("e1"), event("e2"))).expect("input");
+    let output = dir.path().join("out.ndjson");
+    let run = |config: &std::path::Path, flag_state: Option<&std::path::Path>| {
+        let mut c = dedupd();
+        c.args(["dedupe", "--config"]).arg(config).arg("--input").arg(&input).arg("--output").arg(&output);
+        if let Some(s) = flag_state {
+            c.arg("--state-dir").arg(s);
+        }
+        let out = c.output().expect("dedupe");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        // The counts go to standard error: the output may be standard output.
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let first = run(&config, None);
+    assert!(first.contains(r#""accepted":2,"duplicates":0"#), "{first}");
+    assert!(state.join("usage").is_dir(), "the file's state_dir holds the state");
+    let second = run(&config, None);
+    assert!(second.contains(r#""accepted":0,"duplicates":2"#), "the second run remembers the first: {second}");
+    assert_eq!(std::fs::read_to_string(&output).expect("output").lines().count(), 2, "appended, not truncated");
+    // The flag over the file: a fresh directory remembers nothing.
+    let other = dir.path().join("other");
+    std::fs::remove_file(&output).expect("fresh output for a fresh state directory");
+    let elsewhere = run(&config, Some(&other));
+    assert!(elsewhere.contains(r#""accepted":2,"duplicates":0"#), "{elsewhere}");
+    assert!(other.join("usage").is_dir());
+}
+
 #[test]
 fn the_start_up_log_line_is_json_names_the_version_and_masks_secrets() {
     let dir = tempfile::tempdir().expect("tmp");
