@@ -13,7 +13,7 @@
 //! layer full (write buffer)  ──► frozen; on a thread: keys sorted -> one SST ingested into keys CF,
 //!                                 then meta { "h"(bucket,p) += n, "c"(p) = ckpt } synced; log deleted
 //! lookup_many(p, ids)        ──► the layers, then one batched MultiGet on keys CF for the rest
-//!                                 (bloom filters answer absent ids), in parts on helper threads when large
+//!                                 (filters answer absent ids), in parts on helper threads when large
 //! age_out(now)               ──► floor = max(now - horizon, size-cap floor); compactions drop keys <= floor
 //! ```
 //!

@@ -167,7 +167,9 @@ pub(crate) enum Tables {
     /// level), and bulk loads, ingested into the bottommost level.
     Lasting,
     /// A layer of applied keys written out (`recent.rs`): its ids are
-    /// random, so it is ingested into level 0 and soon compacted away.
+    /// random, so it is usually ingested into level 0 (into the bottommost
+    /// level when nothing there overlaps it, as on an empty store) and
+    /// compacted soon.
     Layer,
 }
 

@@ -213,17 +213,21 @@ fn partition_events(state: &LocalState, ledger: &LedgerStore, p: i32) -> Result<
 
 impl PartitionEvents {
     /// Accepted events the ledger never folded, as a drift line: `usage`
-    /// leaves them out of every answer. After a crash a worker's next start
-    /// with the ledger on folds them (the ledger catches up from the usage
-    /// store); otherwise the ledger was lost, emptied or restored from an
-    /// older copy, and the usage it reports is short by these events.
+    /// leaves them out of every answer. After a crash, in a copy of a
+    /// running worker, after a run with the ledger off, or with a ledger
+    /// emptied or restored from an older copy. A worker's next start with
+    /// the ledger on folds them, from the usage store when the ledger's
+    /// last write recorded where they are, otherwise by repair from the
+    /// output (a Kafka worker's reaches back only over the horizon).
     fn unfolded_drift(&self, p: i32) -> Option<String> {
         let (first, last) = (self.unfolded.first()?, self.unfolded.last()?);
         let checkpoint = self.checkpoint.map_or_else(|| "none".to_owned(), |c| c.to_string());
         Some(format!(
             "partition {p}: the usage store holds {} accepted events the ledger has not folded (output offsets \
              {}..={}; ledger checkpoint {checkpoint}); usage answers leave them out until a worker starts \
-             on this directory with the ledger on and folds them",
+             on this directory with the ledger on and folds them (from the usage store when the ledger's last \
+             write says where they are, otherwise by repair from the output, within the horizon for a Kafka \
+             worker)",
             self.unfolded.len(),
             first.key.output.offset,
             last.key.output.offset
