@@ -203,14 +203,17 @@ type Properties = Vec<(String, String)>;
 
 /// The librdkafka properties of one command, lowest precedence first: the
 /// config file's list, DEDUPD_KAFKA_PROPERTIES, the flags, then the
-/// secrets; returns them with the names of the secret keys (masked in logs).
+/// secrets (the file's, DEDUPD_KAFKA_SECRETS, one per line, then the
+/// flags'); returns them with the names of the secret keys (masked in logs).
 fn kafka_properties(
     from_file: &[String],
     flags: &[String],
-    secrets: &[String],
+    (file_secrets, flag_secrets): (&[String], &[String]),
     env: &dyn Fn(&str) -> Option<String>,
 ) -> anyhow::Result<(Properties, Vec<String>)> {
     let from_env = env("DEDUPD_KAFKA_PROPERTIES").map(|t| dedupd::config::property_lines(&t)).unwrap_or_default();
+    let env_secrets = env("DEDUPD_KAFKA_SECRETS").map(|t| dedupd::config::property_lines(&t)).unwrap_or_default();
+    let secrets = file_secrets.iter().chain(&env_secrets).chain(flag_secrets);
     let mut properties = dedupd::config::merge_kafka_properties(&[
         PropertySource { name: "config file `kafka_properties`", entries: from_file },
         PropertySource { name: "DEDUPD_KAFKA_PROPERTIES", entries: &from_env },
@@ -219,8 +222,9 @@ fn kafka_properties(
     .map_err(|why| anyhow::anyhow!("invalid `kafka_properties`: {why}"))?;
     let mut secret_keys = Vec::new();
     for spec in secrets {
-        let (k, v) = dedupd::config::resolve_kafka_secret(spec, env)
-            .map_err(|why| anyhow::anyhow!("invalid `kafka_secrets` (flag --kafka-secret): {why}"))?;
+        let (k, v) = dedupd::config::resolve_kafka_secret(spec, env).map_err(|why| {
+            anyhow::anyhow!("invalid `kafka_secrets` (flag --kafka-secret, env DEDUPD_KAFKA_SECRETS): {why}")
+        })?;
         match properties.iter_mut().find(|(pk, _)| *pk == k) {
             Some(slot) => slot.1 = v,
             None => properties.push((k.clone(), v)),
@@ -454,11 +458,10 @@ impl RunArgs {
                 anyhow::anyhow!("invalid `metrics_addr` (flag --metrics-addr, env DEDUPD_METRICS_ADDR): {a:?}: {e}")
             })?);
         }
-        let secrets: Vec<String> = file.kafka_secrets.iter().flatten().chain(&self.kafka_secrets).cloned().collect();
         (s.kafka_properties, s.kafka_secret_keys) = kafka_properties(
             file.kafka_properties.as_deref().unwrap_or_default(),
             &self.kafka_properties,
-            &secrets,
+            (file.kafka_secrets.as_deref().unwrap_or_default(), &self.kafka_secrets),
             env,
         )?;
         if let Some(n) = self.batch_max_records.or(file.batch_max_records) {
@@ -643,7 +646,7 @@ where
 
 fn usage_brokers(servers: String, client: &ClientArgs) -> anyhow::Result<dedupd::kafka::usage::Brokers> {
     let env = |k: &str| std::env::var(k).ok();
-    let (properties, _) = kafka_properties(&[], &client.kafka_properties, &client.kafka_secrets, &env)?;
+    let (properties, _) = kafka_properties(&[], &client.kafka_properties, (&[], &client.kafka_secrets), &env)?;
     Ok(dedupd::kafka::usage::Brokers { servers, properties, timeout: std::time::Duration::from_secs(30) })
 }
 

@@ -90,6 +90,36 @@ fn check_config_merges_file_env_and_flags_key_by_key_and_masks_secrets() {
     assert!(!stdout.contains(SECRET) && !stdout.contains(SALT), "a secret was printed:\n{stdout}");
 }
 
+/// `DEDUPD_KAFKA_SECRETS` (one `KEY=file:PATH|env:VAR` per line) is read
+/// like every other flag's variable; it was ignored, so a deployment that
+/// set its SASL password there connected without one.
+#[test]
+fn kafka_secrets_are_read_from_their_variable_too() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let config = dir.path().join("plain.toml");
+    std::fs::write(&config, "brokers = \"127.0.0.1:1\"\ngroup = \"g\"\ninput_topic = \"i\"\noutput_topic = \"o\"\nconflicts_topic = \"c\"\nrejected_topic = \"r\"\n").expect("config");
+    let secret = dir.path().join("password");
+    std::fs::write(&secret, format!("{SECRET}\n")).expect("secret");
+    let check = |secrets: &str| {
+        dedupd()
+            .arg("check-config")
+            .arg("--config")
+            .arg(&config)
+            .env("DEDUPD_KAFKA_SECRETS", secrets)
+            .env("TOKEN_VAR", "t0ken-do-not-print")
+            .output()
+            .expect("check-config")
+    };
+    let ok = check(&format!("sasl.password=file:{}\nsasl.oauthbearer.config=env:TOKEN_VAR\n", secret.display()));
+    let stdout = String::from_utf8_lossy(&ok.stdout);
+    assert!(ok.status.success(), "{stdout}{}", String::from_utf8_lossy(&ok.stderr));
+    assert!(stdout.contains("sasl.password=***") && stdout.contains("sasl.oauthbearer.config=***"), "{stdout}");
+    assert!(!stdout.contains(SECRET) && !stdout.contains("t0ken"), "a secret was printed:\n{stdout}");
+    let missing = check("sasl.password=env:NO_SUCH_VARIABLE");
+    assert_eq!(missing.status.code(), Some(2), "{missing:?}");
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("DEDUPD_KAFKA_SECRETS"), "{missing:?}");
+}
+
 #[test]
 fn check_config_refuses_a_bad_configuration_naming_the_key() {
     let dir = tempfile::tempdir().expect("tmp");
