@@ -778,6 +778,66 @@ fn state_dir_remembers_across_runs_and_admits_one_process() {
     assert_eq!(answer["known"], false, "ids are scoped by tenant");
 }
 
+/// The output file is the source of truth a state directory is repaired
+/// from. A line half-written when a run died is cut; a line the state had
+/// applied is never cut, even when only its newline is gone (it was written
+/// whole: the file was damaged since). And one output file takes one
+/// writer: a run on another state directory appending the same events to it
+/// would publish them twice.
+#[test]
+fn the_output_file_takes_one_writer_and_an_applied_line_is_never_cut() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (state, output) = (dir.path().join("state"), dir.path().join("out.ndjson"));
+    let first = dir.path().join("first.ndjson");
+    std::fs::write(&first, format!("{}\n{}\n", event("w1", "1"), event("w2", "2"))).expect("write");
+    let out = dedupe_with_state(&first, &output, &state);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // The last line's newline gone: refused, the file left as it was.
+    let whole = std::fs::read(&output).expect("output");
+    std::fs::write(&output, &whole[..whole.len() - 1]).expect("cut the newline");
+    let later = dir.path().join("later.ndjson");
+    std::fs::write(&later, format!("{}\n", event("w3", "3"))).expect("write");
+    let out = dedupe_with_state(&later, &output, &state);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("line 2") && stderr.contains("end without a newline"), "{stderr}");
+    assert_eq!(std::fs::read(&output).expect("output"), whole[..whole.len() - 1], "an applied line was cut");
+
+    // Restored, plus half a line a dying run wrote past the state: cut.
+    let mut torn = whole.clone();
+    torn.extend_from_slice(br#"{"event_id":"w9","tenant"#);
+    std::fs::write(&output, &torn).expect("a torn line");
+    let out = dedupe_with_state(&later, &output, &state);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(last_line(&out.stderr)["accepted"], 1);
+    let text = std::fs::read_to_string(&output).expect("output");
+    assert_eq!(text.lines().count(), 3, "{text}");
+    assert!(text.starts_with(std::str::from_utf8(&whole).expect("utf-8")) && !text.contains("w9"), "{text}");
+
+    // A run holds the output; a run on another state directory is refused
+    // at once and appends nothing.
+    let mut holder = dedupd()
+        .args(["dedupe", "--input", "-", "--output"])
+        .arg(&output)
+        .arg("--state-dir")
+        .arg(&state)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn holder");
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    let before = std::fs::read(&output).expect("output");
+    let out = dedupe_with_state(&first, &output, &dir.path().join("other-state"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("is being written by another dedupd"), "{stderr}");
+    assert_eq!(std::fs::read(&output).expect("output"), before, "the refused run wrote to the output");
+    drop(holder.stdin.take());
+    assert!(holder.wait().expect("holder exits").success());
+}
+
 #[test]
 fn verify_exits_nonzero_on_a_corrupted_state_dir() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -7,10 +7,10 @@
 //! Without `--state-dir` everything is in memory, bounded by the hot cache
 //! capacity and the batch size. With `--state-dir` state persists across
 //! runs, and the output file plays the output topic's role as the source of
-//! truth (DESIGN §1.4): it is opened for append, and a restart first repairs
-//! local state from the output lines past the state's checkpoint, after
-//! cutting a torn last line. So a crash between writing an accepted event and
-//! applying it to state never doubles or drops it.
+//! truth (DESIGN §1.4): it is locked for the run and appended to, and a
+//! restart first repairs local state from the output lines past the state's
+//! checkpoint, then cuts a torn last line past it. So a crash between writing
+//! an accepted event and applying it to state never doubles or drops it.
 //!
 //! Side files (`--rejected`, `--conflicts`) are reports, not sources of truth:
 //! after a crash a rerun may write a report line again.
@@ -98,6 +98,11 @@ pub enum OfflineError {
          the output file was truncated or replaced; restore it, or start over with an empty state directory"
     )]
     StateAheadOfOutput { path: String, lines: u64, checkpoint: i64, state_dir: String },
+    #[error(
+        "output file {path} is being written by another dedupd (a run with another state directory, or a second \
+         run): an output file takes one writer, or its events would be published twice"
+    )]
+    OutputLocked { path: String },
     #[error("{first} {first_path} and {second} {second_path} are the same file: one would overwrite the other; give each its own file")]
     SameFile { first: &'static str, first_path: String, second: &'static str, second_path: String },
     #[error("{flag} {path} is inside the state directory {state_dir}: writing it would damage the state; name a file outside it")]
@@ -252,8 +257,8 @@ pub fn run_dedupe_with_progress(
             let book = crate::ledger::PeriodBook::load(dir).map_err(OfflineError::Periods)?;
             validator.closed_periods().replace(book.closed());
             state.assign(OFFLINE_PARTITION, clock.now_ms())?;
-            let lines = repair_from_output(&mut state, path, dir, &validator, clock)?;
-            let output = open_append_output(path, lines, settings.fsync.clone())?;
+            let (file, lines) = repair_from_output(&mut state, path, dir, &validator, clock)?;
+            let output = append_output(file, path, lines, settings.fsync.clone())?;
             (state, output)
         }
     };
@@ -865,8 +870,11 @@ fn open_fresh_output(output: &Stdio) -> Result<OutputSink, OfflineError> {
     })
 }
 
-fn open_append_output(path: &Path, lines: u64, fsync: FsyncPolicy) -> Result<OutputSink, OfflineError> {
-    let f = OpenOptions::new().append(true).open(path).map_err(io_err("cannot open output", path))?;
+/// The run's writer of the output file that repair opened and locked: it
+/// appends after the whole lines, and its descriptors keep the lock until
+/// the run ends.
+fn append_output(mut f: File, path: &Path, lines: u64, fsync: FsyncPolicy) -> Result<OutputSink, OfflineError> {
+    f.seek(SeekFrom::End(0)).map_err(io_err("cannot open output", path))?;
     let clone = f.try_clone().map_err(io_err("cannot open output", path))?;
     Ok(OutputSink {
         path: Some(path.to_owned()),
@@ -878,15 +886,16 @@ fn open_append_output(path: &Path, lines: u64, fsync: FsyncPolicy) -> Result<Out
     })
 }
 
-/// Cuts a torn last line, then applies every output line past the state's
-/// checkpoint to state. Returns the number of whole lines in the file.
+/// Locks the output file for this run, applies every output line past the
+/// state's checkpoint to state, then cuts a torn last line. Returns the
+/// file, still locked, and the number of whole lines in it.
 fn repair_from_output(
     state: &mut LocalState,
     path: &Path,
     state_dir: &Path,
     validator: &Validator,
     clock: &dyn Clock,
-) -> Result<u64, OfflineError> {
+) -> Result<(File, u64), OfflineError> {
     let mut f = OpenOptions::new()
         .read(true)
         .write(true)
@@ -899,11 +908,20 @@ fn repair_from_output(
     if !is_regular_file(&f).map_err(io_err("cannot open output", path))? {
         return Err(OfflineError::StateNeedsOutputFile);
     }
-    cut_torn_tail(&mut f).map_err(io_err("cannot repair output", path))?;
+    // One writer per output file: the state directory's lock does not stop
+    // a run on another state directory from appending the same events to
+    // the same file, which would publish them twice.
+    if !fs4::fs_std::FileExt::try_lock_exclusive(&f).map_err(io_err("cannot lock output", path))? {
+        return Err(OfflineError::OutputLocked { path: path.display().to_string() });
+    }
+    // A torn last line is cut only once it is known to lie past what the
+    // state applied: a line the state applied went out whole, so a missing
+    // end there is damage to the source of truth, never a torn write.
+    let whole = whole_lines_end(&mut f).map_err(io_err("cannot read output", path))?;
     f.seek(SeekFrom::Start(0)).map_err(io_err("cannot read output", path))?;
 
     let checkpoint = state.checkpoint(OFFLINE_PARTITION);
-    let mut reader = BufReader::with_capacity(1 << 16, f);
+    let mut reader = BufReader::with_capacity(1 << 16, (&f).take(whole.end));
     let mut line = Line::default();
     // Output lines were accepted under whatever limits were in force then;
     // reading them back applies none of today's (a lowered limit must not
@@ -944,6 +962,18 @@ fn repair_from_output(
     }
     repaired += state.apply_published(OFFLINE_PARTITION, &pending, now_ms)?;
     if let Some(c) = checkpoint {
+        if c >= offset && whole.torn > 0 {
+            return Err(OfflineError::CorruptOutput {
+                path: path.display().to_string(),
+                line: offset as u64 + 1,
+                why: format!(
+                    "its last {} bytes end without a newline, but the state in {} applied this line: it was \
+                     written whole and cut since (restore the file's end; if only the newline is missing, add it)",
+                    whole.torn,
+                    state_dir.display()
+                ),
+            });
+        }
         if c >= offset {
             return Err(OfflineError::StateAheadOfOutput {
                 path: path.display().to_string(),
@@ -953,10 +983,15 @@ fn repair_from_output(
             });
         }
     }
+    if whole.torn > 0 {
+        tracing::warn!(cut_bytes = whole.torn, "cut a torn last line from the output file");
+        f.set_len(whole.end).map_err(io_err("cannot repair output", path))?;
+        f.sync_all().map_err(io_err("cannot repair output", path))?;
+    }
     if repaired > 0 {
         tracing::info!(repaired, "repaired state from the output file");
     }
-    Ok(offset as u64)
+    Ok((f, offset as u64))
 }
 
 /// Refuses a run whose input, output and report files are not all
@@ -1125,13 +1160,15 @@ pub(super) fn is_regular_file(f: &File) -> io::Result<bool> {
     Ok(f.metadata()?.file_type().is_file())
 }
 
-/// Truncates the file after its last newline, so a line half-written when a
-/// previous run died is cut, never read as an event or appended to.
-fn cut_torn_tail(f: &mut File) -> io::Result<()> {
+/// Where the output file's whole lines end, and how many bytes follow
+/// them (a torn last line, written partly when the process died).
+struct WholeLines {
+    end: u64,
+    torn: u64,
+}
+
+fn whole_lines_end(f: &mut File) -> io::Result<WholeLines> {
     let len = f.metadata()?.len();
-    if len == 0 {
-        return Ok(());
-    }
     let mut pos = len;
     let mut buf = vec![0u8; 64 * 1024];
     while pos > 0 {
@@ -1140,19 +1177,12 @@ fn cut_torn_tail(f: &mut File) -> io::Result<()> {
         f.seek(SeekFrom::Start(start))?;
         f.read_exact(&mut buf[..n])?;
         if let Some(i) = buf[..n].iter().rposition(|&b| b == b'\n') {
-            let keep = start + i as u64 + 1;
-            if keep != len {
-                tracing::warn!(cut_bytes = len - keep, "cut a torn last line from the output file");
-                f.set_len(keep)?;
-                f.sync_all()?;
-            }
-            return Ok(());
+            let end = start + i as u64 + 1;
+            return Ok(WholeLines { end, torn: len - end });
         }
         pos = start;
     }
-    tracing::warn!(cut_bytes = len, "cut a torn only line from the output file");
-    f.set_len(0)?;
-    f.sync_all()
+    Ok(WholeLines { end: 0, torn: len })
 }
 
 #[cfg(test)]
