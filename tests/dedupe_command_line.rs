@@ -704,6 +704,23 @@ fn dedupe_with_state(
         .expect("run dedupe")
 }
 
+/// A `dedupe` run that holds its state directory and output file until its
+/// standard input is closed, given time to take both.
+fn hold_state_and_output(output: &std::path::Path, state: &std::path::Path) -> std::process::Child {
+    let holder = dedupd()
+        .args(["dedupe", "--input", "-", "--output"])
+        .arg(output)
+        .arg("--state-dir")
+        .arg(state)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn holder");
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    holder
+}
+
 #[test]
 fn state_dir_remembers_across_runs_and_admits_one_process() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -735,17 +752,7 @@ fn state_dir_remembers_across_runs_and_admits_one_process() {
     assert_eq!(std::fs::read_to_string(&output).expect("output").lines().count(), 3, "appended, never rewritten");
 
     // A second process on the same directory fails at once.
-    let mut holder = dedupd()
-        .args(["dedupe", "--input", "-", "--output"])
-        .arg(&output)
-        .arg("--state-dir")
-        .arg(&state)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn holder");
-    std::thread::sleep(std::time::Duration::from_millis(700));
+    let mut holder = hold_state_and_output(&output, &state);
     let started = std::time::Instant::now();
     let out = dedupe_with_state(&later, &output, &state);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -817,17 +824,7 @@ fn the_output_file_takes_one_writer_and_an_applied_line_is_never_cut() {
 
     // A run holds the output; a run on another state directory is refused
     // at once and appends nothing.
-    let mut holder = dedupd()
-        .args(["dedupe", "--input", "-", "--output"])
-        .arg(&output)
-        .arg("--state-dir")
-        .arg(&state)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn holder");
-    std::thread::sleep(std::time::Duration::from_millis(700));
+    let mut holder = hold_state_and_output(&output, &state);
     let before = std::fs::read(&output).expect("output");
     let out = dedupe_with_state(&first, &output, &dir.path().join("other-state"));
     let stderr = String::from_utf8_lossy(&out.stderr);
