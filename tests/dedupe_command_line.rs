@@ -835,57 +835,6 @@ fn the_output_file_takes_one_writer_and_an_applied_line_is_never_cut() {
     assert!(holder.wait().expect("holder exits").success());
 }
 
-/// Line counts alone cannot tell the output file a state was built from
-/// from another with as many lines: another run's output copied over it,
-/// or a line repeated in place, would have been "repaired" from, applying
-/// events twice or never. The line at the state's checkpoint must be the
-/// event the state applied there.
-#[test]
-fn an_output_file_replaced_or_shifted_under_its_state_is_refused() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let run = |name: &str, ids: &[&str]| {
-        let input = dir.path().join(format!("{name}.ndjson"));
-        let lines: Vec<String> = ids.iter().map(|id| event(id, "1")).collect();
-        std::fs::write(&input, lines.join("\n") + "\n").expect("write");
-        let (output, state) = (dir.path().join(format!("{name}.out")), dir.path().join(format!("{name}.state")));
-        let out = dedupe_with_state(&input, &output, &state);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        (input, output, state)
-    };
-    let (input_a, output_a, state_a) = run("a", &["a1", "a2", "a3"]);
-    let (_, output_b, _) = run("b", &["b1", "b2", "b3", "b4"]);
-    let original = std::fs::read(&output_a).expect("output");
-    let refused = |why: &str| {
-        let before = std::fs::read(&output_a).expect("output");
-        let out = dedupe_with_state(&input_a, &output_a, &state_a);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{why}: {stderr}");
-        assert!(stderr.contains("line 3 is not the line the state in"), "{why}: {stderr}");
-        assert_eq!(std::fs::read(&output_a).expect("output"), before, "{why}: the output changed");
-    };
-    std::fs::copy(&output_b, &output_a).expect("another run's output over this one");
-    refused("replaced");
-    let text = String::from_utf8(original.clone()).expect("utf-8");
-    let lines: Vec<&str> = text.lines().collect();
-    std::fs::write(&output_a, format!("{}\n{}\n{}\n{}\n", lines[0], lines[0], lines[1], lines[2])).expect("write");
-    refused("a line repeated");
-    std::fs::write(
-        &output_a,
-        text.replacen(r#""quantity":"1""#, r#""quantity":"100""#, 3).replacen(
-            r#""quantity":"100""#,
-            r#""quantity":"1""#,
-            2,
-        ),
-    )
-    .expect("write");
-    refused("the last applied line edited");
-    // Restored: the run goes on, and the events are duplicates.
-    std::fs::write(&output_a, &original).expect("restore");
-    let out = dedupe_with_state(&input_a, &output_a, &state_a);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(last_line(&out.stderr)["duplicates"], 3);
-}
-
 #[test]
 fn verify_exits_nonzero_on_a_corrupted_state_dir() {
     let dir = tempfile::tempdir().expect("tempdir");

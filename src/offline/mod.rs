@@ -99,11 +99,6 @@ pub enum OfflineError {
     )]
     StateAheadOfOutput { path: String, lines: u64, checkpoint: i64, state_dir: String },
     #[error(
-        "output file {path} line {line} is not the line the state in {state_dir} applied there ({why}): the output \
-         file was replaced or edited; restore it, or start over with an empty state directory"
-    )]
-    OutputNotTheState { path: String, line: u64, state_dir: String, why: String },
-    #[error(
         "output file {path} is being written by another dedupd (a run with another state directory, or a second \
          run): an output file takes one writer, or its events would be published twice"
     )]
@@ -875,62 +870,6 @@ fn open_fresh_output(output: &Stdio) -> Result<OutputSink, OfflineError> {
     })
 }
 
-/// The line at the state's checkpoint must be the event the state applied
-/// there: the key store remembers its id at that offset with that payload.
-/// Line counts alone take a replaced output file with as many lines, or one
-/// with a line repeated or dropped before the checkpoint, for the one the
-/// state was built from, and repair would then apply the wrong lines (an
-/// event twice, or one never published). A key store that remembers no key
-/// any more (the state idle past the horizon) cannot tell.
-fn check_last_applied_line(
-    state: &LocalState,
-    path: &Path,
-    state_dir: &Path,
-    validator: &Validator,
-    line: &Line,
-    offset: i64,
-) -> Result<(), OfflineError> {
-    let mismatch = |why: String| OfflineError::OutputNotTheState {
-        path: path.display().to_string(),
-        line: offset as u64 + 1,
-        state_dir: state_dir.display().to_string(),
-        why,
-    };
-    if line.truncated() {
-        return Err(mismatch(format!("a line of {} bytes is longer than any event", line.len)));
-    }
-    let event = validator.read_output(&line.bytes).map_err(|r| mismatch(format!("not a dedupd event: {r}")))?;
-    let id = id_hash(&event.tenant_id, &event.event_id);
-    let Some(Some(known)) = state.remembered_keys(OFFLINE_PARTITION, &[id])?.pop() else {
-        // The last applied event is the newest key, and keys age out oldest
-        // first: while the key store remembers any key (offline, all are
-        // this partition's) it remembers this one, so an id it does not
-        // know was never applied.
-        if state.remembers_any_key()? {
-            return Err(mismatch(format!(
-                "event {:?} of tenant {:?} was never applied, yet newer than every key the state remembers",
-                event.event_id, event.tenant_id
-            )));
-        }
-        return Ok(());
-    };
-    if known.output.offset != offset {
-        return Err(mismatch(format!(
-            "event {:?} of tenant {:?} was applied from line {}",
-            event.event_id,
-            event.tenant_id,
-            known.output.offset + 1
-        )));
-    }
-    if known.payload_hash != payload_hash(&event) {
-        return Err(mismatch(format!(
-            "event {:?} of tenant {:?} has another payload than the one applied",
-            event.event_id, event.tenant_id
-        )));
-    }
-    Ok(())
-}
-
 /// The run's writer of the output file that repair opened and locked: it
 /// appends after the whole lines, and its descriptors keep the lock until
 /// the run ends.
@@ -993,9 +932,6 @@ fn repair_from_output(
     let mut repaired = 0usize;
     let now_ms = clock.now_ms();
     while read_bounded_line(&mut reader, limit, &mut line).map_err(io_err("cannot read output", path))? {
-        if checkpoint == Some(offset) {
-            check_last_applied_line(state, path, state_dir, validator, &line, offset)?;
-        }
         if checkpoint.is_none_or(|c| offset > c) {
             let corrupt = |why: String| OfflineError::CorruptOutput {
                 path: path.display().to_string(),

@@ -844,16 +844,6 @@ impl LocalState {
         Ok(out)
     }
 
-    /// Whether the key store remembers any key at all (by its histogram,
-    /// which counts a bucket until all of it is past the floor); `false`
-    /// without a state directory.
-    pub fn remembers_any_key(&self) -> Result<bool, StateError> {
-        match &self.durable {
-            None => Ok(false),
-            Some(d) => Ok(d.keys.oldest_first_seen_ms()?.is_some()),
-        }
-    }
-
     pub fn settings(&self) -> &EngineSettings {
         &self.settings
     }
