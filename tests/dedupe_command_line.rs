@@ -831,6 +831,12 @@ fn the_output_file_takes_one_writer_and_an_applied_line_is_never_cut() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("is being written by another dedupd"), "{stderr}");
     assert_eq!(std::fs::read(&output).expect("output"), before, "the refused run wrote to the output");
+    // Nor may a run without a state directory empty it, to write its own.
+    let out = dedupd().args(["dedupe", "--input"]).arg(&first).arg("--output").arg(&output).output().expect("run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("is being written by another dedupd"), "{stderr}");
+    assert_eq!(std::fs::read(&output).expect("output"), before, "a run without a state directory emptied the output");
     drop(holder.stdin.take());
     assert!(holder.wait().expect("holder exits").success());
 }

@@ -853,10 +853,25 @@ fn open_fresh_output(output: &Stdio) -> Result<OutputSink, OfflineError> {
             next_offset: 0,
         },
         Stdio::File(p) => {
-            let f = File::create(p).map_err(io_err("cannot create output", p))?;
+            // Locked before it is emptied: a run with a state directory may
+            // be writing this file, the source of truth its state is
+            // repaired from, and truncating it under that run loses events
+            // billing has read.
+            let f = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(p)
+                .map_err(io_err("cannot create output", p))?;
             // Only a regular file is synced (see `is_regular_file`):
             // `--output /dev/null` counts without writing anything down.
             let regular = is_regular_file(&f).map_err(io_err("cannot open output", p))?;
+            if regular {
+                if !fs4::fs_std::FileExt::try_lock_exclusive(&f).map_err(io_err("cannot lock output", p))? {
+                    return Err(OfflineError::OutputLocked { path: p.display().to_string() });
+                }
+                f.set_len(0).map_err(io_err("cannot create output", p))?;
+            }
             let clone = if regular { Some(f.try_clone().map_err(io_err("cannot open output", p))?) } else { None };
             OutputSink {
                 path: Some(p.clone()),
