@@ -743,10 +743,19 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Dedupe { input, output, state_dir, rejected, conflicts, batch_records, tuning } => {
             let (settings, file) = engine_settings(&tuning)?;
-            // As `run` reads it: the flag (or its variable) over the file's
-            // key. A worker's file reused offline must not drop its state
-            // and count every event again.
-            let state_dir = state_dir.or_else(|| file.state_dir.clone());
+            // `state_dir` in a file is a worker's key. Ignored, a worker's
+            // file reused offline ran on in-memory state, counted every
+            // event again and emptied the output; taken, it would point an
+            // offline run at a worker's own state. Refused: the flag (or its
+            // variable) names an offline run's directory.
+            if let (None, Some(dir)) = (&state_dir, &file.state_dir) {
+                anyhow::bail!(
+                    "the config file sets state_dir = {:?}, a worker's state directory: dedupe takes its own only \
+                     from --state-dir (or DEDUPD_STATE_DIR); pass one to keep state across runs, or use a config \
+                     file without the key",
+                    dir.display().to_string()
+                );
+            }
             let total_bytes = match &input {
                 // A pipe given by path has no length to draw progress against.
                 Stdio::File(p) => std::fs::metadata(p).ok().filter(|m| m.is_file()).map(|m| m.len()),

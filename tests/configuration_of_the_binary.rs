@@ -211,47 +211,48 @@ fn a_rollups_topic_with_the_ledger_off_is_refused() {
     assert_eq!(out.status.code(), Some(2), "{out:?}");
 }
 
-/// `dedupe` reads the worker's file as `run` does: a `state_dir` there keeps
-/// state across runs (the flag still wins). Ignored, the second run counted
-/// every event again as new and truncated the first run's output.
+/// `state_dir` in a config file is a worker's key. `dedupe` ignored it: a
+/// worker's file reused offline ran on in-memory state, counted every event
+/// again and emptied the output. Taking it would point an offline run at a
+/// worker's own state, so the run is refused before any file is touched;
+/// `--state-dir` names an offline run's directory and wins over the file.
 #[test]
-fn dedupe_keeps_state_in_the_state_dir_its_config_file_names() {
+fn dedupe_refuses_a_config_file_naming_a_state_dir_unless_the_flag_names_its_own() {
     let dir = tempfile::tempdir().expect("tmp");
-    let state = dir.path().join("state");
-    let config = dir.path().join("offline.toml");
-    std::fs::write(&config, format!("state_dir = {:?}\n", state.display().to_string())).expect("config");
+    let worker_state = dir.path().join("worker-state");
+    let config = dir.path().join("worker.toml");
+    std::fs::write(&config, format!("state_dir = {:?}\n", worker_state.display().to_string())).expect("config");
     let input = dir.path().join("in.ndjson");
-    let event = |id: &str| {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis();
+    std::fs::write(
+        &input,
         format!(
-            r#"{{"event_id":"{id}","tenant_id":"acme","customer_id":"c","meter":"m","quantity":"1","timestamp":{}}}"#,
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis()
-        )
-    };
-    std::fs::write(&input, format!("{}\n{}\n", event("e1"), event("e2"))).expect("input");
+            r#"{{"event_id":"e1","tenant_id":"acme","customer_id":"c","meter":"m","quantity":"1","timestamp":{now}}}"#
+        ) + "\n",
+    )
+    .expect("input");
     let output = dir.path().join("out.ndjson");
-    let run = |config: &std::path::Path, flag_state: Option<&std::path::Path>| {
+    std::fs::write(&output, "kept\n").expect("an earlier output");
+    let dedupe = |state: Option<&std::path::Path>| {
         let mut c = dedupd();
-        c.args(["dedupe", "--config"]).arg(config).arg("--input").arg(&input).arg("--output").arg(&output);
-        if let Some(s) = flag_state {
+        c.args(["dedupe", "--config"]).arg(&config).arg("--input").arg(&input).arg("--output").arg(&output);
+        if let Some(s) = state {
             c.arg("--state-dir").arg(s);
         }
-        let out = c.output().expect("dedupe");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        // The counts go to standard error: the output may be standard output.
-        String::from_utf8_lossy(&out.stderr).into_owned()
+        c.output().expect("dedupe")
     };
-    let first = run(&config, None);
-    assert!(first.contains(r#""accepted":2,"duplicates":0"#), "{first}");
-    assert!(state.join("usage").is_dir(), "the file's state_dir holds the state");
-    let second = run(&config, None);
-    assert!(second.contains(r#""accepted":0,"duplicates":2"#), "the second run remembers the first: {second}");
-    assert_eq!(std::fs::read_to_string(&output).expect("output").lines().count(), 2, "appended, not truncated");
-    // The flag over the file: a fresh directory remembers nothing.
-    let other = dir.path().join("other");
-    std::fs::remove_file(&output).expect("fresh output for a fresh state directory");
-    let elsewhere = run(&config, Some(&other));
-    assert!(elsewhere.contains(r#""accepted":2,"duplicates":0"#), "{elsewhere}");
-    assert!(other.join("usage").is_dir());
+    let refused = dedupe(None);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("a worker's state directory") && stderr.contains("--state-dir"), "{stderr}");
+    assert_eq!(std::fs::read_to_string(&output).expect("output"), "kept\n", "the output was touched");
+    assert!(!worker_state.exists(), "the worker's state directory was made");
+
+    std::fs::remove_file(&output).expect("a fresh output for a fresh state directory");
+    let own = dir.path().join("offline-state");
+    let ran = dedupe(Some(&own));
+    assert!(ran.status.success(), "{}", String::from_utf8_lossy(&ran.stderr));
+    assert!(own.join("usage").is_dir() && !worker_state.exists(), "the flag's directory, not the file's");
 }
 
 #[test]
