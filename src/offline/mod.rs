@@ -867,9 +867,7 @@ fn open_fresh_output(output: &Stdio) -> Result<OutputSink, OfflineError> {
             // `--output /dev/null` counts without writing anything down.
             let regular = is_regular_file(&f).map_err(io_err("cannot open output", p))?;
             if regular {
-                if !fs4::fs_std::FileExt::try_lock_exclusive(&f).map_err(io_err("cannot lock output", p))? {
-                    return Err(OfflineError::OutputLocked { path: p.display().to_string() });
-                }
+                lock_output(&f, p)?;
                 f.set_len(0).map_err(io_err("cannot create output", p))?;
             }
             let clone = if regular { Some(f.try_clone().map_err(io_err("cannot open output", p))?) } else { None };
@@ -883,6 +881,17 @@ fn open_fresh_output(output: &Stdio) -> Result<OutputSink, OfflineError> {
             }
         }
     })
+}
+
+/// Takes the run's exclusive `flock` on its output file, or fails at once:
+/// one writer per output file, whatever its state directory. Held while
+/// any descriptor of this open file lives (the sink's writer and its
+/// clone), so until the run ends.
+fn lock_output(f: &File, path: &Path) -> Result<(), OfflineError> {
+    if !fs4::fs_std::FileExt::try_lock_exclusive(f).map_err(io_err("cannot lock output", path))? {
+        return Err(OfflineError::OutputLocked { path: path.display().to_string() });
+    }
+    Ok(())
 }
 
 /// The run's writer of the output file that repair opened and locked: it
@@ -926,9 +935,7 @@ fn repair_from_output(
     // One writer per output file: the state directory's lock does not stop
     // a run on another state directory from appending the same events to
     // the same file, which would publish them twice.
-    if !fs4::fs_std::FileExt::try_lock_exclusive(&f).map_err(io_err("cannot lock output", path))? {
-        return Err(OfflineError::OutputLocked { path: path.display().to_string() });
-    }
+    lock_output(&f, path)?;
     // A torn last line is cut only once it is known to lie past what the
     // state applied: a line the state applied went out whole, so a missing
     // end there is damage to the source of truth, never a torn write.

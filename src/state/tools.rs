@@ -187,27 +187,39 @@ pub fn period(
     Ok(report)
 }
 
-/// The accepted events of partition `p` in the usage store, in output
-/// order, split at the ledger's checkpoint: those it has folded (what its
-/// rollups were folded from) and those it has not.
+/// The accepted events of partition `p` in the usage store the ledger has
+/// folded (up to its checkpoint), in output order: what its rollups were
+/// folded from. Those past the checkpoint are only counted, with the range
+/// of their output offsets: a drift line needs no more, and after an
+/// emptied ledger they are the whole store.
 struct PartitionEvents {
     folded: Vec<StoredEvent>,
-    unfolded: Vec<StoredEvent>,
+    unfolded: Option<Unfolded>,
     checkpoint: Option<i64>,
+}
+
+struct Unfolded {
+    count: u64,
+    first: i64,
+    last: i64,
 }
 
 fn partition_events(state: &LocalState, ledger: &LedgerStore, p: i32) -> Result<PartitionEvents, StateError> {
     let checkpoint = ledger.checkpoint(p)?;
-    let (mut folded, mut unfolded) = (Vec::new(), Vec::new());
+    let mut folded = Vec::new();
+    let mut unfolded: Option<Unfolded> = None;
     state.for_each_stored(p, |e| {
-        if checkpoint.is_some_and(|c| e.key.output.offset <= c) {
+        let offset = e.key.output.offset;
+        if checkpoint.is_some_and(|c| offset <= c) {
             folded.push(e.clone());
         } else {
-            unfolded.push(e.clone());
+            let u = unfolded.get_or_insert(Unfolded { count: 0, first: offset, last: offset });
+            u.count += 1;
+            u.first = u.first.min(offset);
+            u.last = u.last.max(offset);
         }
     })?;
     folded.sort_by_key(|e| e.key.output.offset);
-    unfolded.sort_by_key(|e| e.key.output.offset);
     Ok(PartitionEvents { folded, unfolded, checkpoint })
 }
 
@@ -220,17 +232,14 @@ impl PartitionEvents {
     /// last write recorded where they are, otherwise by repair from the
     /// output (a Kafka worker's reaches back only over the horizon).
     fn unfolded_drift(&self, p: i32) -> Option<String> {
-        let (first, last) = (self.unfolded.first()?, self.unfolded.last()?);
+        let Unfolded { count, first, last } = self.unfolded.as_ref()?;
         let checkpoint = self.checkpoint.map_or_else(|| "none".to_owned(), |c| c.to_string());
         Some(format!(
-            "partition {p}: the usage store holds {} accepted events the ledger has not folded (output offsets \
-             {}..={}; ledger checkpoint {checkpoint}); usage answers leave them out until a worker starts \
+            "partition {p}: the usage store holds {count} accepted events the ledger has not folded (output offsets \
+             {first}..={last}; ledger checkpoint {checkpoint}); usage answers leave them out until a worker starts \
              on this directory with the ledger on and folds them (from the usage store when the ledger's last \
              write says where they are, otherwise by repair from the output, within the horizon for a Kafka \
-             worker)",
-            self.unfolded.len(),
-            first.key.output.offset,
-            last.key.output.offset
+             worker)"
         ))
     }
 }
