@@ -766,8 +766,33 @@ impl EngineSettings {
         ms(self.horizon)
     }
 
+    /// How long a key is remembered after it is first seen: the horizon,
+    /// plus `max_future_skew`, plus a millisecond.
+    ///
+    /// Keys expire by first-seen time, but the age check measures from the
+    /// event's own stamp, which may be up to the skew ahead of its first
+    /// arrival. A key kept for the horizon alone would be forgotten while a
+    /// retry of an event stamped ahead still passed the age check (it is
+    /// accepted until `max_event_age` after its stamp, inclusive, hence the
+    /// millisecond), and that retry would be billed twice. Everything that
+    /// keeps or reads back keys uses this: the classifier, the key store's
+    /// ageing, repair of a partition with no checkpoint, and the usage
+    /// store's retention (which backs a conflict's original).
+    pub fn key_lifetime_ms(&self) -> i64 {
+        self.horizon_ms().saturating_add(self.limits.max_future_skew_ms.max(0)).saturating_add(1)
+    }
+
+    /// [`key_lifetime_ms`](Self::key_lifetime_ms) as a duration.
+    pub fn key_lifetime(&self) -> Duration {
+        Duration::from_millis(u64::try_from(self.key_lifetime_ms()).unwrap_or(0))
+    }
+
+    /// How long the usage store keeps accepted events: `retention`, but
+    /// never less than a key's life ([`key_lifetime_ms`](Self::key_lifetime_ms)),
+    /// since it holds the original a conflict with a remembered key is
+    /// reported against (`retention` may equal the horizon).
     pub fn retention_ms(&self) -> i64 {
-        ms(self.retention)
+        ms(self.retention).max(self.key_lifetime_ms())
     }
 
     /// Classifier settings for one partition.
@@ -775,7 +800,7 @@ impl EngineSettings {
         crate::classify::ClassifierSettings {
             hot_ttl_ms: self.hot_ttl_ms(),
             hot_capacity: self.hot_capacity,
-            horizon_ms: self.horizon_ms(),
+            horizon_ms: self.key_lifetime_ms(),
             detect_replays,
         }
     }

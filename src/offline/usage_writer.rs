@@ -294,7 +294,7 @@ mod tests {
 
     fn sim_state_with(disk: &SimDisk, keys: impl FnOnce(SimKeyStore) -> Box<dyn KeyTier>) -> LocalState {
         let settings = EngineSettings { ledger: false, ..EngineSettings::default() };
-        let keys = keys(SimKeyStore::new(settings.horizon_ms(), 7));
+        let keys = keys(SimKeyStore::new(settings.key_lifetime_ms(), 7));
         let store = crate::state::store_options(&settings);
         let mut state = LocalState::open_on(Arc::new(disk.clone()), Path::new("/sim/w0"), keys, settings, store, false)
             .expect("open");

@@ -535,7 +535,7 @@ pub fn store_options(settings: &EngineSettings) -> StoreOptions {
 /// The key store's options from the engine settings.
 pub fn keystore_options(settings: &EngineSettings) -> KeyStoreOptions {
     KeyStoreOptions {
-        horizon_ms: settings.horizon_ms(),
+        horizon_ms: settings.key_lifetime_ms(),
         max_bytes: settings.keystore_max_bytes,
         window_floor_ms: i64::try_from(settings.keystore_window_floor.as_millis()).unwrap_or(i64::MAX),
         block_cache_bytes: usize::try_from(settings.keystore_block_cache_bytes).unwrap_or(usize::MAX),
@@ -1836,7 +1836,7 @@ mod tests {
         let fs = Arc::new(GatedFs::default());
         let settings = EngineSettings::default();
         let store = StoreOptions { memtable_max_events: 10, write_in_background: true, ..store_options(&settings) };
-        let keys = crate::sim::disk::SimKeyStore::new(settings.horizon_ms(), 7);
+        let keys = crate::sim::disk::SimKeyStore::new(settings.key_lifetime_ms(), 7);
         let mut state =
             LocalState::open_on(fs.clone(), dir.path(), Box::new(keys), settings, store, true).expect("open");
         // Flushes on a thread, as on a state directory.
@@ -1895,7 +1895,7 @@ mod tests {
             compaction_target_rows: 400,
             ..store_options(&settings)
         };
-        let keys = crate::sim::disk::SimKeyStore::new(settings.horizon_ms(), 7);
+        let keys = crate::sim::disk::SimKeyStore::new(settings.key_lifetime_ms(), 7);
         let mut state =
             LocalState::open_on(Arc::new(crate::storage::RealFs), dir.path(), Box::new(keys), settings, store, true)
                 .expect("open");
@@ -1968,7 +1968,7 @@ mod tests {
     ) {
         let settings = EngineSettings::default();
         let disk = crate::sim::disk::SimDisk::new(Path::new("/sim/w0"), 1);
-        let keys = crate::sim::disk::SimKeyStore::new(settings.horizon_ms(), 1);
+        let keys = crate::sim::disk::SimKeyStore::new(settings.key_lifetime_ms(), 1);
         let store = store_options(&settings);
         let mut state = LocalState::open_on(
             Arc::new(disk.clone()),
@@ -2014,7 +2014,7 @@ mod tests {
         };
         for ending in ["close", "room", "crash", "crash after the write"] {
             let disk = crate::sim::disk::SimDisk::new(Path::new("/sim/w0"), 1);
-            let keys = crate::sim::disk::SimKeyStore::new(settings.horizon_ms(), 1);
+            let keys = crate::sim::disk::SimKeyStore::new(settings.key_lifetime_ms(), 1);
             let open = || {
                 LocalState::open_on(
                     Arc::new(disk.clone()),

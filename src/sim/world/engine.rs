@@ -70,7 +70,7 @@ impl SimState {
             write_in_background: true,
             ..crate::state::store_options(&settings)
         };
-        let horizon_ms = settings.horizon_ms();
+        let horizon_ms = settings.key_lifetime_ms();
         SimState {
             disk: SimDisk::new(&dir, rng.next_u64()),
             keys: SimKeyStore::new(horizon_ms, rng.next_u64()),
