@@ -103,7 +103,7 @@ fn unknown_fields_ignored_leave_identity_payload_hash_and_output_unchanged() {
     for extra in [
         r#""price":"1""#,
         r#""trace":{"span":[1,2,{"deep":null}]}"#,
-        r#""kind":"retraction","correction_ref":{"original_event_id":"e","note":"x"}"#,
+        r#""kind":"correction","correction_ref":{"original_event_id":"e","note":"x"}"#,
     ] {
         let after = ignoring
             .validate(with(&format!("{id},{extra}")).as_bytes(), NOW_MS)
@@ -191,6 +191,28 @@ fn negative_quantity_only_for_usage() {
     }
     // Negative zero is zero, not negative.
     accept(&neg.replace("-1.5", "-0").replace("KIND", ""));
+}
+
+#[test]
+fn a_retraction_takes_usage_away_so_its_quantity_is_never_above_zero() {
+    let event = |qty: &str, kind: &str| {
+        format!(
+            r#"{{"tenant_id":"a","customer_id":"c","meter":"m","quantity":{qty},"timestamp":"2026-11-21T10:00:00Z","kind":"{kind}","correction_ref":{{"original_event_id":"e0"}}}}"#
+        )
+    };
+    for qty in [r#""5""#, "5", r#""0.001""#] {
+        let rejected = validator().validate(event(qty, "retraction").as_bytes(), NOW_MS).expect_err(qty);
+        assert_eq!(rejected.reason, RejectReason::InvalidQuantity, "{qty}");
+        assert!(rejected.detail.contains("sent as -5"), "{rejected}");
+        // A correction may add usage.
+        assert_eq!(accept(&event(qty, "correction")).kind, EventKind::Correction);
+    }
+    for qty in [r#""-5""#, "0", r#""-0""#] {
+        assert_eq!(accept(&event(qty, "retraction")).kind, EventKind::Retraction, "{qty}");
+    }
+    // Output an older version accepted still reads back.
+    let read_back = validator().read_output(event(r#""5""#, "retraction").as_bytes());
+    assert!(read_back.is_ok(), "{read_back:?}");
 }
 
 #[test]
@@ -377,7 +399,7 @@ fn derived_ids_are_stable_for_the_business_tuple_and_depend_on_the_salt() {
 #[test]
 fn canonical_json_reads_back_to_the_same_payload_hash() {
     let e = accept(
-        r#"{"tenant_id":"t","customer_id":"c\"q","meter":"m\n","quantity":1.50,"timestamp":"2026-11-21T11:00:00+01:00",
+        r#"{"tenant_id":"t","customer_id":"c\"q","meter":"m\n","quantity":-1.50,"timestamp":"2026-11-21T11:00:00+01:00",
             "kind":"retraction","correction_ref":{"original_event_id":"o","reason":"r"},"dimensions":{"z":"1","a":"\u0001"}}"#,
     );
     let line = to_canonical_json(&e);
@@ -386,7 +408,7 @@ fn canonical_json_reads_back_to_the_same_payload_hash() {
     assert_eq!(payload_hash(&back), payload_hash(&e));
     assert_eq!(to_canonical_json(&back), line, "rendering is a fixed point");
     assert!(
-        line.contains(r#""quantity":"1.5""#) && line.contains(r#""timestamp":"2026-11-21T10:00:00.000Z""#),
+        line.contains(r#""quantity":"-1.5""#) && line.contains(r#""timestamp":"2026-11-21T10:00:00.000Z""#),
         "{line}"
     );
 }

@@ -454,11 +454,23 @@ impl Validator {
                 format!("a {} needs `correction_ref.original_event_id`", kind.as_str()),
             ));
         }
+        // A retraction takes billed usage away, and usage is summed as sent:
+        // one sent as +5 would bill 5 more instead of 5 less. Refused at the
+        // input only, so output an older version accepted still reads back.
+        if input && kind == EventKind::Retraction && quantity.is_sign_positive() && !quantity.is_zero() {
+            return Err(Rejection::new(
+                InvalidQuantity,
+                format!("retraction quantity {quantity} is above 0: a retraction of 5 units is sent as -5"),
+            ));
+        }
         if kind == EventKind::Usage && input {
             if let Some((year, month)) = self.closed.find(tenant_id, timestamp_ms) {
                 return Err(Rejection::new(
                     ClosedPeriod,
-                    format!("{year}-{month:02} is closed for tenant {tenant_id:?}; send a correction instead"),
+                    format!(
+                        "{year}-{month:02} is closed for tenant {tenant_id:?}: if this event was accepted before \
+                         the close it is a retry and is billed already; otherwise send a correction"
+                    ),
                 ));
             }
         }
