@@ -856,7 +856,12 @@ async fn state_for_a_never_owned_partition_is_rebuilt_from_the_output_within_the
     // it must read exactly the output published since, partition by partition.
     let now = SystemClock.now_ms();
     let mut engine_settings = EngineSettings::default();
-    engine_settings.horizon = Duration::from_millis(u64::try_from(now - boundary).expect("positive"));
+    // A key outlives the horizon by the future skew and a millisecond
+    // (`EngineSettings::key_lifetime_ms`): with no skew, the lifetime
+    // reaches back to `boundary` exactly.
+    engine_settings.limits.max_future_skew_ms = 0;
+    engine_settings.horizon = Duration::from_millis(u64::try_from(now - boundary - 1).expect("positive"));
+    assert_eq!(engine_settings.key_lifetime_ms(), now - boundary);
     engine_settings.hot_ttl = engine_settings.horizon;
     let validator = engine_settings.validator();
     let engine: Box<dyn Engine> =

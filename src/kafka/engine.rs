@@ -402,6 +402,45 @@ mod tests {
         e.close().expect("close");
     }
 
+    /// The key store ages out by the clock of the upkeep that runs it,
+    /// which may be read after a batch read its own (the batch waited
+    /// behind the upkeep): a key the batch still counts as remembered must
+    /// not be hidden by an age-out made at that later time.
+    #[test]
+    fn a_batch_classifying_by_an_earlier_clock_than_the_last_age_out_still_finds_its_keys() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let settings = EngineSettings::default();
+        let lifetime = settings.key_lifetime_ms();
+        let state = LocalState::open(Some(dir.path()), settings.clone(), true).expect("open");
+        let mut e = StateEngine::new(state, settings.validator());
+        e.assign(0, NOW).expect("assign");
+        // Stamped as far ahead as the skew lets in, so its retries pass the
+        // age check until the key's last millisecond.
+        let stamp = NOW + settings.limits.max_future_skew_ms;
+        let a = format!(
+            r#"{{"event_id":"a","tenant_id":"t","customer_id":"c","meter":"m","quantity":"1","timestamp":{stamp}}}"#
+        )
+        .into_bytes();
+        let at = |offset| [InputRecord { source: Position::new(0, offset), payload: Some(&a) }];
+        let out = e.classify(0, &at(0), NOW, None).expect("classify").outcomes;
+        let Outcome::Accepted { event, id_hash, payload_hash } = &out[0] else { panic!("{out:?}") };
+        let key = SeenKey {
+            id_hash: *id_hash,
+            payload_hash: *payload_hash,
+            first_seen_ms: NOW,
+            source: Position::new(0, 0),
+            output: Position::new(0, 0),
+        };
+        e.apply_published(0, &[StoredEvent { key, event: event.clone() }], NOW).expect("apply");
+        // The upkeep runs a minute past the key's lifetime; a batch that read
+        // the clock a minute before it classifies after.
+        e.maintain(NOW + lifetime + 60_000).expect("age out");
+        let batch_now = NOW + lifetime - 60_000;
+        let out = e.classify(0, &at(1), batch_now, None).expect("classify").outcomes;
+        assert!(matches!(out[0], Outcome::Duplicate { tier: crate::classify::Tier::KeyStore, .. }), "{out:?}");
+        e.close().expect("close");
+    }
+
     #[test]
     fn apply_at_or_below_the_checkpoint_changes_nothing() {
         let mut e = engine();

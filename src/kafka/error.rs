@@ -43,7 +43,7 @@ pub enum KafkaError {
     #[error(
         "retention deleted output records {first_missing}..{log_start} of `{topic}` partition {partition} before \
          local state applied them (checkpoint {checkpoint}): retries of those {missing} events could no longer be \
-         recognised and would be billed twice. Keep the output topic's retention longer than the dedupe horizon; \
+         recognised and would be billed twice. Keep the output topic's retention longer than the dedupe horizon plus --max-future-skew; \
          to go on anyway and count the gap, run with `--on-output-gap continue`"
     )]
     OutputGap { topic: String, partition: i32, checkpoint: i64, first_missing: i64, log_start: i64, missing: i64 },

@@ -532,10 +532,19 @@ pub fn store_options(settings: &EngineSettings) -> StoreOptions {
     }
 }
 
+/// How much longer the key store keeps a key than the classifier answers
+/// from it. The store ages out by the clock of the upkeep that runs it,
+/// while a batch classifies by the clock read when it started, which may
+/// be earlier (the batch can wait behind that upkeep): a store aged to the
+/// exact lifetime would hide keys that batch still counts as remembered,
+/// and their retries would be billed twice. The classifier enforces the
+/// exact lifetime; an hour more costs 0.12% of a 35-day store.
+pub const KEY_STORE_AGE_OUT_SLACK_MS: i64 = 3_600_000;
+
 /// The key store's options from the engine settings.
 pub fn keystore_options(settings: &EngineSettings) -> KeyStoreOptions {
     KeyStoreOptions {
-        horizon_ms: settings.key_lifetime_ms(),
+        horizon_ms: settings.key_lifetime_ms().saturating_add(KEY_STORE_AGE_OUT_SLACK_MS),
         max_bytes: settings.keystore_max_bytes,
         window_floor_ms: i64::try_from(settings.keystore_window_floor.as_millis()).unwrap_or(i64::MAX),
         block_cache_bytes: usize::try_from(settings.keystore_block_cache_bytes).unwrap_or(usize::MAX),

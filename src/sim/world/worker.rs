@@ -893,7 +893,11 @@ fn perform(w: &mut World, worker: usize, partition: i32) {
             SlotRequest::StableStart,
         ),
         Step::FindHorizonStart { log_start, end } => {
-            let since = w.now_ms - 35 * 86_400_000;
+            // As far back as the engine remembers a key, as the worker's
+            // repair reads (`Repairer::first_offset_within_horizon`).
+            let lifetime_ms = i64::try_from(crate::kafka::Engine::horizon(w.workers[worker].engine()).as_millis())
+                .unwrap_or(i64::MAX);
+            let since = w.now_ms.saturating_sub(lifetime_ms);
             slot_request(
                 w,
                 worker,
