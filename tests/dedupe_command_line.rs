@@ -185,6 +185,31 @@ fn conflicts_file_names_both_hashes_and_the_fields_that_differ() {
     assert!(v["raw"].as_str().is_some_and(|r| r.contains("\"c1\"")));
 }
 
+/// A rejected line earlier in the batch moves the valid records' places:
+/// the original a conflict within the batch is compared with is the record
+/// that was accepted, not the one at its place among the valid records.
+#[test]
+fn a_conflict_within_a_batch_behind_a_rejected_line_is_compared_with_its_own_original() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let input = dir.path().join("in.ndjson");
+    let other_customer = event("x", "5").replace("cus_1", "cus_other");
+    std::fs::write(&input, format!("garbage\n{other_customer}\n{}\n{}\n", event("y", "5"), event("y", "6")))
+        .expect("write");
+    let conflicts = dir.path().join("conflicts.ndjson");
+    let out = dedupd()
+        .args(["dedupe", "--input"])
+        .arg(&input)
+        .args(["--output", "-", "--conflicts"])
+        .arg(&conflicts)
+        .output()
+        .expect("run");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(&conflicts).expect("conflicts file");
+    let v: serde_json::Value = serde_json::from_str(text.trim()).expect("one JSON line");
+    assert_eq!((v["event_id"].as_str(), v["line"].as_u64(), v["first_line"].as_u64()), (Some("y"), Some(4), Some(3)));
+    assert_eq!(v["differs"], serde_json::json!(["quantity"]), "{v}");
+}
+
 #[test]
 fn output_and_reports_to_dev_null_are_counted_and_not_failed_by_fsync() {
     // A user who only wants the counts sends every file to /dev/null; fsync of

@@ -50,7 +50,9 @@ pub struct FirstSeen {
     pub source: Position,
     /// Where it was published; `None` when it is in the same, unpublished batch.
     pub output: Option<Position>,
-    /// For [`Tier::Batch`], the index of that earlier record in the batch.
+    /// For [`Tier::Batch`], the index of that earlier record in the batch:
+    /// among the classifier's candidates in a [`Verdict`], among all the
+    /// batch's records (rejects included) in an [`Outcome`](crate::classify::Outcome).
     pub batch_index: Option<usize>,
 }
 

@@ -257,15 +257,29 @@ pub fn classify_validated(
         })
         .collect();
     let mut verdicts = classifier.classify(&candidates, long, now_ms)?.into_iter();
-    for o in &mut outcomes {
+    // The classifier names an earlier record of the batch by its place
+    // among the candidates; an outcome names it by its place among all the
+    // batch's records (rejects included), which is what readers index.
+    let mut record_of_candidate = Vec::with_capacity(candidates.len());
+    for (i, o) in outcomes.iter_mut().enumerate() {
         if !matches!(o, Outcome::Accepted { .. }) {
             continue;
         }
-        let verdict =
+        record_of_candidate.push(i);
+        let mut verdict =
             verdicts.next().ok_or_else(|| HorizonError("classifier returned fewer verdicts than candidates".into()))?;
         if verdict == Verdict::Accepted {
             // Already what it is: the common case moves nothing.
             continue;
+        }
+        if let Verdict::Duplicate { first, .. } | Verdict::Conflict { first, .. } | Verdict::Replayed { first, .. } =
+            &mut verdict
+        {
+            if let Some(j) = first.batch_index {
+                first.batch_index = Some(*record_of_candidate.get(j).ok_or_else(|| {
+                    HorizonError(format!("the classifier named candidate {j} as earlier than candidate {i}").into())
+                })?);
+            }
         }
         // The stand-in allocates nothing; it holds the place for the
         // moment the event moves into its bucket.
