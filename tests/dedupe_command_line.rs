@@ -378,6 +378,20 @@ fn an_input_named_as_the_output_is_refused_and_left_whole() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--input - (standard input) and --output"));
     assert_eq!(std::fs::read_to_string(&input).expect("input"), text, "stdin's file was touched");
 
+    // So would one inside a state directory the run is about to make, and
+    // an output there: nothing is made.
+    for (flag, inside) in [("--conflicts", state.join("keystore/CURRENT")), ("--output", state.join("out.ndjson"))] {
+        let mut cmd = dedupd();
+        cmd.args(["dedupe", "--input"]).arg(&input).arg("--state-dir").arg(&state).arg(flag).arg(&inside);
+        if flag != "--output" {
+            cmd.arg("--output").arg(&out_file);
+        }
+        let out = cmd.output().expect("run");
+        assert_eq!(out.status.code(), Some(2), "{flag}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("is inside the state directory"), "{flag}");
+        assert!(!state.exists() && !out_file.exists(), "{flag}");
+    }
+
     // A report inside an existing state directory would damage it.
     std::fs::create_dir(&state).expect("mkdir state");
     let inside = state.join("rejected.ndjson");

@@ -1030,10 +1030,10 @@ fn refuse_shared_files(opts: &DedupeOptions) -> Result<(), OfflineError> {
         ("--rejected", "cannot create report", opts.rejected.clone().map(Named::Path)),
         ("--conflicts", "cannot create report", opts.conflicts.clone().map(Named::Path)),
     ];
-    let state_dir = match &opts.state_dir {
-        Some(d) => std::fs::canonicalize(d).ok(),
-        None => None,
-    };
+    // Resolved whether made yet or not: a report named inside a directory
+    // this run is about to make would be written over its files (RocksDB's
+    // `CURRENT`, say) once it is made.
+    let state_dir = opts.state_dir.as_deref().and_then(resolved);
     let mut seen: Vec<(&'static str, String, FileIdentity)> = Vec::with_capacity(named.len() + 1);
     // The state directory itself, made yet or not: an output of the same
     // name would make it a file, or fail on the directory after it was made.
@@ -1167,7 +1167,30 @@ fn not_made_yet(path: &Path) -> io::Result<Option<FileIdentity>> {
 /// The directory `path` is (or would be) made in, resolved; `None` when it
 /// does not exist.
 fn resolved_parent(path: &Path) -> Option<PathBuf> {
-    std::fs::canonicalize(directory_of(path)).ok()
+    resolved(directory_of(path))
+}
+
+/// `path` made absolute with every symbolic link resolved, whether it
+/// exists or not: its longest existing ancestor is resolved by the file
+/// system, and the rest, which holds no link since it does not exist, by
+/// its names. `None` when no ancestor can be resolved.
+fn resolved(path: &Path) -> Option<PathBuf> {
+    use std::path::Component;
+    let absolute = std::path::absolute(path).ok()?;
+    let parts: Vec<Component<'_>> = absolute.components().collect();
+    (1..=parts.len()).rev().find_map(|made| {
+        let mut out = std::fs::canonicalize(parts[..made].iter().collect::<PathBuf>()).ok()?;
+        for part in &parts[made..] {
+            match part {
+                Component::ParentDir => {
+                    out.pop();
+                }
+                Component::Normal(name) => out.push(name),
+                _ => {}
+            }
+        }
+        Some(out)
+    })
 }
 
 /// The directory a file `path` names is made in (`.` for a bare name).
