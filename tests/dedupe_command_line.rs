@@ -295,7 +295,9 @@ fn a_byte_order_mark_starting_the_input_is_not_part_of_its_first_event() {
         .collect();
     assert_eq!(reasons, [(3, "malformed_json".to_owned()), (4, "malformed_json".to_owned())]);
 
-    // A first record exactly at the size limit, after its mark, is whole.
+    // A first record exactly at the size limit, after its mark, is whole;
+    // so are records at the limit ending in CRLF (the CR is the line's end,
+    // not the record's), and one a byte over it is still too large.
     let record = event("w1", "1");
     let limit = record.len().to_string();
     let at_limit = dedupe_stdin_to_stdout(&format!("{bom}{record}\n"), &["--max-record-bytes", &limit]);
@@ -304,6 +306,18 @@ fn a_byte_order_mark_starting_the_input_is_not_part_of_its_first_event() {
         last_line(&at_limit.stderr),
         serde_json::json!({"accepted": 1, "duplicates": 0, "conflicts": 0, "rejected": 0})
     );
+    let (second, over) = (event("w2", "2"), event("w3", "33"));
+    assert_eq!((second.len(), over.len()), (record.len(), record.len() + 1));
+    let crlf = dedupe_stdin_to_stdout(
+        &format!("{bom}{record}\r\n{second}\r\n{over}\r\n"),
+        &["--max-record-bytes", &limit, "--rejected", "/dev/stderr"],
+    );
+    assert!(crlf.status.success(), "{}", String::from_utf8_lossy(&crlf.stderr));
+    assert_eq!(
+        last_line(&crlf.stderr),
+        serde_json::json!({"accepted": 2, "duplicates": 0, "conflicts": 0, "rejected": 1})
+    );
+    assert!(String::from_utf8_lossy(&crlf.stderr).contains("record_too_large"));
 }
 
 #[test]

@@ -675,7 +675,8 @@ impl Reading {
             // The first line may start with a byte order mark, which is not
             // part of the record: room for it, so that a record at the limit
             // is kept whole once the mark is off.
-            let limit = if self.next_line == 0 { self.limit + BYTE_ORDER_MARK.len() } else { self.limit };
+            // The same for a CR ending the line (CRLF line ends).
+            let limit = if self.next_line == 0 { self.limit + BYTE_ORDER_MARK.len() } else { self.limit } + 1;
             let more = read_bounded_line(input, limit, &mut l).map_err(|source| OfflineError::Io {
                 what: "cannot read input",
                 path: input_name.to_owned(),
@@ -687,6 +688,11 @@ impl Reading {
             self.bytes_read += l.len + 1;
             if self.next_line == 0 {
                 skip_byte_order_mark(&mut l);
+            }
+            // JSON would read the CR as white space; the size limit must not.
+            if !l.truncated() && l.bytes.last() == Some(&b'\r') {
+                l.bytes.pop();
+                l.len -= 1;
             }
             lines.push(l);
             self.next_line += 1;
