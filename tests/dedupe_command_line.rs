@@ -318,6 +318,8 @@ fn a_byte_order_mark_starting_the_input_is_not_part_of_its_first_event() {
         serde_json::json!({"accepted": 2, "duplicates": 0, "conflicts": 0, "rejected": 1})
     );
     assert!(String::from_utf8_lossy(&crlf.stderr).contains("record_too_large"));
+    let size = format!("{} bytes, limit {limit}", over.len());
+    assert!(String::from_utf8_lossy(&crlf.stderr).contains(&size), "the CR counted: {size} expected");
 }
 
 #[test]
@@ -406,8 +408,29 @@ fn an_input_named_as_the_output_is_refused_and_left_whole() {
         assert!(!state.exists() && !out_file.exists(), "{flag}");
     }
 
-    // A report inside an existing state directory would damage it.
+    // Through a link on its way, dangling until the state directory is
+    // made, too.
+    let dangling = dir.path().join("dangling");
+    std::os::unix::fs::symlink(state.join("keystore"), &dangling).expect("symlink");
+    let mut cmd = dedupd();
+    cmd.args(["dedupe", "--input"]).arg(&input).arg("--state-dir").arg(&state).arg("--output").arg(&out_file);
+    let out = cmd.arg("--conflicts").arg(dangling.join("CURRENT")).output().expect("run");
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is inside the state directory"));
+    assert!(!state.exists() && !out_file.exists());
+
+    // A report inside an existing state directory would damage it, named
+    // there or through a link to a file there.
     std::fs::create_dir(&state).expect("mkdir state");
+    std::fs::write(state.join("kept"), "state").expect("write");
+    let link = dir.path().join("link");
+    std::os::unix::fs::symlink(state.join("kept"), &link).expect("symlink");
+    let mut cmd = dedupd();
+    cmd.args(["dedupe", "--input"]).arg(&input).arg("--state-dir").arg(&state).arg("--output").arg(&out_file);
+    let out = cmd.arg("--rejected").arg(&link).output().expect("run");
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is inside the state directory"));
+    assert_eq!(std::fs::read_to_string(state.join("kept")).expect("kept"), "state");
     let inside = state.join("rejected.ndjson");
     let out = dedupd()
         .args(["dedupe", "--input"])

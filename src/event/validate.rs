@@ -420,6 +420,16 @@ impl Validator {
         };
 
         let quantity = parse_quantity(quantity)?;
+        // A retraction takes billed usage away, and usage is summed as sent:
+        // one sent as +5 would bill 5 more instead of 5 less. Checked in the
+        // reason table's order (before `negative_quantity`), at the input
+        // only, so output an older version accepted still reads back.
+        if input && kind == EventKind::Retraction && quantity.is_sign_positive() && !quantity.is_zero() {
+            return Err(Rejection::new(
+                InvalidQuantity,
+                format!("retraction quantity {quantity} is above 0: a retraction of 5 units is sent as -5"),
+            ));
+        }
         if kind == EventKind::Usage && quantity.is_sign_negative() && !quantity.is_zero() {
             return Err(Rejection::new(NegativeQuantity, format!("usage quantity {quantity} is below 0")));
         }
@@ -452,15 +462,6 @@ impl Validator {
             return Err(Rejection::new(
                 MissingCorrectionRef,
                 format!("a {} needs `correction_ref.original_event_id`", kind.as_str()),
-            ));
-        }
-        // A retraction takes billed usage away, and usage is summed as sent:
-        // one sent as +5 would bill 5 more instead of 5 less. Refused at the
-        // input only, so output an older version accepted still reads back.
-        if input && kind == EventKind::Retraction && quantity.is_sign_positive() && !quantity.is_zero() {
-            return Err(Rejection::new(
-                InvalidQuantity,
-                format!("retraction quantity {quantity} is above 0: a retraction of 5 units is sent as -5"),
             ));
         }
         if kind == EventKind::Usage && input {

@@ -11,6 +11,9 @@ pub struct Line {
     pub bytes: Vec<u8>,
     /// The line's full length in bytes, newline excluded.
     pub len: u64,
+    /// Whether the line's last byte (before the newline) is a CR, kept or
+    /// not: a CRLF line end.
+    pub ends_in_cr: bool,
 }
 
 impl Line {
@@ -24,6 +27,7 @@ impl Line {
 pub fn read_bounded_line<R: BufRead>(r: &mut R, limit: usize, line: &mut Line) -> io::Result<bool> {
     line.bytes.clear();
     line.len = 0;
+    line.ends_in_cr = false;
     let keep = limit.saturating_add(1);
     let mut saw_any = false;
     loop {
@@ -43,6 +47,9 @@ pub fn read_bounded_line<R: BufRead>(r: &mut R, limit: usize, line: &mut Line) -
         let room = keep.saturating_sub(line.bytes.len());
         line.bytes.extend_from_slice(&chunk[..chunk.len().min(room)]);
         line.len += chunk.len() as u64;
+        if let Some(&last) = chunk.last() {
+            line.ends_in_cr = last == b'\r';
+        }
         let consumed = done.unwrap_or(buf.len());
         r.consume(consumed);
         if done.is_some() {
@@ -83,5 +90,18 @@ mod tests {
         assert_eq!(got[0].0.len(), 17);
         assert_eq!(got[0].1, 10_000);
         assert_eq!(got[1], (b"ok".to_vec(), 2));
+    }
+
+    #[test]
+    fn a_cr_ending_a_line_is_seen_even_past_the_bytes_kept() {
+        let mut input = vec![b'z'; 100];
+        input.extend_from_slice(b"\r\nok\r\n\r\nno\n");
+        let mut r = io::BufReader::with_capacity(7, &input[..]);
+        let mut l = Line::default();
+        let mut ends = Vec::new();
+        while read_bounded_line(&mut r, 16, &mut l).expect("in-memory read") {
+            ends.push((l.len, l.ends_in_cr));
+        }
+        assert_eq!(ends, [(101, true), (3, true), (1, true), (2, false)]);
     }
 }

@@ -689,9 +689,12 @@ impl Reading {
             if self.next_line == 0 {
                 skip_byte_order_mark(&mut l);
             }
-            // JSON would read the CR as white space; the size limit must not.
-            if !l.truncated() && l.bytes.last() == Some(&b'\r') {
-                l.bytes.pop();
+            // JSON would read the CR as white space; the size limit, and a
+            // report of the line's size or bytes, must not count it.
+            if l.ends_in_cr {
+                if !l.truncated() {
+                    l.bytes.pop();
+                }
                 l.len -= 1;
             }
             lines.push(l);
@@ -1056,7 +1059,9 @@ fn refuse_shared_files(opts: &DedupeOptions) -> Result<(), OfflineError> {
         let Some(named) = named else { continue };
         let shown = named.to_string();
         if let (Some(state), Named::Path(p), false) = (&state_dir, &named, flag == "--input") {
-            if resolved_parent(p).is_some_and(|parent| parent.starts_with(state)) {
+            // The file as it would be written, through any link on its way.
+            // (Named as the directory itself, it is refused as the same file.)
+            if resolved(p).is_some_and(|file| file != *state && file.starts_with(state)) {
                 return Err(OfflineError::InsideStateDir { flag, path: shown, state_dir: state.display().to_string() });
             }
         }
@@ -1170,33 +1175,51 @@ fn not_made_yet(path: &Path) -> io::Result<Option<FileIdentity>> {
     }
 }
 
-/// The directory `path` is (or would be) made in, resolved; `None` when it
-/// does not exist.
-fn resolved_parent(path: &Path) -> Option<PathBuf> {
-    resolved(directory_of(path))
-}
-
-/// `path` made absolute with every symbolic link resolved, whether it
-/// exists or not: its longest existing ancestor is resolved by the file
-/// system, and the rest, which holds no link since it does not exist, by
-/// its names. `None` when no ancestor can be resolved.
+/// `path` made absolute with every symbolic link followed, whether it
+/// exists or not: where the file system would put the file `path` names.
+/// A link is followed where it points even when nothing is there yet (a
+/// dangling link, which creating the file through it would make), and a
+/// missing name is taken as written. `None` when the current directory is
+/// unknown, a link cannot be read, or more than 40 links are followed.
 fn resolved(path: &Path) -> Option<PathBuf> {
     use std::path::Component;
-    let absolute = std::path::absolute(path).ok()?;
-    let parts: Vec<Component<'_>> = absolute.components().collect();
-    (1..=parts.len()).rev().find_map(|made| {
-        let mut out = std::fs::canonicalize(parts[..made].iter().collect::<PathBuf>()).ok()?;
-        for part in &parts[made..] {
+    let mut left: Vec<std::ffi::OsString> = Vec::new();
+    let push_parts = |left: &mut Vec<std::ffi::OsString>, p: &Path| {
+        // Reversed, so the next part to walk is the last.
+        for part in p.components().rev() {
             match part {
-                Component::ParentDir => {
-                    out.pop();
-                }
-                Component::Normal(name) => out.push(name),
-                _ => {}
+                Component::Normal(name) => left.push(name.to_owned()),
+                Component::ParentDir => left.push("..".into()),
+                Component::CurDir | Component::RootDir | Component::Prefix(_) => {}
             }
         }
-        Some(out)
-    })
+    };
+    push_parts(&mut left, &std::path::absolute(path).ok()?);
+    let mut out = PathBuf::from("/");
+    // A bound on the links followed; the kernel's own is 40.
+    let mut links = 0;
+    while let Some(name) = left.pop() {
+        if name == ".." {
+            out.pop();
+            continue;
+        }
+        let next = out.join(&name);
+        match std::fs::symlink_metadata(&next) {
+            Ok(m) if m.file_type().is_symlink() => {
+                links += 1;
+                if links > 40 {
+                    return None;
+                }
+                let target = std::fs::read_link(&next).ok()?;
+                if target.is_absolute() {
+                    out = PathBuf::from("/");
+                }
+                push_parts(&mut left, &target);
+            }
+            _ => out = next,
+        }
+    }
+    Some(out)
 }
 
 /// The directory a file `path` names is made in (`.` for a bare name).
