@@ -245,7 +245,10 @@ fn missing_correction_ref_for_corrections_and_retractions() {
     // (A retraction takes usage away: above 0 it would be `invalid_quantity` first.)
     let retraction = |extra: &str| with(extra).replace(r#""quantity":"12.5""#, r#""quantity":"-12.5""#);
     assert_eq!(reason(&retraction(r#""kind":"retraction","correction_ref":null"#)), RejectReason::MissingCorrectionRef);
-    assert_eq!(reason(&retraction(r#""kind":"retraction","correction_ref":{"reason":"x"}"#)), RejectReason::MissingField);
+    assert_eq!(
+        reason(&retraction(r#""kind":"retraction","correction_ref":{"reason":"x"}"#)),
+        RejectReason::MissingField
+    );
     assert_eq!(reason(&with(r#""kind":"retraction","correction_ref":null"#)), RejectReason::InvalidQuantity);
 }
 
