@@ -75,14 +75,17 @@ pub fn repair_consumer_config(settings: &RunSettings) -> ClientConfig {
     cfg.set("group.id", format!("{}-repair", settings.group))
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
-        .set("auto.offset.reset", "earliest")
         .set("isolation.level", "read_committed")
         .set("enable.partition.eof", "true")
         .set("fetch.wait.max.ms", "5");
     apply_properties(&mut cfg, &settings.kafka_properties, ClientKind::Consumer);
     // Forced after the pass-through: repair is only correct on committed data
-    // and only finishes when it sees the end of the partition.
-    cfg.set("isolation.level", "read_committed").set("enable.partition.eof", "true");
+    // and only finishes when it sees the end of the partition. A position
+    // retention deleted between the probe of the log start and the first
+    // fetch (or overtaken during a long read) is an error, never a silent
+    // jump to the new log start: the repair retries, finds the log start past
+    // its checkpoint, and stops or counts the gap (`--on-output-gap`).
+    cfg.set("isolation.level", "read_committed").set("enable.partition.eof", "true").set("auto.offset.reset", "error");
     cfg
 }
 
@@ -279,6 +282,9 @@ mod tests {
         let c = input_consumer_config(&s);
         let p = producer_config(&s, None);
         assert_eq!(c.get("fetch.wait.max.ms"), Some("77"));
+        // Repair never jumps over output it did not apply, whatever is passed.
+        s.kafka_properties.push(("consumer.auto.offset.reset".into(), "earliest".into()));
+        assert_eq!(repair_consumer_config(&s).get("auto.offset.reset"), Some("error"));
         assert_eq!(c.get("linger.ms"), None);
         assert_eq!(p.get("linger.ms"), Some("9"));
         assert_eq!(p.get("client.id"), Some("x"));

@@ -297,7 +297,7 @@ async fn pipeline(
                     assignment_repaired = true;
                     progress.progressed(wall_ms());
                     progress.repairing.store(false, Ordering::Relaxed);
-                    shared.partition_repaired();
+                    shared.partition_repaired(partition);
                 }
             }
         } else if !was_repairing && life.repairing() {

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::error::KafkaError as RdError;
+use rdkafka::error::{KafkaError as RdError, RDKafkaErrorCode};
 use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
 
@@ -336,6 +336,18 @@ impl Repairer {
                     }
                 }
                 Some(Err(RdError::PartitionEOF(_))) => break,
+                // Retention deleted the position (`auto.offset.reset` is
+                // `error`): what was applied stays applied, and the retry
+                // starts over from the checkpoint, where the gap is seen.
+                Some(Err(e))
+                    if matches!(
+                        e.rdkafka_error_code(),
+                        Some(RDKafkaErrorCode::OffsetOutOfRange | RDKafkaErrorCode::AutoOffsetReset)
+                    ) =>
+                {
+                    self.apply(partition, &mut chunk)?;
+                    return Err(KafkaError::Client { operation: "reading the output for repair", source: e });
+                }
                 Some(Err(e)) => {
                     // Transient broker errors are retried by librdkafka; only
                     // a lack of progress ends the repair.

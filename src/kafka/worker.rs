@@ -15,7 +15,7 @@
 //! ```
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
@@ -91,7 +91,10 @@ pub(crate) struct Shared {
     /// reference would be a cycle that never closes the consumer.
     consumer: Arc<OnceLock<Weak<InputConsumer>>>,
     fatal: mpsc::UnboundedSender<KafkaError>,
-    pending_repairs: AtomicUsize,
+    /// Owned partitions whose first repair has not ended: `/readyz`
+    /// answers 200 only once none is left. A set, not a count: a partition
+    /// revoked before its repair ended must leave it, and only it.
+    pending_repairs: RepairsPending,
     assignment_seen: AtomicBool,
     pub batches: AtomicU64,
     pub batches_abandoned: AtomicU64,
@@ -149,13 +152,54 @@ impl Shared {
         (next >= 0).then(|| (end - next).max(0))
     }
 
-    pub(crate) fn partition_repaired(&self) {
-        let before = self.pending_repairs.fetch_sub(1, Ordering::SeqCst);
-        self.update_ready(before.saturating_sub(1));
+    pub(crate) fn partition_repaired(&self, partition: i32) {
+        self.update_ready(self.pending_repairs.repaired(partition));
     }
 
     fn update_ready(&self, pending: usize) {
         self.metrics.set_ready(self.assignment_seen.load(Ordering::SeqCst) && pending == 0);
+    }
+}
+
+/// The owned partitions whose first repair has not ended. Each change
+/// answers how many are left. A std `Mutex`: touched briefly from the
+/// rebalance callback and the partition tasks, never across an await.
+#[derive(Debug, Default)]
+pub(crate) struct RepairsPending(Mutex<std::collections::BTreeSet<i32>>);
+
+impl RepairsPending {
+    fn with<T>(&self, f: impl FnOnce(&mut std::collections::BTreeSet<i32>) -> T) -> T {
+        f(&mut self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+
+    /// A partition's task started: its repair is to come.
+    fn started(&self, partition: i32) -> usize {
+        self.with(|s| {
+            s.insert(partition);
+            s.len()
+        })
+    }
+
+    /// A partition's first repair ended.
+    fn repaired(&self, partition: i32) -> usize {
+        self.with(|s| {
+            s.remove(&partition);
+            s.len()
+        })
+    }
+
+    /// Partitions revoked, their repairs ended or not.
+    fn released(&self, partitions: &[i32]) -> usize {
+        self.with(|s| {
+            partitions.iter().for_each(|p| {
+                s.remove(p);
+            });
+            s.len()
+        })
+    }
+
+    fn count(&self) -> usize {
+        self.with(|s| s.len())
     }
 }
 
@@ -216,7 +260,7 @@ impl WorkerContext {
             let (done_tx, done) = std::sync::mpsc::channel();
             let (strays, strays_rx) = mpsc::unbounded_channel();
             let progress = Arc::new(PartitionProgress::new(wall_ms()));
-            self.shared.pending_repairs.fetch_add(1, Ordering::SeqCst);
+            self.shared.pending_repairs.started(p);
             self.runtime.spawn(run_partition(
                 self.shared.clone(),
                 p,
@@ -230,7 +274,7 @@ impl WorkerContext {
             started.push(p);
         }
         self.shared.assignment_seen.store(true, Ordering::SeqCst);
-        self.shared.update_ready(self.shared.pending_repairs.load(Ordering::SeqCst));
+        self.shared.update_ready(self.shared.pending_repairs.count());
         AssignmentChanged { assigned: started, revoked: vec![], owned_now: self.tasks().len() }
             .emit(&self.shared.metrics);
     }
@@ -277,10 +321,7 @@ impl WorkerContext {
             }
         };
         block_outside_runtime(wait);
-        let mut ready = self.shared.pending_repairs.load(Ordering::SeqCst);
-        ready = ready.min(self.tasks().len());
-        self.shared.pending_repairs.store(ready, Ordering::SeqCst);
-        self.shared.update_ready(ready);
+        self.shared.update_ready(self.shared.pending_repairs.released(partitions));
         AssignmentChanged { assigned: vec![], revoked: partitions.to_vec(), owned_now: self.tasks().len() }
             .emit(&self.shared.metrics);
     }
@@ -717,7 +758,7 @@ pub async fn run(
         transactional_id,
         consumer: consumer_slot.clone(),
         fatal: fatal_tx,
-        pending_repairs: AtomicUsize::new(0),
+        pending_repairs: RepairsPending::default(),
         assignment_seen: AtomicBool::new(false),
         batches: AtomicU64::new(0),
         batches_abandoned: AtomicU64::new(0),
@@ -944,6 +985,22 @@ pub async fn shutdown_signal() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two partitions assigned; one repaired, the other revoked before its
+    /// repair ended (its task never reports it repaired): none is left
+    /// pending, so `/readyz` answers 200 again. A count clamped to the tasks
+    /// left kept one pending for good.
+    #[test]
+    fn a_partition_revoked_before_its_repair_ended_leaves_nothing_pending() {
+        let pending = RepairsPending::default();
+        assert_eq!((pending.started(0), pending.started(1)), (1, 2));
+        assert_eq!(pending.repaired(0), 1);
+        assert_eq!(pending.released(&[1]), 0);
+        // Assigned again and repaired: counted once each, whatever the order.
+        assert_eq!((pending.started(1), pending.started(1)), (1, 1));
+        assert_eq!(pending.released(&[0]), 1, "releasing a repaired partition changes nothing");
+        assert_eq!(pending.repaired(1), 0);
+    }
 
     #[test]
     fn an_idle_member_is_stuck_only_when_committed_offsets_stand_still_with_lag() {
