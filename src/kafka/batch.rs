@@ -83,6 +83,21 @@ pub struct Prepared {
     pub summary: BatchClassified,
 }
 
+impl Prepared {
+    /// This batch classified again after its publish failed (at least
+    /// once): the records the failed attempt did get onto the output come
+    /// back as replays of themselves. They were this batch's accepted
+    /// events, published once, so they count as accepted (and a late one as
+    /// late), as the earlier classification counted them; only replays
+    /// beyond the earlier attempt's are its own.
+    pub fn counted_as(&mut self, earlier: &BatchClassified) {
+        let own = self.summary.replayed.saturating_sub(earlier.replayed);
+        self.summary.replayed -= own;
+        self.summary.accepted += own;
+        self.summary.late = self.summary.late.max(earlier.late);
+    }
+}
+
 /// Rollups of published batches not on the rollups topic yet (at least
 /// once, with `--rollups-interval`): the latest total of each hour, so one
 /// record carries every held batch's change to it. A worker whose batches
@@ -466,6 +481,27 @@ mod tests {
     /// back, finds them replayed, not accepted: it must publish their hours'
     /// totals and their adjustments again, or the rollups topic stays short
     /// of the output for good (until another event of the same hour).
+    /// A publish that failed part way (at least once): the retry finds the
+    /// events that made it to the output as replays of themselves, yet each
+    /// was accepted once, by this batch; replays from before it stay
+    /// replays.
+    #[test]
+    fn a_retry_after_a_partial_publish_counts_the_events_it_got_out_as_accepted() {
+        let e = ledger_engine(None);
+        let with = |f: &mut dyn FnMut(&dyn Engine)| f(&*e.borrow());
+        // One event published by an earlier run, delivered again with the batch.
+        ingest(&e, 0, &[ev("old", "c0", "1")], 0);
+        let batch = vec![ev("old", "c0", "1"), ev("a", "c0", "2"), ev("b", "c1", "3"), ev("c", "c1", "4")];
+        let first = classify_batch(&with, 0, &inputs(&batch, 0), NOW, &LAYOUT).expect("classify");
+        assert_eq!((first.summary.accepted, first.summary.replayed), (3, 1));
+        // Two of its three events reached the output before the publish failed.
+        ingest_at(&e, 0, &batch[1..3], 1, 1);
+        let mut retry = classify_batch(&with, 0, &inputs(&batch, 0), NOW, &LAYOUT).expect("classify");
+        assert_eq!((retry.summary.accepted, retry.summary.replayed), (1, 3));
+        retry.counted_as(&first.summary);
+        assert_eq!((retry.summary.accepted, retry.summary.replayed), (3, 1));
+    }
+
     #[test]
     fn a_retried_batch_of_replays_publishes_their_rollups_and_adjustments_again() {
         for durable in [false, true] {

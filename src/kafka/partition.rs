@@ -217,6 +217,10 @@ async fn pipeline(
                     .await
                     .map_err(join_error)??;
                 StageTimed { stage: Stage::classify, duration: started.elapsed() }.emit(&shared.metrics);
+                let mut prepared = prepared;
+                if let Some(earlier) = &batch.prepared {
+                    prepared.counted_as(&earlier.summary);
+                }
                 batch.prepared = Some(prepared);
                 Event::Classified
             }
