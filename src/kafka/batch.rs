@@ -475,12 +475,6 @@ mod tests {
         e
     }
 
-    /// At least once, a publish can fail after the output topic took a
-    /// batch's events and before the rollups topic took their totals (two
-    /// topics, no transaction). The retry, after repair has read the events
-    /// back, finds them replayed, not accepted: it must publish their hours'
-    /// totals and their adjustments again, or the rollups topic stays short
-    /// of the output for good (until another event of the same hour).
     /// A publish that failed part way (at least once): the retry finds the
     /// events that made it to the output as replays of themselves, yet each
     /// was accepted once, by this batch; replays from before it stay
@@ -502,6 +496,12 @@ mod tests {
         assert_eq!((retry.summary.accepted, retry.summary.replayed), (3, 1));
     }
 
+    /// At least once, a publish can fail after the output topic took a
+    /// batch's events and before the rollups topic took their totals (two
+    /// topics, no transaction). The retry, after repair has read the events
+    /// back, finds them replayed, not accepted: it must publish their hours'
+    /// totals and their adjustments again, or the rollups topic stays short
+    /// of the output for good (until another event of the same hour).
     #[test]
     fn a_retried_batch_of_replays_publishes_their_rollups_and_adjustments_again() {
         for durable in [false, true] {

@@ -137,7 +137,12 @@ impl PeriodFollower {
         timeout: Duration,
     ) -> Result<PeriodFollower, KafkaError> {
         let mut cfg = repair_consumer_config(settings);
-        cfg.set("group.id", format!("{}-periods", settings.group));
+        // Unlike repair, the reader follows the topic for the worker's life:
+        // a position the log no longer holds (the topic recreated, records
+        // deleted) starts it again from the earliest record kept (the topic
+        // is compacted: it holds every period's latest state), rather than
+        // stopping it for good.
+        cfg.set("group.id", format!("{}-periods", settings.group)).set("auto.offset.reset", "earliest");
         let consumer: BaseConsumer = cfg.create().map_err(KafkaError::client("creating the periods reader"))?;
         let stop = Arc::new(AtomicBool::new(false));
         let (ready_tx, ready_rx) = mpsc::channel();

@@ -153,7 +153,7 @@ impl Shared {
     }
 
     pub(crate) fn partition_repaired(&self, partition: i32) {
-        self.update_ready(self.pending_repairs.repaired(partition));
+        self.pending_repairs.repaired(partition, |left| self.update_ready(left));
     }
 
     fn update_ready(&self, pending: usize) {
@@ -162,44 +162,39 @@ impl Shared {
 }
 
 /// The owned partitions whose first repair has not ended. Each change
-/// answers how many are left. A std `Mutex`: touched briefly from the
-/// rebalance callback and the partition tasks, never across an await.
+/// hands how many are left to `then` while the lock is still held, so
+/// readiness is set in the order the changes were made (a repair ending
+/// beside a new assignment cannot set ready after the assignment cleared
+/// it). A std `Mutex`: touched briefly from the rebalance callback and the
+/// partition tasks, never across an await.
 #[derive(Debug, Default)]
 pub(crate) struct RepairsPending(Mutex<std::collections::BTreeSet<i32>>);
 
 impl RepairsPending {
-    fn with<T>(&self, f: impl FnOnce(&mut std::collections::BTreeSet<i32>) -> T) -> T {
-        f(&mut self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+    fn change(&self, f: impl FnOnce(&mut std::collections::BTreeSet<i32>), then: impl FnOnce(usize)) {
+        let mut s = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        f(&mut s);
+        then(s.len());
     }
 
     /// A partition's task started: its repair is to come.
-    fn started(&self, partition: i32) -> usize {
-        self.with(|s| {
-            s.insert(partition);
-            s.len()
-        })
+    fn started(&self, partition: i32, then: impl FnOnce(usize)) {
+        self.change(|s| drop(s.insert(partition)), then);
     }
 
     /// A partition's first repair ended.
-    fn repaired(&self, partition: i32) -> usize {
-        self.with(|s| {
-            s.remove(&partition);
-            s.len()
-        })
+    fn repaired(&self, partition: i32, then: impl FnOnce(usize)) {
+        self.change(|s| drop(s.remove(&partition)), then);
     }
 
     /// Partitions revoked, their repairs ended or not.
-    fn released(&self, partitions: &[i32]) -> usize {
-        self.with(|s| {
-            partitions.iter().for_each(|p| {
-                s.remove(p);
-            });
-            s.len()
-        })
+    fn released(&self, partitions: &[i32], then: impl FnOnce(usize)) {
+        self.change(|s| partitions.iter().for_each(|p| drop(s.remove(p))), then);
     }
 
-    fn count(&self) -> usize {
-        self.with(|s| s.len())
+    /// Readiness as it stands (after the assignment is seen).
+    fn report(&self, then: impl FnOnce(usize)) {
+        self.change(|_| {}, then);
     }
 }
 
@@ -260,7 +255,7 @@ impl WorkerContext {
             let (done_tx, done) = std::sync::mpsc::channel();
             let (strays, strays_rx) = mpsc::unbounded_channel();
             let progress = Arc::new(PartitionProgress::new(wall_ms()));
-            self.shared.pending_repairs.started(p);
+            self.shared.pending_repairs.started(p, |_| {});
             self.runtime.spawn(run_partition(
                 self.shared.clone(),
                 p,
@@ -274,7 +269,7 @@ impl WorkerContext {
             started.push(p);
         }
         self.shared.assignment_seen.store(true, Ordering::SeqCst);
-        self.shared.update_ready(self.shared.pending_repairs.count());
+        self.shared.pending_repairs.report(|left| self.shared.update_ready(left));
         AssignmentChanged { assigned: started, revoked: vec![], owned_now: self.tasks().len() }
             .emit(&self.shared.metrics);
     }
@@ -321,7 +316,7 @@ impl WorkerContext {
             }
         };
         block_outside_runtime(wait);
-        self.shared.update_ready(self.shared.pending_repairs.released(partitions));
+        self.shared.pending_repairs.released(partitions, |left| self.shared.update_ready(left));
         AssignmentChanged { assigned: vec![], revoked: partitions.to_vec(), owned_now: self.tasks().len() }
             .emit(&self.shared.metrics);
     }
@@ -993,13 +988,20 @@ mod tests {
     #[test]
     fn a_partition_revoked_before_its_repair_ended_leaves_nothing_pending() {
         let pending = RepairsPending::default();
-        assert_eq!((pending.started(0), pending.started(1)), (1, 2));
-        assert_eq!(pending.repaired(0), 1);
-        assert_eq!(pending.released(&[1]), 0);
+        let left = |f: &dyn Fn(&dyn Fn(usize))| {
+            let seen = std::cell::Cell::new(usize::MAX);
+            f(&|n| seen.set(n));
+            seen.get()
+        };
+        assert_eq!(left(&|t| pending.started(0, t)), 1);
+        assert_eq!(left(&|t| pending.started(1, t)), 2);
+        assert_eq!(left(&|t| pending.repaired(0, t)), 1);
+        assert_eq!(left(&|t| pending.released(&[1], t)), 0);
         // Assigned again and repaired: counted once each, whatever the order.
-        assert_eq!((pending.started(1), pending.started(1)), (1, 1));
-        assert_eq!(pending.released(&[0]), 1, "releasing a repaired partition changes nothing");
-        assert_eq!(pending.repaired(1), 0);
+        assert_eq!(left(&|t| pending.started(1, t)), 1);
+        assert_eq!(left(&|t| pending.started(1, t)), 1);
+        assert_eq!(left(&|t| pending.released(&[0], t)), 1, "releasing a repaired partition changes nothing");
+        assert_eq!(left(&|t| pending.repaired(1, t)), 0);
     }
 
     #[test]
