@@ -953,6 +953,58 @@ fn verify_exits_nonzero_on_a_corrupted_state_dir() {
     assert!(report.contains("CORRUPT"), "{report}");
 }
 
+/// RocksDB's CURRENT names the live MANIFEST. A key store or ledger that
+/// lost it (a bad restore, a stray `rm`) but holds its tables must be
+/// refused, not opened as a new empty store: RocksDB would delete the
+/// tables as obsolete, forgetting every key or total.
+#[test]
+fn a_rocksdb_store_that_lost_its_current_file_is_refused_and_its_tables_kept() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (state, output) = (dir.path().join("state"), dir.path().join("out.ndjson"));
+    let input = dir.path().join("in.ndjson");
+    std::fs::write(&input, (0..50).map(|i| event(&format!("r{i}"), "1") + "\n").collect::<String>()).expect("write");
+    let run = || {
+        dedupd()
+            .args(["dedupe", "--input"])
+            .arg(&input)
+            .arg("--output")
+            .arg(&output)
+            .arg("--state-dir")
+            .arg(&state)
+            .output()
+            .expect("run")
+    };
+    let out = run();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for store in ["keystore", "ledger"] {
+        let db = state.join(store);
+        let files = |db: &std::path::Path| -> Vec<String> {
+            let mut names: Vec<String> = std::fs::read_dir(db)
+                .expect("store dir")
+                .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+                .filter(|n| n.ends_with(".sst") || n.ends_with(".log") || n.starts_with("MANIFEST-"))
+                .collect();
+            names.sort();
+            names
+        };
+        let current = std::fs::read(db.join("CURRENT")).expect("CURRENT");
+        std::fs::remove_file(db.join("CURRENT")).expect("rm CURRENT");
+        let before = files(&db);
+        assert!(!before.is_empty(), "{store}: no data files to lose");
+        let again = run();
+        assert_eq!(again.status.code(), Some(2), "{store}: {}", String::from_utf8_lossy(&again.stderr));
+        assert!(String::from_utf8_lossy(&again.stderr).contains("no CURRENT file"), "{store}");
+        let v = dedupd().args(["verify", "--state-dir"]).arg(&state).output().expect("verify");
+        assert_ne!(v.status.code(), Some(0), "{store}: verify passed a store without CURRENT");
+        assert!(!db.join("CURRENT").exists(), "{store}: a refused run made a new CURRENT");
+        assert_eq!(files(&db), before, "{store}: files were removed or made");
+        std::fs::write(db.join("CURRENT"), current).expect("restore CURRENT");
+    }
+    let out = run();
+    assert!(out.status.success(), "restored: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(last_line(&out.stderr)["duplicates"], 50, "every key still remembered");
+}
+
 #[test]
 fn progress_is_drawn_on_a_terminal_and_never_in_a_file() {
     let dir = tempfile::tempdir().expect("tmp");

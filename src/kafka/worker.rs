@@ -179,17 +179,34 @@ impl RepairsPending {
 
     /// A partition's task started: its repair is to come.
     fn started(&self, partition: i32, then: impl FnOnce(usize)) {
-        self.change(|s| drop(s.insert(partition)), then);
+        self.change(
+            |s| {
+                s.insert(partition);
+            },
+            then,
+        );
     }
 
     /// A partition's first repair ended.
     fn repaired(&self, partition: i32, then: impl FnOnce(usize)) {
-        self.change(|s| drop(s.remove(&partition)), then);
+        self.change(
+            |s| {
+                s.remove(&partition);
+            },
+            then,
+        );
     }
 
     /// Partitions revoked, their repairs ended or not.
     fn released(&self, partitions: &[i32], then: impl FnOnce(usize)) {
-        self.change(|s| partitions.iter().for_each(|p| drop(s.remove(p))), then);
+        self.change(
+            |s| {
+                for p in partitions {
+                    s.remove(p);
+                }
+            },
+            then,
+        );
     }
 
     /// Readiness as it stands (after the assignment is seen).
@@ -988,7 +1005,8 @@ mod tests {
     #[test]
     fn a_partition_revoked_before_its_repair_ended_leaves_nothing_pending() {
         let pending = RepairsPending::default();
-        let left = |f: &dyn Fn(&dyn Fn(usize))| {
+        type Change<'a> = &'a dyn Fn(&dyn Fn(usize));
+        let left = |f: Change<'_>| {
             let seen = std::cell::Cell::new(usize::MAX);
             f(&|n| seen.set(n));
             seen.get()

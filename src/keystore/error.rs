@@ -40,6 +40,12 @@ pub enum KeystoreError {
     LayerWrite { cause: String },
     #[error("invalid key store option {key}: {detail}")]
     InvalidOption { key: &'static str, detail: String },
+    #[error(
+        "the key store at {dir} holds {found} but no CURRENT file: opened, RocksDB would start an empty store and \
+         delete every table as obsolete, forgetting every key; {advice}",
+        advice = crate::storage::fsutil::LOST_CURRENT_ADVICE
+    )]
+    LostCurrent { dir: PathBuf, found: String },
 }
 
 impl KeystoreError {

@@ -127,6 +127,16 @@ impl Drop for KeyStore {
     }
 }
 
+/// Refuses a store directory that lost its `CURRENT` file but holds data
+/// (see [`crate::storage::fsutil::rocksdb_data_without_current`]).
+pub(crate) fn refuse_lost_current(dir: &Path) -> Result<(), KeystoreError> {
+    match crate::storage::fsutil::rocksdb_data_without_current(dir) {
+        Ok(None) => Ok(()),
+        Ok(Some(found)) => Err(KeystoreError::LostCurrent { dir: dir.to_path_buf(), found }),
+        Err(source) => Err(KeystoreError::Io { path: dir.to_path_buf(), source }),
+    }
+}
+
 impl std::fmt::Debug for KeyStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KeyStore").field("dir", &self.dir).field("floor_ms", &self.floor.get()).finish()
@@ -138,6 +148,7 @@ impl KeyStore {
     pub fn open(dir: &Path, opts: KeyStoreOptions) -> Result<KeyStore, KeystoreError> {
         opts.validate()?;
         std::fs::create_dir_all(dir).map_err(|source| KeystoreError::Io { path: dir.to_path_buf(), source })?;
+        refuse_lost_current(dir)?;
         let floor = Floor::new(i64::MIN);
         let cache = Cache::new_lru_cache(opts.block_cache_bytes);
         let cfs = [

@@ -44,6 +44,7 @@ impl KeystoreVerifyReport {
 /// corrupt block is an error naming the column family.
 pub fn verify(dir: &Path) -> Result<KeystoreVerifyReport, KeystoreError> {
     let opts = Options::default();
+    super::store::refuse_lost_current(dir)?;
     let mut cfs = DB::list_cf(&opts, dir).map_err(|source| KeystoreError::Open { dir: dir.to_owned(), source })?;
     cfs.sort();
     // Reading merged values needs the merge operator the writer used.

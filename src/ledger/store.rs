@@ -59,6 +59,12 @@ pub enum LedgerError {
     Fold(#[from] FoldError),
     #[error("no ledger at {dir}: the state directory was never used with the ledger on")]
     Missing { dir: String },
+    #[error(
+        "the ledger at {dir} holds {found} but no CURRENT file: opened, RocksDB would start an empty ledger and \
+         delete every table as obsolete, losing every total; {advice}",
+        advice = crate::storage::fsutil::LOST_CURRENT_ADVICE
+    )]
+    LostCurrent { dir: String, found: String },
     #[error("{0}")]
     Query(String),
     /// A write the tests made fail (see `LedgerStore::fail_next_write`).
@@ -359,8 +365,20 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Refuses a ledger directory that lost its `CURRENT` file but holds data
+/// (see [`crate::storage::fsutil::rocksdb_data_without_current`]).
+fn refuse_lost_current(dir: &Path) -> Result<(), LedgerError> {
+    let dir_name = || dir.display().to_string();
+    match crate::storage::fsutil::rocksdb_data_without_current(dir) {
+        Ok(None) => Ok(()),
+        Ok(Some(found)) => Err(LedgerError::LostCurrent { dir: dir_name(), found }),
+        Err(e) => Err(LedgerError::Query(format!("cannot list the ledger at {}: {e}", dir_name()))),
+    }
+}
+
 impl LedgerStore {
     pub fn open(dir: &Path) -> Result<LedgerStore, LedgerError> {
+        refuse_lost_current(dir)?;
         let mut opts = Options::default();
         opts.create_if_missing(true);
         opts.set_compression_type(rocksdb::DBCompressionType::Lz4);
@@ -375,6 +393,7 @@ impl LedgerStore {
     /// writing it, and the reader sees what it had written at open.
     pub fn open_read_only(dir: &Path) -> Result<LedgerStore, LedgerError> {
         let name = dir.display().to_string();
+        refuse_lost_current(dir)?;
         if !dir.join("CURRENT").exists() {
             return Err(LedgerError::Missing { dir: name });
         }

@@ -83,3 +83,32 @@ pub(crate) fn list_numbered(
     out.sort();
     Ok(out)
 }
+
+/// A RocksDB directory that holds table or log files but no `CURRENT`
+/// (the file naming the live `MANIFEST`): the first such file found, or
+/// `None` when the directory is whole, empty or missing. Opened with
+/// `create_if_missing`, RocksDB would start an empty database there and
+/// delete the tables as obsolete: a store that lost one small file would
+/// lose every key (or every ledger total) with it.
+pub(crate) fn rocksdb_data_without_current(dir: &std::path::Path) -> std::io::Result<Option<String>> {
+    if dir.join("CURRENT").exists() {
+        return Ok(None);
+    }
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    for entry in entries {
+        let name = entry?.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".sst") || name.ends_with(".log") || name.starts_with("MANIFEST-") {
+            return Ok(Some(name));
+        }
+    }
+    Ok(None)
+}
+
+/// What an operator can do about [`rocksdb_data_without_current`].
+pub(crate) const LOST_CURRENT_ADVICE: &str = "restore CURRENT (one line naming the newest MANIFEST-* file, \
+     e.g. `printf 'MANIFEST-000005\\n' > CURRENT`), or move the directory aside and let the state be repaired \
+     from the output";

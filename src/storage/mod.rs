@@ -101,7 +101,7 @@ pub mod failpoint;
 #[cfg(test)]
 mod faulty_disk_tests;
 pub mod fs;
-mod fsutil;
+pub(crate) mod fsutil;
 mod lock;
 mod manifest;
 mod memtable;
