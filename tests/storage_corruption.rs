@@ -239,3 +239,46 @@ fn a_flipped_byte_in_the_newest_manifest_falls_back_to_the_previous_generation()
     assert!(rec.skipped_manifests.is_empty());
     assert_eq!(contents(&store).expect("contents"), all_events());
 }
+
+/// What open refuses, verify must not call clean: a live WAL file gone
+/// from the middle of the run (its events are nowhere else in the usage
+/// store), data with no manifest left to name it, and a segment that
+/// passes its own checksums but is not the one the manifest recorded
+/// (copied in from another state directory under the same name).
+#[test]
+fn verify_reports_a_missing_live_wal_file_data_without_a_manifest_and_a_segment_from_elsewhere() {
+    let open = |usage: &Path| UsageStore::open(usage, StoreOptions::default(), Arc::new(NoopObserver));
+    let problem = |usage: &Path, kind: FileKind, missing: bool| {
+        let report = verify(usage).expect("verify");
+        assert!(!report.is_clean(), "{report}");
+        let found = report.problems().any(|f| f.kind == kind && (f.status == FileStatus::Missing) == missing);
+        assert!(found, "no {kind:?} problem reported: {report}");
+    };
+
+    let (_a, usage) = fixture("clean");
+    drop(open(&usage).expect("open"));
+    // Live WAL files are now 3 and 4 (each open starts one); 3 holds the
+    // last 30 events.
+    std::fs::remove_file(wal3(&usage)).expect("rm");
+    assert!(matches!(open(&usage), Err(StorageError::MissingWal { .. })));
+    problem(&usage, FileKind::Wal, true);
+
+    let (_b, usage) = fixture("clean");
+    for m in std::fs::read_dir(usage.join("manifest")).expect("ls") {
+        std::fs::remove_file(m.expect("entry").path()).expect("rm");
+    }
+    assert!(matches!(open(&usage), Err(StorageError::NoValidManifest { .. })));
+    problem(&usage, FileKind::Manifest, true);
+
+    let (_c, usage) = fixture("clean");
+    let elsewhere = tempfile::tempdir().expect("tempdir");
+    let (mut other, _) = open(elsewhere.path()).expect("open");
+    other.append(&all_events()[0..10]).expect("append");
+    other.flush().expect("flush");
+    drop(other);
+    for ext in ["seg", "idx"] {
+        let name = format!("{:020}.{ext}", 1);
+        std::fs::copy(elsewhere.path().join("segments").join(&name), usage.join("segments").join(&name)).expect("cp");
+    }
+    problem(&usage, FileKind::Segment, false);
+}

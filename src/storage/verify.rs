@@ -138,6 +138,21 @@ pub fn verify_on(fs: &dyn FileSystem, dir: &Path) -> Result<VerifyReport, Storag
     let referenced: HashSet<u64> = readable.iter().take(2).flat_map(|m| m.segments.iter().map(|s| s.id)).collect();
 
     let wal_files = wal::list(fs, &wal_dir)?;
+    // As open replays them: every file from the manifest's `wal_start` to
+    // the newest, none missing (a missing one held accepted events that
+    // nothing else of the usage store has).
+    if let Some(m) = current {
+        let newest = wal_files.last().map_or(m.wal_start, |(seq, _)| (*seq).max(m.wal_start));
+        let present: HashSet<u64> = wal_files.iter().map(|(seq, _)| *seq).collect();
+        for seq in (m.wal_start..=newest).filter(|seq| !present.contains(seq)) {
+            report.files.push(FileReport {
+                path: wal::wal_path(&wal_dir, seq),
+                kind: FileKind::Wal,
+                status: FileStatus::Missing,
+                detail: format!("live WAL files run from {} (manifest generation {})", m.wal_start, m.generation),
+            });
+        }
+    }
     for (i, (_, path)) in wal_files.iter().enumerate() {
         let is_last = i + 1 == wal_files.len();
         let mut events = 0usize;
@@ -167,8 +182,31 @@ pub fn verify_on(fs: &dyn FileSystem, dir: &Path) -> Result<VerifyReport, Storag
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
         if let Some(id) = name.strip_suffix(".seg").and_then(|s| s.parse::<u64>().ok()) {
             seen_segments.insert(id);
+            let named = current.and_then(|m| m.segments.iter().find(|s| s.id == id));
             let r = Segment::open(fs, &path).and_then(|s| {
                 let rows = s.read_all()?;
+                // A file whose checksums hold can still be another segment
+                // (copied in from another state directory under this name):
+                // its rows must be what the manifest recorded of it.
+                if let Some(meta) = named {
+                    let min = rows.iter().map(|e| e.key.first_seen_ms).min();
+                    let max = rows.iter().map(|e| e.key.first_seen_ms).max();
+                    let recorded = (meta.rows, Some(meta.min_first_seen_ms), Some(meta.max_first_seen_ms));
+                    if (rows.len() as u64, min, max) != recorded && meta.rows > 0 {
+                        return Err(StorageError::Corrupt {
+                            file: path.clone(),
+                            offset: 0,
+                            detail: format!(
+                                "{} rows first seen {min:?}..{max:?}, the manifest recorded {} rows first seen {}..{}: \
+                                 not the segment the manifest names",
+                                rows.len(),
+                                meta.rows,
+                                meta.min_first_seen_ms,
+                                meta.max_first_seen_ms
+                            ),
+                        });
+                    }
+                }
                 Ok(format!("{} rows, {} bytes", rows.len(), s.len_bytes()))
             });
             let mut fr = file_report(&path, FileKind::Segment, r);
@@ -184,6 +222,20 @@ pub fn verify_on(fs: &dyn FileSystem, dir: &Path) -> Result<VerifyReport, Storag
             }
             report.files.push(fr);
         }
+    }
+    // Data with no manifest to name it: open refuses the store.
+    if current.is_none()
+        && (!seen_segments.is_empty() || wal_files.iter().any(|(_, p)| fs.file_len(p).unwrap_or(0) > 0))
+    {
+        report.files.push(FileReport {
+            path: man_dir.clone(),
+            kind: FileKind::Manifest,
+            status: FileStatus::Missing,
+            detail: format!(
+                "no readable manifest, but {} segment(s) and WAL data are here: open refuses the usage store",
+                seen_segments.len()
+            ),
+        });
     }
     if let Some(m) = current {
         for s in &m.segments {
