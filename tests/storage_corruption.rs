@@ -282,3 +282,44 @@ fn verify_reports_a_missing_live_wal_file_data_without_a_manifest_and_a_segment_
     }
     problem(&usage, FileKind::Segment, false);
 }
+
+/// A sealed WAL file is never written again, and each newer file opens
+/// with a link frame recording where the one before it ended. A sealed
+/// file cut at a frame boundary, or emptied, holds only valid frames, so
+/// nothing in it shows the loss: the link does. Open refuses it (its
+/// events are nowhere else in the usage store; a later file's would move
+/// the checkpoint past them) and verify reports it.
+#[test]
+fn a_sealed_wal_file_cut_at_a_frame_boundary_or_emptied_is_a_hard_error_and_verify_says_so() {
+    for cut_to_first_batch in [false, true] {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let usage = tmp.path().join("usage");
+        let opts = StoreOptions { wal_rotate_bytes: 4096, ..StoreOptions::default() };
+        let (mut store, _) = UsageStore::open(&usage, opts.clone(), Arc::new(NoopObserver)).expect("open");
+        for chunk in all_events().chunks(5) {
+            store.append(chunk).expect("append");
+        }
+        drop(store);
+        let mut wal: Vec<PathBuf> =
+            std::fs::read_dir(usage.join("wal")).expect("ls").map(|e| e.expect("entry").path()).collect();
+        wal.sort();
+        assert!(wal.len() >= 3, "rotation made several files: {wal:?}");
+        let middle = &wal[1];
+        let bytes = std::fs::read(middle).expect("read");
+        // The link frame (16-byte header, 16-byte payload), then batches.
+        let header = |at: usize| u32::from_le_bytes(bytes[at + 8..at + 12].try_into().expect("4 bytes")) as usize;
+        assert_eq!(header(0), 16, "the file opens with its link");
+        let first_batch_end = 32 + 16 + header(32);
+        assert!(first_batch_end < bytes.len(), "the middle file holds more than one batch");
+        let len = if cut_to_first_batch { first_batch_end } else { 0 };
+        std::fs::OpenOptions::new().write(true).open(middle).expect("open").set_len(len as u64).expect("cut");
+        let reopened = UsageStore::open(&usage, opts.clone(), Arc::new(NoopObserver));
+        assert!(
+            matches!(&reopened, Err(StorageError::WalMidLogCorruption { file, .. }) if file == middle),
+            "cut to {len}: {:?}",
+            reopened.map(|_| ())
+        );
+        let report = verify(&usage).expect("verify");
+        assert!(report.problems().any(|f| &f.path == middle), "cut to {len}: {report}");
+    }
+}

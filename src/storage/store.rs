@@ -545,7 +545,7 @@ impl UsageStore {
                 }
                 // Fresh store: WAL 1 exists before the manifest that names it,
                 // so a live manifest always finds its first WAL file.
-                drop(WalWriter::create(fs.as_ref(), &wal_dir, 1, skip_dir_fsync, &GroupCommit::new())?);
+                drop(WalWriter::create(fs.as_ref(), &wal_dir, 1, None, skip_dir_fsync, &GroupCommit::new())?);
                 let m = Manifest { generation: 1, next_segment_id: 1, wal_start: 1, ..Manifest::default() };
                 m.write(fs.as_ref(), &man_dir, crash_at.as_deref())?;
                 report.created = true;
@@ -582,7 +582,13 @@ impl UsageStore {
         }
         let mut checkpoints = manifest.checkpoints.clone();
         let mut memtable = Memtable::sized_for(opts.memtable_max_events, opts.memtable_max_bytes);
-        for (i, (_, path)) in live.iter().enumerate() {
+        // The file before, its length as scanned: checked against the link
+        // the next file recorded (see `wal::frame`).
+        let mut before: Option<(u64, &Path, u64)> = None;
+        // Where the newest live file ends once replayed, for the next
+        // file's link.
+        let mut newest_len = None;
+        for (i, (seq, path)) in live.iter().enumerate() {
             let is_last = i + 1 == live.len();
             let scan = reader::scan_file(fs.as_ref(), path, is_last, |events| {
                 for e in events {
@@ -597,6 +603,11 @@ impl UsageStore {
                 }
                 Ok(())
             })?;
+            if let Some(previous) = before {
+                reader::check_link(previous, scan.link)?;
+            }
+            before = Some((*seq, path.as_path(), scan.valid_len));
+            newest_len = Some((*seq, scan.valid_len));
             report.wal_files_replayed += 1;
             report.wal_frames += scan.frames;
             // fsync what was replayed: the crashed process may have left it in
@@ -619,7 +630,7 @@ impl UsageStore {
         checkpoints.retain(|_, o| *o != i64::MIN);
         let next_wal = live.last().map(|(seq, _)| seq + 1).unwrap_or(manifest.wal_start);
         let commits = GroupCommit::new();
-        let wal = WalWriter::create(fs.as_ref(), &wal_dir, next_wal, skip_dir_fsync, &commits)?;
+        let wal = WalWriter::create(fs.as_ref(), &wal_dir, next_wal, newest_len, skip_dir_fsync, &commits)?;
 
         let manifest_next_segment_id = manifest.next_segment_id;
         let marks = Arc::new(UsageMarks {
@@ -768,8 +779,15 @@ impl UsageStore {
     fn rotate_wal(&mut self) -> Result<(), StorageError> {
         self.wal.sync(self.observer.as_ref())?;
         let skip_dir_fsync = self.opts.mutations.has(Mutation::WalCreatedWithoutDirFsync);
-        self.wal =
-            WalWriter::create(self.fs.as_ref(), &self.wal_dir, self.wal.seq() + 1, skip_dir_fsync, &self.commits)?;
+        let sealed = (self.wal.seq(), self.wal.len());
+        self.wal = WalWriter::create(
+            self.fs.as_ref(),
+            &self.wal_dir,
+            sealed.0 + 1,
+            Some(sealed),
+            skip_dir_fsync,
+            &self.commits,
+        )?;
         Ok(())
     }
 

@@ -153,7 +153,8 @@ pub fn verify_on(fs: &dyn FileSystem, dir: &Path) -> Result<VerifyReport, Storag
             });
         }
     }
-    for (i, (_, path)) in wal_files.iter().enumerate() {
+    let mut before: Option<(u64, &Path, u64)> = None;
+    for (i, (seq, path)) in wal_files.iter().enumerate() {
         let is_last = i + 1 == wal_files.len();
         let mut events = 0usize;
         match reader::scan_file(fs, path, is_last, |e| {
@@ -161,6 +162,16 @@ pub fn verify_on(fs: &dyn FileSystem, dir: &Path) -> Result<VerifyReport, Storag
             Ok(())
         }) {
             Ok(scan) => {
+                // The file before lost frames if it no longer ends where
+                // this one's link recorded.
+                if let Some(previous @ (_, previous_path, _)) = before {
+                    if let Err(e) = reader::check_link(previous, scan.link) {
+                        if let Some(r) = report.files.iter_mut().rev().find(|r| r.path == previous_path) {
+                            r.status = FileStatus::Corrupt { error: e.to_string() };
+                        }
+                    }
+                }
+                before = Some((*seq, path.as_path(), scan.valid_len));
                 let detail = format!("{} frames, {events} events", scan.frames);
                 let status = match scan.torn {
                     Some(_) => FileStatus::TornTail { offset: scan.valid_len },
@@ -168,7 +179,10 @@ pub fn verify_on(fs: &dyn FileSystem, dir: &Path) -> Result<VerifyReport, Storag
                 };
                 report.files.push(FileReport { path: path.clone(), kind: FileKind::Wal, status, detail });
             }
-            Err(e) => report.files.push(file_report(path, FileKind::Wal, Err(e))),
+            Err(e) => {
+                before = None;
+                report.files.push(file_report(path, FileKind::Wal, Err(e)));
+            }
         }
     }
 

@@ -24,6 +24,29 @@ pub(crate) struct WalScan {
     pub file_len: u64,
     /// Set when a torn tail was found: what it looked like.
     pub torn: Option<String>,
+    /// The link frame opening the file, if it has one: the seq of the file
+    /// before it and that file's length (see [`super::frame`]).
+    pub link: Option<(u64, u64)>,
+}
+
+/// Checks `previous` (seq, scanned length) against the link recorded by
+/// the file after it (`next`): a sealed file that no longer ends where the
+/// next one recorded lost frames, and that loss is mid-log corruption.
+pub(crate) fn check_link(previous: (u64, &Path, u64), next: Option<(u64, u64)>) -> Result<(), StorageError> {
+    let (seq, path, len) = previous;
+    match next {
+        Some((linked_seq, linked_len)) if linked_seq == seq && linked_len != len => {
+            Err(StorageError::WalMidLogCorruption {
+                file: PathBuf::from(path),
+                offset: len.min(linked_len),
+                detail: format!(
+                    "the file is {len} bytes, but the next WAL file recorded it as ending at {linked_len}: \
+                     frames of a sealed file are gone"
+                ),
+            })
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Scans `path`, calling `on_frame` for each valid frame in order.
@@ -37,6 +60,7 @@ pub(crate) fn scan_file(
     let buf = fs.read(path).at(path)?;
     let mut off = 0usize;
     let mut frames = 0usize;
+    let mut link = None;
     while off < buf.len() {
         match read_frame(&buf[off..]) {
             FrameRead::Frame { events, len } => {
@@ -44,25 +68,39 @@ pub(crate) fn scan_file(
                 frames += 1;
                 off += len;
             }
+            FrameRead::Link { previous_seq, previous_len, len } if off == 0 => {
+                link = Some((previous_seq, previous_len));
+                off += len;
+            }
+            FrameRead::Link { .. } => {
+                let detail = "a link frame past the start of the file".to_string();
+                return Err(StorageError::WalMidLogCorruption {
+                    file: PathBuf::from(path),
+                    offset: off as u64,
+                    detail,
+                });
+            }
             FrameRead::Truncated { detail } => {
-                return tail_or_error(path, &buf, off, frames, is_last, detail);
+                return tail_or_error(path, &buf, (off, frames, link), is_last, detail);
             }
             FrameRead::Invalid { detail, .. } => {
-                return tail_or_error(path, &buf, off, frames, is_last, detail);
+                return tail_or_error(path, &buf, (off, frames, link), is_last, detail);
             }
         }
     }
-    Ok(WalScan { frames, valid_len: buf.len() as u64, file_len: buf.len() as u64, torn: None })
+    Ok(WalScan { frames, valid_len: buf.len() as u64, file_len: buf.len() as u64, torn: None, link })
 }
 
+/// `at`: where the bad frame starts, the good frames before it, and the
+/// file's link frame if it had one.
 fn tail_or_error(
     path: &Path,
     buf: &[u8],
-    off: usize,
-    frames: usize,
+    at: (usize, usize, Option<(u64, u64)>),
     is_last: bool,
     detail: String,
 ) -> Result<WalScan, StorageError> {
+    let (off, frames, link) = at;
     // A torn write leaves the bad frame last. If any valid frame can be found
     // after it (searching byte by byte for a magic that starts a frame with a
     // good checksum), the damage is in the middle: a flipped length field must
@@ -73,6 +111,7 @@ fn tail_or_error(
             valid_len: off as u64,
             file_len: buf.len() as u64,
             torn: Some(format!("{detail}; {} bytes from offset {off} dropped", buf.len() - off)),
+            link,
         });
     }
     Err(StorageError::WalMidLogCorruption { file: PathBuf::from(path), offset: off as u64, detail })

@@ -217,25 +217,36 @@ impl WalWriter {
     ///
     /// `commits` is the store's group commit, which moves to this file: every
     /// byte of the previous one must already be durable.
+    /// Creates WAL file `seq`, opened by a link frame recording where the
+    /// file before it ended (`previous`: its seq and length; none for a new
+    /// store's first file). The link is made durable with the first fsync,
+    /// before any frame after it.
     pub(crate) fn create(
         fs: &dyn FileSystem,
         dir: &Path,
         seq: u64,
+        previous: Option<(u64, u64)>,
         skip_dir_fsync: bool,
         commits: &Arc<GroupCommit>,
     ) -> Result<WalWriter, StorageError> {
         let path = super::wal_path(dir, seq);
-        let file = fs.create_append(&path).at(&path)?;
+        let mut file = fs.create_append(&path).at(&path)?;
         if !skip_dir_fsync {
             fsutil::fsync_dir(fs, dir)?;
         }
+        let mut link = Vec::new();
+        if let Some((previous_seq, previous_len)) = previous {
+            super::frame::write_link_frame(&mut link, previous_seq, previous_len);
+            file.append(&link).at(&path)?;
+        }
+        let len = link.len() as u64;
         let syncer = file.syncer().at(&path)?;
         {
             let mut st = commits.lock();
             st.seq = seq;
             st.file = Some(syncer);
             st.path = path.clone();
-            st.written = 0;
+            st.written = len;
             st.durable = 0;
         }
         Ok(WalWriter {
@@ -243,7 +254,7 @@ impl WalWriter {
             path,
             file,
             commits: Arc::clone(commits),
-            len: 0,
+            len,
             synced_len: 0,
             last_sync: Instant::now(),
             frame_buf: Vec::new(),
