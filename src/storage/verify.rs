@@ -144,7 +144,25 @@ pub fn verify_on(fs: &dyn FileSystem, dir: &Path) -> Result<VerifyReport, Storag
     if let Some(m) = current {
         let newest = wal_files.last().map_or(m.wal_start, |(seq, _)| (*seq).max(m.wal_start));
         let present: HashSet<u64> = wal_files.iter().map(|(seq, _)| *seq).collect();
-        for seq in (m.wal_start..=newest).filter(|seq| !present.contains(seq)) {
+        // Beside a running worker a flush may have moved `wal_start` and
+        // removed the files below it since the manifest was read: the
+        // manifest as it is now says where live files start.
+        let wal_start_now = || -> u64 {
+            manifest::list(fs, &man_dir)
+                .ok()
+                .and_then(|found| {
+                    found.into_iter().find_map(|(_, path)| {
+                        fs.read(&path).ok().and_then(|bytes| Manifest::decode(&path, &bytes).ok())
+                    })
+                })
+                .map_or(m.wal_start, |now| now.wal_start.max(m.wal_start))
+        };
+        let mut missing: Vec<u64> = (m.wal_start..=newest).filter(|seq| !present.contains(seq)).collect();
+        if !missing.is_empty() {
+            let start = wal_start_now();
+            missing.retain(|seq| *seq >= start);
+        }
+        for seq in missing {
             report.files.push(FileReport {
                 path: wal::wal_path(&wal_dir, seq),
                 kind: FileKind::Wal,
@@ -164,8 +182,20 @@ pub fn verify_on(fs: &dyn FileSystem, dir: &Path) -> Result<VerifyReport, Storag
             Ok(scan) => {
                 // The file before lost frames if it no longer ends where
                 // this one's link recorded.
-                if let Some(previous @ (_, previous_path, _)) = before {
-                    if let Err(e) = reader::check_link(previous, scan.link) {
+                if let Some((previous_seq, previous_path, scanned_len)) = before {
+                    // The file before may have been the active one, written
+                    // on by a running worker after it was read and before
+                    // it was sealed: read it again before calling it short.
+                    let checked =
+                        reader::check_link((previous_seq, previous_path, scanned_len), scan.link).or_else(|e| {
+                            match reader::scan_file(fs, previous_path, false, |_| Ok(())) {
+                                Ok(again) => {
+                                    reader::check_link((previous_seq, previous_path, again.valid_len), scan.link)
+                                }
+                                Err(_) => Err(e),
+                            }
+                        });
+                    if let Err(e) = checked {
                         if let Some(r) = report.files.iter_mut().rev().find(|r| r.path == previous_path) {
                             r.status = FileStatus::Corrupt { error: e.to_string() };
                         }
