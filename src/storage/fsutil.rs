@@ -101,7 +101,11 @@ pub(crate) fn rocksdb_data_without_current(dir: &std::path::Path) -> std::io::Re
     };
     for entry in entries {
         let name = entry?.file_name().to_string_lossy().into_owned();
-        if name.ends_with(".sst") || name.ends_with(".log") || name.starts_with("MANIFEST-") {
+        // Not `MANIFEST-*`: creating a database writes its first MANIFEST
+        // before CURRENT, so one killed in between left a MANIFEST and no
+        // data, which opening again simply recreates. Data lives only in
+        // tables and write-ahead logs, made after CURRENT.
+        if name.ends_with(".sst") || name.ends_with(".log") {
             return Ok(Some(name));
         }
     }
@@ -112,3 +116,27 @@ pub(crate) fn rocksdb_data_without_current(dir: &std::path::Path) -> std::io::Re
 pub(crate) const LOST_CURRENT_ADVICE: &str = "restore CURRENT (one line naming the newest MANIFEST-* file, \
      e.g. `printf 'MANIFEST-000005\\n' > CURRENT`), or move the directory aside and let the state be repaired \
      from the output";
+
+#[cfg(test)]
+mod lost_current_tests {
+    use super::*;
+
+    /// Only tables and logs make a directory without CURRENT a lost store:
+    /// a database killed while being created (its first MANIFEST written,
+    /// CURRENT not yet) is created again on the next open, not refused
+    /// for good.
+    #[test]
+    fn a_store_without_current_is_lost_only_when_it_holds_tables_or_logs() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let d = dir.path();
+        assert_eq!(rocksdb_data_without_current(&d.join("missing")).expect("missing dir"), None);
+        for f in ["MANIFEST-000001", "IDENTITY", "LOCK", "LOG", "OPTIONS-000003"] {
+            std::fs::write(d.join(f), b"").expect("write");
+        }
+        assert_eq!(rocksdb_data_without_current(d).expect("list"), None, "a creation killed before CURRENT");
+        std::fs::write(d.join("000004.log"), b"x").expect("write");
+        assert_eq!(rocksdb_data_without_current(d).expect("list"), Some("000004.log".to_string()));
+        std::fs::write(d.join("CURRENT"), b"MANIFEST-000001\n").expect("write");
+        assert_eq!(rocksdb_data_without_current(d).expect("list"), None, "whole");
+    }
+}
