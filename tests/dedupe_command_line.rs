@@ -160,22 +160,27 @@ fn stdin_to_stdout_with_the_summary_as_the_last_stderr_line() {
     assert!(stdout.contains(r#""quantity":"1.5""#), "canonical quantity: {stdout}");
 }
 
-#[test]
-fn conflicts_file_names_both_hashes_and_the_fields_that_differ() {
+/// `input` deduped from a file to standard output with a conflicts file;
+/// its one conflict line.
+fn the_one_conflict_of(input: &str) -> serde_json::Value {
     let dir = tempfile::tempdir().expect("tempdir");
-    let input = dir.path().join("in.ndjson");
-    std::fs::write(&input, format!("{}\n{}\n", event("c1", "1"), event("c1", "5"))).expect("write");
-    let conflicts = dir.path().join("conflicts.ndjson");
+    let (path, conflicts) = (dir.path().join("in.ndjson"), dir.path().join("conflicts.ndjson"));
+    std::fs::write(&path, input).expect("write");
     let out = dedupd()
         .args(["dedupe", "--input"])
-        .arg(&input)
+        .arg(&path)
         .args(["--output", "-", "--conflicts"])
         .arg(&conflicts)
         .output()
         .expect("run");
-    assert!(out.status.success());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = std::fs::read_to_string(&conflicts).expect("conflicts file");
-    let v: serde_json::Value = serde_json::from_str(text.trim()).expect("one JSON line");
+    serde_json::from_str(text.trim()).expect("one JSON line")
+}
+
+#[test]
+fn conflicts_file_names_both_hashes_and_the_fields_that_differ() {
+    let v = the_one_conflict_of(&format!("{}\n{}\n", event("c1", "1"), event("c1", "5")));
     assert_eq!(v["reason"], "conflict");
     assert_eq!(v["event_id"], "c1");
     assert_eq!(v["line"], 2);
@@ -190,22 +195,8 @@ fn conflicts_file_names_both_hashes_and_the_fields_that_differ() {
 /// that was accepted, not the one at its place among the valid records.
 #[test]
 fn a_conflict_within_a_batch_behind_a_rejected_line_is_compared_with_its_own_original() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let input = dir.path().join("in.ndjson");
     let other_customer = event("x", "5").replace("cus_1", "cus_other");
-    std::fs::write(&input, format!("garbage\n{other_customer}\n{}\n{}\n", event("y", "5"), event("y", "6")))
-        .expect("write");
-    let conflicts = dir.path().join("conflicts.ndjson");
-    let out = dedupd()
-        .args(["dedupe", "--input"])
-        .arg(&input)
-        .args(["--output", "-", "--conflicts"])
-        .arg(&conflicts)
-        .output()
-        .expect("run");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let text = std::fs::read_to_string(&conflicts).expect("conflicts file");
-    let v: serde_json::Value = serde_json::from_str(text.trim()).expect("one JSON line");
+    let v = the_one_conflict_of(&format!("garbage\n{other_customer}\n{}\n{}\n", event("y", "5"), event("y", "6")));
     assert_eq!((v["event_id"].as_str(), v["line"].as_u64(), v["first_line"].as_u64()), (Some("y"), Some(4), Some(3)));
     assert_eq!(v["differs"], serde_json::json!(["quantity"]), "{v}");
 }

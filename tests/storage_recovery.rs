@@ -341,3 +341,31 @@ fn a_crash_during_the_very_first_open_leaves_a_store_that_opens_empty() {
     assert!(report.created);
     assert_eq!(store.append(&events(0..3, 0)).expect("append"), 3);
 }
+
+/// A first open whose manifest never became durable, then a second open
+/// that made WAL file 2 (its link frame fsynced) before a power loss took
+/// the manifest again: WAL files with no events and no manifest are a
+/// store that never stored anything, made afresh, not refused on every
+/// start for want of a manifest. A WAL file with events and no manifest
+/// is still refused.
+#[test]
+fn wal_files_holding_only_a_link_frame_and_no_manifest_are_a_fresh_store() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    drop(open(dir.path(), StoreOptions::default()));
+    drop(open(dir.path(), StoreOptions::default()));
+    let wal2 = dir.path().join("wal").join(format!("{:020}.wal", 2));
+    assert_eq!(std::fs::metadata(&wal2).expect("wal 2").len(), 32, "WAL 2 holds its link frame only");
+    for m in std::fs::read_dir(dir.path().join("manifest")).expect("ls") {
+        std::fs::remove_file(m.expect("entry").path()).expect("rm manifest");
+    }
+    let (mut store, report) =
+        UsageStore::open(dir.path(), StoreOptions::default(), Arc::new(NoopObserver)).expect("open");
+    assert!(report.created, "made afresh");
+    store.append(&events(0..3, 0)).expect("append");
+    drop(store);
+    for m in std::fs::read_dir(dir.path().join("manifest")).expect("ls") {
+        std::fs::remove_file(m.expect("entry").path()).expect("rm manifest");
+    }
+    let refused = UsageStore::open(dir.path(), StoreOptions::default(), Arc::new(NoopObserver));
+    assert!(matches!(refused, Err(StorageError::NoValidManifest { .. })), "{:?}", refused.map(|_| ()));
+}

@@ -355,29 +355,20 @@ mod tests {
         assert!(matches!(&out[3], Outcome::Rejected(r) if r.reason == RejectReason::MalformedJson));
     }
 
-    /// An event stamped up to the skew ahead of its first arrival passes the
-    /// age check until `max_event_age` after its stamp. With the defaults
-    /// (horizon = max age = 35d, skew 1h) its key must outlive the horizon
-    /// by that hour: a retry half an hour past the horizon, and one on the
-    /// last millisecond the age check accepts, are duplicates found in the
-    /// key store, and a millisecond later the record is too old.
-    #[test]
-    fn a_key_outlives_every_retry_the_age_check_lets_in_even_when_stamped_ahead() {
-        const HOUR: i64 = 3_600_000;
-        let dir = tempfile::tempdir().expect("tempdir");
-        let settings = EngineSettings::default();
-        assert_eq!(settings.horizon_ms(), settings.limits.max_event_age_ms, "the defaults this test is about");
-        let horizon = settings.horizon_ms();
-        let state = LocalState::open(Some(dir.path()), settings.clone(), true).expect("open");
+    /// An engine on a state directory (real key store) that accepted, at
+    /// `NOW` and output offset 0, event "a" stamped as far ahead as the
+    /// skew lets in (so its retries pass the age check until the key's last
+    /// millisecond); and that event's bytes.
+    fn accepted_stamped_ahead(dir: &std::path::Path, settings: &EngineSettings) -> (StateEngine, Vec<u8>) {
+        let state = LocalState::open(Some(dir), settings.clone(), true).expect("open");
         let mut e = StateEngine::new(state, settings.validator());
         e.assign(0, NOW).expect("assign");
-        let stamp = NOW + HOUR; // as far ahead as the skew lets in
+        let stamp = NOW + settings.limits.max_future_skew_ms;
         let a = format!(
             r#"{{"event_id":"a","tenant_id":"t","customer_id":"c","meter":"m","quantity":"1","timestamp":{stamp}}}"#
         )
         .into_bytes();
-        let at = |offset| [InputRecord { source: Position::new(0, offset), payload: Some(&a) }];
-        let out = e.classify(0, &at(0), NOW, None).expect("classify").outcomes;
+        let out = e.classify(0, &at(&a, 0), NOW, None).expect("classify").outcomes;
         let Outcome::Accepted { event, id_hash, payload_hash } = &out[0] else { panic!("{out:?}") };
         let key = SeenKey {
             id_hash: *id_hash,
@@ -387,17 +378,38 @@ mod tests {
             output: Position::new(0, 0),
         };
         e.apply_published(0, &[StoredEvent { key, event: event.clone() }], NOW).expect("apply");
-        let last_accepted_by_age = stamp + settings.limits.max_event_age_ms;
-        for (offset, now) in [(1, NOW + horizon + HOUR / 2), (2, last_accepted_by_age)] {
+        (e, a)
+    }
+
+    /// `payload` delivered at input offset `offset` of partition 0.
+    fn at(payload: &[u8], offset: i64) -> [InputRecord<'_>; 1] {
+        [InputRecord { source: Position::new(0, offset), payload: Some(payload) }]
+    }
+
+    fn found_in_key_store(out: &[Outcome]) -> bool {
+        matches!(out[0], Outcome::Duplicate { tier: crate::classify::Tier::KeyStore, .. })
+    }
+
+    /// An event stamped up to the skew ahead of its first arrival passes the
+    /// age check until `max_event_age` after its stamp. With the defaults
+    /// (horizon = max age = 35d, skew 1h) its key must outlive the horizon
+    /// by that hour: a retry half an hour past the horizon, and one on the
+    /// last millisecond the age check accepts, are duplicates found in the
+    /// key store, and a millisecond later the record is too old.
+    #[test]
+    fn a_key_outlives_every_retry_the_age_check_lets_in_even_when_stamped_ahead() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let settings = EngineSettings::default();
+        assert_eq!(settings.horizon_ms(), settings.limits.max_event_age_ms, "the defaults this test is about");
+        let (horizon, skew) = (settings.horizon_ms(), settings.limits.max_future_skew_ms);
+        let (mut e, a) = accepted_stamped_ahead(dir.path(), &settings);
+        let last_accepted_by_age = NOW + skew + settings.limits.max_event_age_ms;
+        for (offset, now) in [(1, NOW + horizon + skew / 2), (2, last_accepted_by_age)] {
             e.maintain(now).expect("age out what is due");
-            let out = e.classify(0, &at(offset), now, None).expect("classify").outcomes;
-            assert!(
-                matches!(out[0], Outcome::Duplicate { tier: crate::classify::Tier::KeyStore, .. }),
-                "retry {}ms past the horizon: {out:?}",
-                now - NOW - horizon
-            );
+            let out = e.classify(0, &at(&a, offset), now, None).expect("classify").outcomes;
+            assert!(found_in_key_store(&out), "retry {}ms past the horizon: {out:?}", now - NOW - horizon);
         }
-        let out = e.classify(0, &at(3), last_accepted_by_age + 1, None).expect("classify").outcomes;
+        let out = e.classify(0, &at(&a, 3), last_accepted_by_age + 1, None).expect("classify").outcomes;
         assert!(matches!(&out[0], Outcome::Rejected(r) if r.reason == RejectReason::TimestampTooOld), "{out:?}");
         e.close().expect("close");
     }
@@ -411,33 +423,13 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let settings = EngineSettings::default();
         let lifetime = settings.key_lifetime_ms();
-        let state = LocalState::open(Some(dir.path()), settings.clone(), true).expect("open");
-        let mut e = StateEngine::new(state, settings.validator());
-        e.assign(0, NOW).expect("assign");
-        // Stamped as far ahead as the skew lets in, so its retries pass the
-        // age check until the key's last millisecond.
-        let stamp = NOW + settings.limits.max_future_skew_ms;
-        let a = format!(
-            r#"{{"event_id":"a","tenant_id":"t","customer_id":"c","meter":"m","quantity":"1","timestamp":{stamp}}}"#
-        )
-        .into_bytes();
-        let at = |offset| [InputRecord { source: Position::new(0, offset), payload: Some(&a) }];
-        let out = e.classify(0, &at(0), NOW, None).expect("classify").outcomes;
-        let Outcome::Accepted { event, id_hash, payload_hash } = &out[0] else { panic!("{out:?}") };
-        let key = SeenKey {
-            id_hash: *id_hash,
-            payload_hash: *payload_hash,
-            first_seen_ms: NOW,
-            source: Position::new(0, 0),
-            output: Position::new(0, 0),
-        };
-        e.apply_published(0, &[StoredEvent { key, event: event.clone() }], NOW).expect("apply");
+        let (mut e, a) = accepted_stamped_ahead(dir.path(), &settings);
         // The upkeep runs a minute past the key's lifetime; a batch that read
         // the clock a minute before it classifies after.
         e.maintain(NOW + lifetime + 60_000).expect("age out");
         let batch_now = NOW + lifetime - 60_000;
-        let out = e.classify(0, &at(1), batch_now, None).expect("classify").outcomes;
-        assert!(matches!(out[0], Outcome::Duplicate { tier: crate::classify::Tier::KeyStore, .. }), "{out:?}");
+        let out = e.classify(0, &at(&a, 1), batch_now, None).expect("classify").outcomes;
+        assert!(found_in_key_store(&out), "{out:?}");
         e.close().expect("close");
     }
 

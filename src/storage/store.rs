@@ -531,13 +531,14 @@ impl UsageStore {
                 (loaded.current, loaded.previous, loaded.highest_generation)
             }
             None => {
-                // Empty WAL files without a manifest are what a crash during the
-                // very first open leaves behind: nothing was ever stored.
-                let mut wal_bytes = 0u64;
+                // WAL files with no events and no manifest are what a crash
+                // during the very first open leaves behind (empty, or only a
+                // link frame): nothing was ever stored.
+                let mut stored_events = false;
                 for (_, path) in &wal_files {
-                    wal_bytes += fs.file_len(path).at(path)?;
+                    stored_events |= reader::holds_events(fs.as_ref(), path);
                 }
-                if wal_bytes > 0 || has_segment_files(fs.as_ref(), &seg_dir)? {
+                if stored_events || has_segment_files(fs.as_ref(), &seg_dir)? {
                     return Err(StorageError::NoValidManifest { dir: man_dir, tried: 0 });
                 }
                 for (_, path) in &wal_files {

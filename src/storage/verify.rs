@@ -268,9 +268,7 @@ pub fn verify_on(fs: &dyn FileSystem, dir: &Path) -> Result<VerifyReport, Storag
         }
     }
     // Data with no manifest to name it: open refuses the store.
-    if current.is_none()
-        && (!seen_segments.is_empty() || wal_files.iter().any(|(_, p)| fs.file_len(p).unwrap_or(0) > 0))
-    {
+    if current.is_none() && (!seen_segments.is_empty() || wal_files.iter().any(|(_, p)| reader::holds_events(fs, p))) {
         report.files.push(FileReport {
             path: man_dir.clone(),
             kind: FileKind::Manifest,

@@ -91,6 +91,20 @@ pub(crate) fn scan_file(
     Ok(WalScan { frames, valid_len: buf.len() as u64, file_len: buf.len() as u64, torn: None, link })
 }
 
+/// Whether `path` may hold stored events: a frame of them, or bytes that
+/// are no frame a crash leaves (mid-log damage could hide events). Empty
+/// files and files holding only a link frame, or a torn one, hold none.
+pub(crate) fn holds_events(fs: &dyn FileSystem, path: &Path) -> bool {
+    let mut events = false;
+    match scan_file(fs, path, true, |batch| {
+        events |= !batch.is_empty();
+        Ok(())
+    }) {
+        Ok(_) => events,
+        Err(_) => true,
+    }
+}
+
 /// `at`: where the bad frame starts, the good frames before it, and the
 /// file's link frame if it had one.
 fn tail_or_error(

@@ -219,8 +219,10 @@ impl WalWriter {
     /// byte of the previous one must already be durable.
     /// Creates WAL file `seq`, opened by a link frame recording where the
     /// file before it ended (`previous`: its seq and length; none for a new
-    /// store's first file). The link is made durable with the first fsync,
-    /// before any frame after it.
+    /// store's first file). The link is fsynced at once (one fsync a
+    /// rotation or an open): a new file's length is then durable, as it was
+    /// when new files were empty, which the group commit's accounting and
+    /// `unsynced_bytes` rely on.
     pub(crate) fn create(
         fs: &dyn FileSystem,
         dir: &Path,
@@ -241,13 +243,16 @@ impl WalWriter {
         }
         let len = link.len() as u64;
         let syncer = file.syncer().at(&path)?;
+        if len > 0 {
+            syncer.sync_data().at(&path)?;
+        }
         {
             let mut st = commits.lock();
             st.seq = seq;
             st.file = Some(syncer);
             st.path = path.clone();
             st.written = len;
-            st.durable = 0;
+            st.durable = len;
         }
         Ok(WalWriter {
             seq,
@@ -255,7 +260,7 @@ impl WalWriter {
             file,
             commits: Arc::clone(commits),
             len,
-            synced_len: 0,
+            synced_len: len,
             last_sync: Instant::now(),
             frame_buf: Vec::new(),
             payload_buf: Vec::new(),
