@@ -954,17 +954,7 @@ fn a_rocksdb_store_that_lost_its_current_file_is_refused_and_its_tables_kept() {
     let (state, output) = (dir.path().join("state"), dir.path().join("out.ndjson"));
     let input = dir.path().join("in.ndjson");
     std::fs::write(&input, (0..50).map(|i| event(&format!("r{i}"), "1") + "\n").collect::<String>()).expect("write");
-    let run = || {
-        dedupd()
-            .args(["dedupe", "--input"])
-            .arg(&input)
-            .arg("--output")
-            .arg(&output)
-            .arg("--state-dir")
-            .arg(&state)
-            .output()
-            .expect("run")
-    };
+    let run = || dedupe_with_state(&input, &output, &state);
     let out = run();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     for store in ["keystore", "ledger"] {
