@@ -89,6 +89,17 @@ pub fn repair_consumer_config(settings: &RunSettings) -> ClientConfig {
     cfg
 }
 
+/// Whether a consumer's error says its position is outside the partition
+/// (retention passed it, or the topic was recreated) with
+/// `auto.offset.reset=error`: output it had not read is gone, which repair
+/// and a standby must never step over silently.
+pub(crate) fn position_gone(e: &rdkafka::error::KafkaError) -> bool {
+    matches!(
+        e.rdkafka_error_code(),
+        Some(rdkafka::types::RDKafkaErrorCode::OffsetOutOfRange | rdkafka::types::RDKafkaErrorCode::AutoOffsetReset)
+    )
+}
+
 /// A `read_uncommitted` client of the brokers, for the output's high
 /// watermark (a `read_committed` client is answered the last stable offset).
 pub fn watermark_probe_config(settings: &RunSettings) -> ClientConfig {

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::error::{KafkaError as RdError, RDKafkaErrorCode};
+use rdkafka::error::KafkaError as RdError;
 use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
 
@@ -339,12 +339,7 @@ impl Repairer {
                 // Retention deleted the position (`auto.offset.reset` is
                 // `error`): what was applied stays applied, and the retry
                 // starts over from the checkpoint, where the gap is seen.
-                Some(Err(e))
-                    if matches!(
-                        e.rdkafka_error_code(),
-                        Some(RDKafkaErrorCode::OffsetOutOfRange | RDKafkaErrorCode::AutoOffsetReset)
-                    ) =>
-                {
+                Some(Err(e)) if crate::kafka::clients::position_gone(&e) => {
                     self.apply(partition, &mut chunk)?;
                     return Err(KafkaError::Client { operation: "reading the output for repair", source: e });
                 }

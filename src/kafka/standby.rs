@@ -447,12 +447,7 @@ fn follow(shared: &Shared, partition: i32, stop: &AtomicBool) -> Result<(), Kafk
             Some(Err(RdError::PartitionEOF(_))) | None => true,
             // The position is outside the partition (retention passed it, or
             // the topic was recreated): start again, where the start decides.
-            Some(Err(e))
-                if matches!(
-                    e.rdkafka_error_code(),
-                    Some(RDKafkaErrorCode::OffsetOutOfRange | RDKafkaErrorCode::AutoOffsetReset)
-                ) =>
-            {
+            Some(Err(e)) if crate::kafka::clients::position_gone(&e) => {
                 return Err(KafkaError::Client { operation: "following an output partition", source: e });
             }
             Some(Err(e)) => {

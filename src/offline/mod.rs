@@ -1153,20 +1153,9 @@ impl FileIdentity {
 /// is followed to the file `File::create` would make.
 fn not_made_yet(path: &Path) -> io::Result<Option<FileIdentity>> {
     use std::os::unix::fs::MetadataExt;
-    let mut path = path.to_path_buf();
-    // A bound on the symlinks followed; the kernel's own is 40.
-    for _ in 0..40 {
-        match std::fs::symlink_metadata(&path) {
-            Ok(m) if m.file_type().is_symlink() => {
-                let target = std::fs::read_link(&path)?;
-                path = match path.parent() {
-                    Some(dir) if target.is_relative() => dir.join(target),
-                    _ => target,
-                };
-            }
-            _ => break,
-        }
-    }
+    let path = resolved(path).ok_or_else(|| {
+        io::Error::new(io::ErrorKind::InvalidInput, "its symbolic links cannot be read or loop past 40")
+    })?;
     let Some(name) = path.file_name() else { return Ok(None) };
     match std::fs::metadata(directory_of(&path)) {
         Ok(d) => Ok(Some(FileIdentity::Entry(d.dev(), d.ino(), name.to_owned()))),

@@ -148,14 +148,10 @@ pub fn verify_on(fs: &dyn FileSystem, dir: &Path) -> Result<VerifyReport, Storag
         // removed the files below it since the manifest was read: the
         // manifest as it is now says where live files start.
         let wal_start_now = || -> u64 {
-            manifest::list(fs, &man_dir)
+            manifest::load(fs, &man_dir)
                 .ok()
-                .and_then(|found| {
-                    found.into_iter().find_map(|(_, path)| {
-                        fs.read(&path).ok().and_then(|bytes| Manifest::decode(&path, &bytes).ok())
-                    })
-                })
-                .map_or(m.wal_start, |now| now.wal_start.max(m.wal_start))
+                .flatten()
+                .map_or(m.wal_start, |now| now.current.wal_start.max(m.wal_start))
         };
         let mut missing: Vec<u64> = (m.wal_start..=newest).filter(|seq| !present.contains(seq)).collect();
         if !missing.is_empty() {

@@ -39,15 +39,7 @@ pub const MAX_PAYLOAD: usize = 64 << 20;
 
 /// Appends one frame holding `payload` (already encoded: count + records).
 pub(crate) fn write_frame(out: &mut Vec<u8>, payload: &[u8]) {
-    let start = out.len();
-    out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&VERSION.to_le_bytes());
-    out.extend_from_slice(&KIND_BATCH.to_le_bytes());
-    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    let mut crc = crc32c::crc32c(&out[start..start + 12]);
-    crc = crc32c::crc32c_append(crc, payload);
-    out.extend_from_slice(&crc.to_le_bytes());
-    out.extend_from_slice(payload);
+    write_frame_of(out, KIND_BATCH, payload);
 }
 
 /// Appends the link frame that opens a new WAL file: the file before it
@@ -56,14 +48,18 @@ pub(crate) fn write_link_frame(out: &mut Vec<u8>, previous_seq: u64, previous_le
     let mut payload = [0u8; 16];
     payload[..8].copy_from_slice(&previous_seq.to_le_bytes());
     payload[8..].copy_from_slice(&previous_len.to_le_bytes());
+    write_frame_of(out, KIND_LINK, &payload);
+}
+
+fn write_frame_of(out: &mut Vec<u8>, kind: u16, payload: &[u8]) {
     let start = out.len();
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
-    out.extend_from_slice(&KIND_LINK.to_le_bytes());
+    out.extend_from_slice(&kind.to_le_bytes());
     out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    let crc = crc32c::crc32c_append(crc32c::crc32c(&out[start..start + 12]), &payload);
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&out[start..start + 12]), payload);
     out.extend_from_slice(&crc.to_le_bytes());
-    out.extend_from_slice(&payload);
+    out.extend_from_slice(payload);
 }
 
 /// What was found at one offset of a WAL file.
