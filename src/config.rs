@@ -53,7 +53,8 @@ pub struct TuningArgs {
     #[arg(long, env = "DEDUPD_KEYSTORE_MAX_BYTES", value_name = "BYTES")]
     pub keystore_max_bytes: Option<String>,
     /// Alert (log an error, set the gauge) when the size cap shrinks the
-    /// key store's window below this [default: 30d].
+    /// key store's window below this; with a cap, at least `--max-event-age`
+    /// [default: `--max-event-age`].
     #[arg(long, env = "DEDUPD_KEYSTORE_WINDOW_FLOOR", value_name = "DURATION")]
     pub keystore_window_floor: Option<String>,
     /// RocksDB block cache size, an upper bound: blocks read before a write
@@ -288,7 +289,8 @@ impl Default for EngineSettings {
             hot_capacity: 2_000_000,
             horizon: Duration::from_secs(35 * 86_400),
             keystore_max_bytes: None,
-            keystore_window_floor: Duration::from_secs(30 * 86_400),
+            // The default max event age (see `Limits::default`).
+            keystore_window_floor: Duration::from_secs(35 * 86_400),
             keystore_block_cache_bytes: 128 << 20,
             keystore_write_buffer_bytes: 64 << 20,
             keystore_background_jobs: 2,
@@ -326,7 +328,13 @@ pub fn merge_kafka_properties(sources: &[PropertySource<'_>]) -> Result<Vec<(Str
         for entry in source.entries {
             let (k, v) = entry.split_once('=').ok_or_else(|| {
                 // The entry may hold a secret: name its key part only.
-                let shown: String = entry.chars().take_while(|c| !c.is_whitespace()).take(40).collect();
+                // librdkafka names are letters, digits, `.`, `_` and `-`:
+                // what follows (`:hunter2`) may be the value.
+                let shown: String = entry
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+                    .take(40)
+                    .collect();
                 format!("{}: {shown:?}… is not key=value", source.name)
             })?;
             let (k, v) = (k.trim(), v.trim());
@@ -340,6 +348,40 @@ pub fn merge_kafka_properties(sources: &[PropertySource<'_>]) -> Result<Vec<(Str
         }
     }
     Ok(merged)
+}
+
+/// librdkafka properties dedupd sets itself because a guarantee rests on
+/// them, each with what it protects. A pass-through of one of these is
+/// refused before any I/O: applied last, as pass-throughs are, it would
+/// quietly turn the guarantee off (auto-committed input offsets run ahead
+/// of the publish, so a crash loses the events in between; a
+/// `read_uncommitted` consumer bills aborted records).
+const PROPERTIES_DEDUPD_OWNS: [(&str, &str); 9] = [
+    ("enable.auto.commit", "input offsets are committed by dedupd only, after the publish"),
+    ("enable.auto.offset.store", "input offsets are committed by dedupd only, after the publish"),
+    ("isolation.level", "input and repair read committed records only, so aborted ones are never billed"),
+    ("auto.offset.reset", "a new group reads its input from the start, and repair never skips output it lost"),
+    ("group.id", "set by --group"),
+    ("group.instance.id", "set by --instance-id"),
+    ("transactional.id", "derived per worker (--instance-id), so workers fence only their own zombies"),
+    ("enable.idempotence", "retried sends must not duplicate output"),
+    (
+        "partition.assignment.strategy",
+        "a rebalance must move only the partitions that change owner (cooperative-sticky)",
+    ),
+];
+
+/// Refuses a pass-through property that dedupd sets itself (see
+/// [`PROPERTIES_DEDUPD_OWNS`]), scoped (`consumer.`, `producer.`) or not;
+/// the error names the key and why it is dedupd's.
+pub fn refuse_properties_dedupd_owns(properties: &[(String, String)]) -> Result<(), String> {
+    for (key, _) in properties {
+        let bare = key.strip_prefix("consumer.").or_else(|| key.strip_prefix("producer.")).unwrap_or(key);
+        if let Some((_, why)) = PROPERTIES_DEDUPD_OWNS.iter().find(|(owned, _)| *owned == bare) {
+            return Err(format!("`{key}` cannot be passed through: dedupd sets it ({why})"));
+        }
+    }
+    Ok(())
 }
 
 /// `DEDUPD_KAFKA_PROPERTIES`: one `key=value` per line (blank lines and `#`
@@ -388,6 +430,9 @@ pub fn is_secret_property(key: &str) -> bool {
     let k = k.strip_prefix("consumer.").or_else(|| k.strip_prefix("producer.")).unwrap_or(&k);
     k.contains("password")
         || k.contains("secret")
+        || k.contains("passphrase")
+        // `ssl.key.pem`, `sasl.oauthbearer.assertion.private.key.pem`.
+        || k.ends_with("key.pem")
         || matches!(k, "sasl.jaas.config" | "sasl.oauthbearer.config" | "ssl.key.pem" | "ssl_key" | "ssl.keystore.key")
 }
 
@@ -482,8 +527,7 @@ impl EngineSettings {
             &args.keystore_window_floor,
             file_dur("keystore_window_floor", &file.keystore_window_floor)?,
             parse_duration,
-        )?
-        .unwrap_or(d.keystore_window_floor);
+        )?;
         let keystore_block_cache_bytes = pick(
             "keystore_block_cache",
             &args.keystore_block_cache,
@@ -608,7 +652,10 @@ impl EngineSettings {
             hot_capacity: usize::try_from(hot_capacity).map_err(|_| invalid("hot_capacity", "too large"))?,
             horizon,
             keystore_max_bytes,
-            keystore_window_floor,
+            // Unset, the floor is what the age check lets in: a window any
+            // shorter lets a retry of an older event through as new.
+            keystore_window_floor: keystore_window_floor
+                .unwrap_or_else(|| Duration::from_millis(u64::try_from(limits.max_event_age_ms).unwrap_or(0))),
             keystore_block_cache_bytes,
             keystore_write_buffer_bytes,
             keystore_background_jobs: u32::try_from(keystore_background_jobs)
@@ -693,6 +740,23 @@ impl EngineSettings {
                      fire whenever the cap binds; set the floor to at most the horizon",
                     d(self.keystore_window_floor),
                     d(self.horizon)
+                ),
+            ));
+        }
+        // Below the oldest event the age check lets in, a window the cap
+        // shrank would let a retry of an older event through as new, billed
+        // twice, with no alert.
+        if self.keystore_max_bytes.is_some()
+            && self.keystore_window_floor.as_millis() < self.limits.max_event_age_ms as u128
+        {
+            return Err(invalid(
+                "keystore_window_floor",
+                format!(
+                    "keystore_window_floor {} is shorter than max_event_age {}: with keystore_max_bytes set, a window \
+                     the cap shrank between the two would let retries of events that old be billed again with no \
+                     alert; leave the floor unset (it is max_event_age) or raise it",
+                    d(self.keystore_window_floor),
+                    ms_d(self.limits.max_event_age_ms)
                 ),
             ));
         }
@@ -884,19 +948,23 @@ mod tests {
         resolve(TuningArgs::default(), r#"keystore_write_buffer = "1MiB""#).expect("the smallest layer");
     }
 
-    /// The window floor guards what a size cap leaves of the window: a
-    /// horizon shorter than the default floor is refused only beside a cap.
+    /// The window floor guards what a size cap leaves of the window: unset,
+    /// it is the max event age; beside a cap it lies between that age (a
+    /// shorter window bills old retries again with no alert) and the
+    /// horizon (a longer one alerts whenever the cap binds).
     #[test]
-    fn a_short_horizon_needs_a_lower_window_floor_only_beside_a_size_cap() {
+    fn the_window_floor_beside_a_size_cap_lies_between_the_max_event_age_and_the_horizon() {
+        let floor = |extra: &str| resolve(TuningArgs::default(), extra).map(|s| s.keystore_window_floor);
+        let cap = "keystore_max_bytes = \"1GiB\"\n";
+        assert_eq!(floor("").expect("defaults"), Duration::from_secs(35 * 86_400));
         let short = "horizon = \"14d\"\nmax_event_age = \"14d\"\n";
-        resolve(TuningArgs::default(), short).expect("no cap: the alert cannot fire");
-        let e = resolve(TuningArgs::default(), &format!("{short}keystore_max_bytes = \"1GiB\"\n")).expect_err("capped");
-        assert!(e.to_string().contains("`keystore_window_floor`"), "{e}");
-        resolve(
-            TuningArgs::default(),
-            &format!("{short}keystore_max_bytes = \"1GiB\"\nkeystore_window_floor = \"14d\"\n"),
-        )
-        .expect("a floor within the horizon");
+        assert_eq!(floor(&format!("{short}{cap}")).expect("unset: the age"), Duration::from_secs(14 * 86_400));
+        let below = format!("{cap}keystore_window_floor = \"30d\"\n");
+        let e = floor(&below).expect_err("below the max event age");
+        assert!(e.to_string().contains("`keystore_window_floor`") && e.to_string().contains("max_event_age"), "{e}");
+        floor("keystore_window_floor = \"30d\"\n").expect("no cap: the alert cannot fire");
+        let e = floor(&format!("{short}{cap}keystore_window_floor = \"20d\"\n")).expect_err("above the horizon");
+        assert!(e.to_string().contains("`keystore_window_floor`") && e.to_string().contains("horizon"), "{e}");
     }
 
     #[test]
@@ -947,6 +1015,7 @@ mod tests {
         let err = merge_kafka_properties(&[PropertySource { name: "--kafka-property", entries: &bad }])
             .expect_err("not key=value");
         assert!(err.contains("--kafka-property") && !err.contains("and more"), "{err}");
+        assert!(err.contains("sasl.password") && !err.contains("hunter2"), "the value was echoed: {err}");
     }
 
     #[test]
@@ -964,11 +1033,19 @@ mod tests {
         let missing = resolve_kafka_secret("sasl.password=env:NOPE", env).expect_err("unset");
         assert!(missing.contains("NOPE") && missing.contains("sasl.password"), "{missing}");
         assert!(resolve_kafka_secret("sasl.password=hunter2", env).expect_err("inline").contains("file:PATH"));
-        for key in ["sasl.password", "producer.ssl.key.password", "sasl.oauthbearer.client.secret", "sasl.jaas.config"]
-        {
+        for key in [
+            "sasl.password",
+            "producer.ssl.key.password",
+            "sasl.oauthbearer.client.secret",
+            "sasl.jaas.config",
+            "ssl.key.pem",
+            "sasl.oauthbearer.assertion.private.key.pem",
+            "sasl.oauthbearer.assertion.private.key.passphrase",
+        ] {
             assert!(is_secret_property(key), "{key}");
         }
-        for key in ["security.protocol", "sasl.mechanism", "sasl.username", "queued.max.messages.kbytes"] {
+        for key in ["security.protocol", "sasl.mechanism", "sasl.username", "queued.max.messages.kbytes", "ssl.ca.pem"]
+        {
             assert!(!is_secret_property(key), "{key}");
         }
     }

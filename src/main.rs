@@ -231,6 +231,8 @@ fn kafka_properties(
         }
         secret_keys.push(k);
     }
+    dedupd::config::refuse_properties_dedupd_owns(&properties)
+        .map_err(|why| anyhow::anyhow!("invalid `kafka_properties`: {why}"))?;
     Ok((properties, secret_keys))
 }
 

@@ -141,6 +141,45 @@ fn check_config_refuses_a_bad_configuration_naming_the_key() {
     assert!(stderr.contains("KAFKA_PASSWORD") && stderr.contains("sasl.password"), "{stderr}");
 }
 
+/// A pass-through of a property a guarantee rests on (input offsets
+/// committed only after the publish, committed reads, fencing) is refused
+/// from any source, scoped or not, naming the key; others still pass.
+#[test]
+fn kafka_properties_that_would_turn_a_guarantee_off_are_refused() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let check = |extra: &[&str], env: Option<&str>| {
+        let mut c = dedupd();
+        c.arg("check-config").args(setup(dir.path())).args(extra);
+        if let Some(lines) = env {
+            c.env("DEDUPD_KAFKA_PROPERTIES", lines);
+        }
+        c.output().expect("check-config")
+    };
+    for key in [
+        "consumer.enable.auto.commit",
+        "enable.auto.offset.store",
+        "consumer.isolation.level",
+        "auto.offset.reset",
+        "group.id",
+        "consumer.group.instance.id",
+        "producer.transactional.id",
+        "enable.idempotence",
+        "partition.assignment.strategy",
+    ] {
+        for (flags, env) in
+            [(vec!["--kafka-property".to_owned(), format!("{key}=x")], None), (vec![], Some(format!("{key}=x")))]
+        {
+            let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+            let out = check(&flags, env.as_deref());
+            assert_eq!(out.status.code(), Some(2), "{key} via {flags:?} {env:?} was accepted");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(stderr.contains(&format!("`{key}`")) && stderr.contains("kafka_properties"), "{stderr}");
+        }
+    }
+    let fine = check(&["--kafka-property", "consumer.session.timeout.ms=6000"], None);
+    assert!(fine.status.success(), "{}", String::from_utf8_lossy(&fine.stderr));
+}
+
 /// `--standby-replicas` from the flag or the file reaches the settings; a
 /// standby beside a key store that drops revoked partitions is refused,
 /// naming both settings.

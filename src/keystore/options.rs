@@ -70,7 +70,9 @@ impl Default for KeyStoreOptions {
         KeyStoreOptions {
             horizon_ms: 35 * DAY_MS,
             max_bytes: None,
-            window_floor_ms: 30 * DAY_MS,
+            // The default max event age: a shorter window lets a retry of
+            // an event the age check accepts through as new.
+            window_floor_ms: 35 * DAY_MS,
             block_cache_bytes: 128 << 20,
             write_buffer_bytes: 64 << 20,
             background_jobs: 2,
