@@ -427,6 +427,55 @@ fn a_closed_month_is_frozen_refuses_usage_and_shows_corrections_as_pending() {
     assert!(String::from_utf8_lossy(&old.stderr).contains("dedupd period close"), "{old:?}");
 }
 
+/// Six tenants' months closed at once against one state directory: every
+/// close that reports success is in the book afterwards (each loads the
+/// book and saves it with its record; unlocked, a later save dropped an
+/// earlier one's, and a month billed as closed took usage again).
+#[test]
+fn closes_made_at_once_all_stay_closed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let t = now_ms() - 5 * 24 * HOUR_MS;
+    let month = {
+        let date = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(t) * 1_000_000).expect("time");
+        format!("{:04}-{:02}", date.year(), u8::from(date.month()))
+    };
+    let tenants: Vec<String> = (0..6).map(|i| format!("t{i}")).collect();
+    let events: Vec<String> = tenants
+        .iter()
+        .map(|tenant| line("e1", "cus_1", "api_calls", "1", t).replace("\"acme\"", &format!("\"{tenant}\"")))
+        .collect();
+    assert!(dedupe_into(d, "first", &events).is_empty());
+    for round in 0..3 {
+        let month = if round == 0 { month.clone() } else { format!("20{}-0{round}", 10 + round) };
+        let children: Vec<_> = tenants
+            .iter()
+            .map(|tenant| {
+                dedupd()
+                    .args(["period", "close", "--tenant", tenant, "--period", &month, "--state-dir"])
+                    .arg(d.join("state"))
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .expect("spawn")
+            })
+            .collect();
+        for child in children {
+            let out = child.wait_with_output().expect("wait");
+            assert!(out.status.success(), "round {round}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        for tenant in &tenants {
+            let out = dedupd()
+                .args(["period", "show", "--tenant", tenant, "--period", &month, "--format", "json", "--state-dir"])
+                .arg(d.join("state"))
+                .output()
+                .expect("show");
+            let shown: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+            assert_eq!(shown["status"], "closed", "round {round}: {tenant}'s {month} was reported closed and is not");
+        }
+    }
+}
+
 /// Half past the last whole hour, and a quantity near the largest exact
 /// decimal (about 7.9e28): two of it in one total do not fit.
 fn last_half_hour_and_a_huge_quantity() -> (i64, &'static str) {

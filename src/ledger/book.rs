@@ -300,6 +300,27 @@ impl PeriodBook {
         Ok(book)
     }
 
+    /// An exclusive lock on a state directory's book (`periods.lock`), held
+    /// from a change's load to its save: two `period close` at once (other
+    /// tenants, other months) each load the book, and without it the later
+    /// save drops the earlier's record, after both reported success. A
+    /// flock, waited for (a change takes milliseconds), released when the
+    /// value drops or the process dies. Readers need none: a save replaces
+    /// the file whole.
+    pub fn lock_for_change(state_dir: &Path) -> Result<std::fs::File, String> {
+        use fs4::fs_std::FileExt;
+        let path = state_dir.join(PERIODS_LOCK_FILE);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| format!("opening {}: {e}", path.display()))?;
+        file.lock_exclusive().map_err(|e| format!("locking {}: {e}", path.display()))?;
+        Ok(file)
+    }
+
     /// Saves the book in a state directory, atomically and durably.
     pub fn save(&self, state_dir: &Path) -> Result<(), String> {
         let periods: Vec<serde_json::Value> = self.records.values().map(PeriodRecord::to_json).collect();
@@ -312,6 +333,10 @@ impl PeriodBook {
 
 /// The period book's file in a state directory.
 pub const PERIODS_FILE: &str = "periods.json";
+
+/// The lock a change of the period book holds (see
+/// [`PeriodBook::lock_for_change`]).
+pub const PERIODS_LOCK_FILE: &str = "periods.lock";
 
 /// What one tenant's `period` holds now, per (customer, meter), from any
 /// partitions' rollups and adjustments: the hours of the month plus the

@@ -175,6 +175,13 @@ pub fn period(
     now_ms: i64,
 ) -> Result<PeriodReport, StateError> {
     super::check_state_dir(state_dir)?;
+    // A change holds the book from its load to its save.
+    let _changing = match action {
+        PeriodAction::Show => None,
+        PeriodAction::Close | PeriodAction::Reopen => {
+            Some(PeriodBook::lock_for_change(state_dir).map_err(StateError::Period)?)
+        }
+    };
     let book = PeriodBook::load(state_dir).map_err(StateError::Period)?;
     let ledger = crate::ledger::Ledger::Durable(Box::new(LedgerStore::open_read_only(&state_dir.join("ledger"))?));
     let now = ledger.period_totals(tenant_id, period)?;
