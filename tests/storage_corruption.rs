@@ -289,9 +289,13 @@ fn verify_reports_a_missing_live_wal_file_data_without_a_manifest_and_a_segment_
 /// nothing in it shows the loss: the link does. Open refuses it (its
 /// events are nowhere else in the usage store; a later file's would move
 /// the checkpoint past them) and verify reports it.
+///
+/// A sealed file removed with the files after it renumbered down (so no
+/// number is missing) is refused too: the next file's link names the
+/// removed one, not the file now before it.
 #[test]
 fn a_sealed_wal_file_cut_at_a_frame_boundary_or_emptied_is_a_hard_error_and_verify_says_so() {
-    for cut_to_first_batch in [false, true] {
+    for damage in ["emptied", "cut to its first batch", "removed, the later files renumbered"] {
         let tmp = tempfile::tempdir().expect("tempdir");
         let usage = tmp.path().join("usage");
         let opts = StoreOptions { wal_rotate_bytes: 4096, ..StoreOptions::default() };
@@ -311,15 +315,29 @@ fn a_sealed_wal_file_cut_at_a_frame_boundary_or_emptied_is_a_hard_error_and_veri
         assert_eq!(header(0), 16, "the file opens with its link");
         let first_batch_end = 32 + 16 + header(32);
         assert!(first_batch_end < bytes.len(), "the middle file holds more than one batch");
-        let len = if cut_to_first_batch { first_batch_end } else { 0 };
-        std::fs::OpenOptions::new().write(true).open(middle).expect("open").set_len(len as u64).expect("cut");
+        // The file open names as corrupt: the damaged one, or for a
+        // removal the one its successor's link no longer follows.
+        let named = match damage {
+            "emptied" | "cut to its first batch" => {
+                let len = if damage == "emptied" { 0 } else { first_batch_end };
+                std::fs::OpenOptions::new().write(true).open(middle).expect("open").set_len(len as u64).expect("cut");
+                middle
+            }
+            _ => {
+                std::fs::remove_file(middle).expect("remove");
+                for pair in wal[1..].windows(2) {
+                    std::fs::rename(&pair[1], &pair[0]).expect("renumber");
+                }
+                &wal[0]
+            }
+        };
         let reopened = UsageStore::open(&usage, opts.clone(), Arc::new(NoopObserver));
         assert!(
-            matches!(&reopened, Err(StorageError::WalMidLogCorruption { file, .. }) if file == middle),
-            "cut to {len}: {:?}",
+            matches!(&reopened, Err(StorageError::WalMidLogCorruption { file, .. }) if file == named),
+            "{damage}: {:?}",
             reopened.map(|_| ())
         );
         let report = verify(&usage).expect("verify");
-        assert!(report.problems().any(|f| &f.path == middle), "cut to {len}: {report}");
+        assert!(report.problems().any(|f| &f.path == named), "{damage}: {report}");
     }
 }

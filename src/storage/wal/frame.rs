@@ -19,7 +19,9 @@
 //! never written again, so a file that no longer ends there lost its last
 //! frames (cut at a frame boundary, or emptied), which nothing in the file
 //! itself could show: replay and `verify` check it against the next
-//! file's link. Files from before links (their first frame a batch) are
+//! file's link. The link also names the file before (its seq), so a file
+//! removed with the later ones renumbered to close the gap is caught too.
+//! Files from before links (their first frame a batch) are
 //! read as they always were. Older versions refuse a link frame.
 //!
 //! One `append` call writes one frame (or several, if the batch exceeds

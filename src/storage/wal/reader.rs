@@ -31,20 +31,29 @@ pub(crate) struct WalScan {
 
 /// Checks `previous` (seq, scanned length) against the link recorded by
 /// the file after it (`next`): a sealed file that no longer ends where the
-/// next one recorded lost frames, and that loss is mid-log corruption.
+/// next one recorded lost frames, and a link naming another file means the
+/// file it names is gone (the files after it renumbered, or a file of
+/// another store put in its place). Either loss is mid-log corruption. A
+/// file without a link (written before links) is not checked.
 pub(crate) fn check_link(previous: (u64, &Path, u64), next: Option<(u64, u64)>) -> Result<(), StorageError> {
     let (seq, path, len) = previous;
     match next {
-        Some((linked_seq, linked_len)) if linked_seq == seq && linked_len != len => {
-            Err(StorageError::WalMidLogCorruption {
-                file: PathBuf::from(path),
-                offset: len.min(linked_len),
-                detail: format!(
-                    "the file is {len} bytes, but the next WAL file recorded it as ending at {linked_len}: \
+        Some((linked_seq, _)) if linked_seq != seq => Err(StorageError::WalMidLogCorruption {
+            file: PathBuf::from(path),
+            offset: len,
+            detail: format!(
+                "the next WAL file's link names file {linked_seq}, not this one ({seq}): the WAL file it follows \
+                 is gone, and its events with it"
+            ),
+        }),
+        Some((_, linked_len)) if linked_len != len => Err(StorageError::WalMidLogCorruption {
+            file: PathBuf::from(path),
+            offset: len.min(linked_len),
+            detail: format!(
+                "the file is {len} bytes, but the next WAL file recorded it as ending at {linked_len}: \
                      frames of a sealed file are gone"
-                ),
-            })
-        }
+            ),
+        }),
         _ => Ok(()),
     }
 }
