@@ -908,6 +908,57 @@ fn the_output_file_takes_one_writer_and_an_applied_line_is_never_cut() {
     assert!(holder.wait().expect("holder exits").success());
 }
 
+fn copy_tree(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).expect("mkdir");
+    for entry in std::fs::read_dir(from).expect("ls") {
+        let entry = entry.expect("entry");
+        let target = to.join(entry.file_name());
+        if entry.file_type().expect("type").is_dir() {
+            copy_tree(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).expect("copy");
+        }
+    }
+}
+
+/// One part of the state (usage store, key store or ledger) restored from
+/// a later copy than the output file: the output is behind that part, as
+/// when the whole state is, and the run is refused with the output left as
+/// it was. Compared at the lowest part's checkpoint, the run went on: the
+/// part ahead skipped the next run's events at the offsets it held (the
+/// ledger billed 6 where the output held 24), and the key store ahead
+/// called events the output never held duplicates.
+#[test]
+fn one_part_of_the_state_ahead_of_the_output_is_refused() {
+    for part in ["usage", "keystore", "ledger"] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (state, output) = (dir.path().join("state"), dir.path().join("out.ndjson"));
+        let first = dir.path().join("first.ndjson");
+        std::fs::write(&first, format!("{}\n{}\n", event("a1", "1"), event("a2", "1"))).expect("write");
+        let out = dedupe_with_state(&first, &output, &state);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let (early_state, early_output) = (dir.path().join("early-state"), dir.path().join("early-out.ndjson"));
+        copy_tree(&state, &early_state);
+        std::fs::copy(&output, &early_output).expect("copy output");
+        let second = dir.path().join("second.ndjson");
+        std::fs::write(&second, format!("{}\n{}\n", event("b1", "2"), event("b2", "2"))).expect("write");
+        let out = dedupe_with_state(&second, &output, &state);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+        // The early copy, with one part from the later state.
+        std::fs::remove_dir_all(early_state.join(part)).expect("remove part");
+        copy_tree(&state.join(part), &early_state.join(part));
+        let before = std::fs::read(&early_output).expect("output");
+        let third = dir.path().join("third.ndjson");
+        std::fs::write(&third, format!("{}\n", event("c1", "7"))).expect("write");
+        let out = dedupe_with_state(&third, &early_output, &early_state);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{part} ahead of the output was not refused: {stderr}");
+        assert!(stderr.contains("has applied up to line 4"), "{part}: {stderr}");
+        assert_eq!(std::fs::read(&early_output).expect("output"), before, "{part}: the refused run wrote output");
+    }
+}
+
 #[test]
 fn verify_exits_nonzero_on_a_corrupted_state_dir() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -951,7 +951,12 @@ fn repair_from_output(
     let whole = whole_lines_end(&mut f).map_err(io_err("cannot read output", path))?;
     f.seek(SeekFrom::Start(0)).map_err(io_err("cannot read output", path))?;
 
-    let checkpoint = state.checkpoint(OFFLINE_PARTITION);
+    // Repair reads from where every part of the state has applied; the
+    // output must reach where any part has: one part restored from a later
+    // copy than the output (or kept by a disk that lost the output's last
+    // writes) holds events the output does not, and going on would skip the
+    // next run's events at those offsets in that part.
+    let (checkpoint, furthest) = (state.checkpoint(OFFLINE_PARTITION), state.furthest_checkpoint(OFFLINE_PARTITION));
     let mut reader = BufReader::with_capacity(1 << 16, (&f).take(whole.end));
     let mut line = Line::default();
     // Output lines were accepted under whatever limits were in force then;
@@ -992,7 +997,7 @@ fn repair_from_output(
         offset += 1;
     }
     repaired += state.apply_published(OFFLINE_PARTITION, &pending, now_ms)?;
-    if let Some(c) = checkpoint {
+    if let Some(c) = furthest {
         if c >= offset && whole.torn > 0 {
             return Err(OfflineError::CorruptOutput {
                 path: path.display().to_string(),
