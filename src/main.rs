@@ -560,8 +560,14 @@ impl RunArgs {
 /// that drops every revoked partition would throw that away at each
 /// handover back. A rollups topic is filled by the ledger: with the ledger
 /// off the worker would publish no rollups, and billing reading that topic
-/// (and `usage`, `period close`) would see no usage at all.
+/// (and `usage`, `period close`) would see no usage at all. Records the
+/// limits let in must fit what the producer may send, and the stall
+/// timeout must outlast one broker call (`check_record_bounds`). Made
+/// before any I/O: `run` opens its state directory only after them, and
+/// `check-config` runs the same.
 fn check_contradictions(run: &RunSettings, engine: &EngineSettings) -> anyhow::Result<()> {
+    let limits = engine.validator().limits().clone();
+    run.check_record_bounds(limits.max_output_bytes, limits.max_id_bytes).map_err(|why| anyhow::anyhow!("{why}"))?;
     if let Some(topic) = run.topics.rollups.as_deref().filter(|_| !engine.ledger) {
         anyhow::bail!(
             "--rollups-topic {topic} needs --ledger true: the ledger folds the rollups the topic carries, and with it \
@@ -921,10 +927,6 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let (settings, file) = engine_settings(&tuning)?;
             let (run_settings, state_dir) = run.resolve(&file, &|k| std::env::var(k).ok())?;
             check_contradictions(&run_settings, &settings)?;
-            let limits = settings.validator().limits().clone();
-            run_settings
-                .check_record_bounds(limits.max_output_bytes, limits.max_id_bytes)
-                .map_err(|why| anyhow::anyhow!("{why}"))?;
             println!("dedupd {}: configuration ok", env!("CARGO_PKG_VERSION"));
             println!("run: {}", run_settings.describe());
             println!("state_dir: {}", state_dir.as_deref().map_or("- (in memory)".into(), |p| p.display().to_string()));

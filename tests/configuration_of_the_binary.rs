@@ -180,6 +180,25 @@ fn kafka_properties_that_would_turn_a_guarantee_off_are_refused() {
     assert!(fine.status.success(), "{}", String::from_utf8_lossy(&fine.stderr));
 }
 
+/// `run` refuses settings that contradict each other (here a stall
+/// timeout shorter than one broker call) before any I/O: its state
+/// directory is not made, let alone opened and recovered.
+#[test]
+fn run_refuses_contradicting_settings_before_making_its_state_directory() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let state = dir.path().join("state");
+    let out = dedupd()
+        .arg("run")
+        .args(setup(dir.path()))
+        .args(["--stall-timeout", "1s", "--state-dir"])
+        .arg(&state)
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("stall_timeout"), "{out:?}");
+    assert!(!state.exists(), "run made its state directory before refusing its settings");
+}
+
 /// `--standby-replicas` from the flag or the file reaches the settings; a
 /// standby beside a key store that drops revoked partitions is refused,
 /// naming both settings.
