@@ -959,6 +959,43 @@ fn one_part_of_the_state_ahead_of_the_output_is_refused() {
     }
 }
 
+/// What opening the usage store repaired is in the log of the run that
+/// did it: a newest manifest that did not read (the generation before it
+/// used) and a torn WAL tail cut away. Recovery threw both away unsaid.
+#[test]
+fn a_run_says_what_recovery_repaired() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (state, output) = (dir.path().join("state"), dir.path().join("out.ndjson"));
+    for (name, id) in [("first", "r1"), ("second", "r2")] {
+        let input = dir.path().join(format!("{name}.ndjson"));
+        std::fs::write(&input, format!("{}\n", event(id, "1"))).expect("write");
+        let out = dedupe_with_state(&input, &output, &state);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let newest = |sub: &str| {
+        let mut files: Vec<_> =
+            std::fs::read_dir(state.join(sub)).expect("ls").map(|e| e.expect("entry").path()).collect();
+        files.sort();
+        files.pop().expect("a file")
+    };
+    let manifest = newest("usage/manifest");
+    let mut bytes = std::fs::read(&manifest).expect("manifest");
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0xff;
+    std::fs::write(&manifest, bytes).expect("flip");
+    let wal = newest("usage/wal");
+    std::fs::OpenOptions::new().append(true).open(&wal).expect("wal").write_all(&[1, 2, 3]).expect("torn");
+
+    let third = dir.path().join("third.ndjson");
+    std::fs::write(&third, format!("{}\n", event("r3", "1"))).expect("write");
+    let out = dedupe_with_state(&third, &output, &state);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(last_line(&out.stderr)["accepted"], 1, "{stderr}");
+    assert!(stderr.contains("manifest did not read") && stderr.contains(&*manifest.to_string_lossy()), "{stderr}");
+    assert!(stderr.contains("torn tail") && stderr.contains(&*wal.to_string_lossy()), "{stderr}");
+}
+
 #[test]
 fn verify_exits_nonzero_on_a_corrupted_state_dir() {
     let dir = tempfile::tempdir().expect("tempdir");

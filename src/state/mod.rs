@@ -556,6 +556,31 @@ pub fn keystore_options(settings: &EngineSettings) -> KeyStoreOptions {
     }
 }
 
+/// Says what opening the usage store repaired, so an operator sees it in
+/// the log of the run that did it: a newer manifest that did not read (the
+/// generation before it was used), and a torn WAL tail cut away (the
+/// events in it were never applied; the output repairs them). Both are
+/// what recovery is for, and both can also be the first sign of a failing
+/// disk.
+fn log_recovery(report: &crate::storage::RecoveryReport) {
+    for (file, why) in &report.skipped_manifests {
+        tracing::warn!(
+            file = %file.display(),
+            why = %why,
+            "a newer usage-store manifest did not read; recovered from the generation before it"
+        );
+    }
+    if let Some(torn) = &report.torn_tail {
+        tracing::warn!(
+            file = %torn.file.display(),
+            offset = torn.offset,
+            dropped_bytes = torn.dropped_bytes,
+            detail = %torn.detail,
+            "cut a torn tail from the usage store's WAL (a write the last process did not finish)"
+        );
+    }
+}
+
 /// The most stored events a restart reads to catch the ledger up (see
 /// `LocalState::catch_up_ledger`); past it, repair folds the gap from the
 /// output, which reads only the gap's records. A gap is normally a few
@@ -669,6 +694,7 @@ impl LocalState {
         })?;
         let lock = StateDirLock::acquire(dir)?;
         let (usage, recovery) = UsageStore::open(&dir.join("usage"), store_options(&settings), observer)?;
+        log_recovery(&recovery);
         let keys = KeyStore::open(&dir.join("keystore"), keystore_options(&settings))?;
         let ledger = if settings.ledger {
             Some(Ledger::Durable(Box::new(LedgerStore::open(&dir.join("ledger"))?)))
