@@ -427,6 +427,45 @@ fn a_closed_month_is_frozen_refuses_usage_and_shows_corrections_as_pending() {
     assert!(String::from_utf8_lossy(&old.stderr).contains("dedupd period close"), "{old:?}");
 }
 
+/// A close freezes the ledger's total as the invoice, so it is refused
+/// while the ledger lags the usage store (here after a run with the
+/// ledger off; a run that died does the same), and made once a run with
+/// the ledger on has folded the rest. It froze the lagging total before.
+#[test]
+fn a_close_waits_for_a_ledger_that_holds_every_stored_event() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let t = now_ms() - 5 * 24 * HOUR_MS;
+    let t = t - t.rem_euclid(HOUR_MS) + HOUR_MS / 2;
+    let month = {
+        let date = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(t) * 1_000_000).expect("time");
+        format!("{:04}-{:02}", date.year(), u8::from(date.month()))
+    };
+    assert!(dedupe_into(d, "first", &[line("e1", "cus_1", "api_calls", "3", t)]).is_empty());
+    let input = d.join("ledger-off.ndjson");
+    std::fs::write(&input, line("e2", "cus_1", "api_calls", "100", t + 1000) + "\n").expect("write");
+    run_ok(
+        dedupd()
+            .args(["dedupe", "--ledger", "false", "--input"])
+            .arg(&input)
+            .arg("--output")
+            .arg(d.join("out.ndjson"))
+            .arg("--state-dir")
+            .arg(d.join("state")),
+    );
+    let refused = period_cmd(d, "close", &month);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "a close froze a ledger behind its usage store: {stderr}");
+    assert!(stderr.contains("behind its usage store"), "{stderr}");
+    assert!(!d.join("state/periods.json").exists(), "the refused close saved a record");
+
+    // A run with the ledger on folds what the other left; the close then
+    // freezes every accepted event.
+    assert!(dedupe_into(d, "third", &[line("e3", "cus_1", "api_calls", "1", t + 2000)]).is_empty());
+    let closed = period_json(d, "close", &month);
+    assert_eq!(dec(&closed["frozen"]), Decimal::from(104));
+}
+
 /// Six tenants' months closed at once against one state directory: every
 /// close that reports success is in the book afterwards (each loads the
 /// book and saves it with its record; unlocked, a later save dropped an

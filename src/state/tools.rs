@@ -183,7 +183,11 @@ pub fn period(
         }
     };
     let book = PeriodBook::load(state_dir).map_err(StateError::Period)?;
-    let ledger = crate::ledger::Ledger::Durable(Box::new(LedgerStore::open_read_only(&state_dir.join("ledger"))?));
+    let store = LedgerStore::open_read_only(&state_dir.join("ledger"))?;
+    if action == PeriodAction::Close {
+        refuse_a_ledger_behind_the_usage_store(state_dir, &store)?;
+    }
+    let ledger = crate::ledger::Ledger::Durable(Box::new(store));
     let now = ledger.period_totals(tenant_id, period)?;
     let (changed, report) = book.act(action, tenant_id, period, now_ms, &now).map_err(StateError::Period)?;
     if let Some(record) = changed {
@@ -192,6 +196,30 @@ pub fn period(
         book.save(state_dir).map_err(StateError::Period)?;
     }
     Ok(report)
+}
+
+/// A close freezes what the ledger holds as the month's invoice, so the
+/// ledger must hold every accepted event the usage store does. It lags
+/// after a run that died (it writes behind, and the next run's start folds
+/// the rest), beside a run still going, and after runs with `--ledger
+/// false`; a close then froze a fraction of the month and reported
+/// success.
+fn refuse_a_ledger_behind_the_usage_store(state_dir: &Path, ledger: &LedgerStore) -> Result<(), StateError> {
+    for (p, stored) in crate::storage::stored_checkpoints(&state_dir.join("usage"))? {
+        let folded = ledger.checkpoint(p)?;
+        if folded.is_none_or(|f| f < stored) {
+            let folded = folded.map_or_else(|| "none".to_owned(), |f| f.to_string());
+            return Err(StateError::Period(format!(
+                "the ledger of {} is behind its usage store (partition {p}: accepted events stored through output \
+                 offset {stored}, folded into the ledger through {folded}), so a close would freeze part of the \
+                 month: a run on this directory is still going, or the last one stopped before its ledger caught \
+                 up, or ran with --ledger false. Close after a run with the ledger on has ended (its start folds \
+                 what the last one left)",
+                state_dir.display()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The accepted events of partition `p` in the usage store the ledger has

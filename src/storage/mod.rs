@@ -137,7 +137,7 @@ pub use store::{
     CompactionJob, FirstSeenLookup, FlushJob, MaintainReport, ReadCores, RecoveryReport, TornTail, UsageMarks,
     UsageStore,
 };
-pub use verify::{verify, verify_on, FileKind, FileReport, FileStatus, VerifyReport};
+pub use verify::{stored_checkpoints, verify, verify_on, FileKind, FileReport, FileStatus, VerifyReport};
 pub use wal::writer::PendingSync;
 
 use crate::classify::SeenKey;

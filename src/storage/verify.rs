@@ -289,3 +289,30 @@ pub fn verify_on(fs: &dyn FileSystem, dir: &Path) -> Result<VerifyReport, Storag
     }
     Ok(report)
 }
+
+/// The last output offset the usage store in `dir` (`<state-dir>/usage`)
+/// holds for each partition, as its next open would find it: the
+/// manifest's checkpoints, raised by the events of the live WAL files (a
+/// torn tail read up to where it tears). Read-only and without the lock,
+/// like [`verify`]: beside a running process the answer is a moment's.
+/// An empty map when there is no store; a WAL file that does not read is
+/// its error.
+pub fn stored_checkpoints(dir: &Path) -> Result<std::collections::BTreeMap<i32, i64>, StorageError> {
+    let fs = &RealFs;
+    let Some(loaded) = manifest::load(fs, &dir.join("manifest"))? else {
+        return Ok(Default::default());
+    };
+    let mut checkpoints = loaded.current.checkpoints;
+    let live: Vec<(u64, std::path::PathBuf)> =
+        wal::list(fs, &dir.join("wal"))?.into_iter().filter(|(seq, _)| *seq >= loaded.current.wal_start).collect();
+    for (i, (_, path)) in live.iter().enumerate() {
+        reader::scan_file(fs, path, i + 1 == live.len(), |events| {
+            for e in events {
+                let cp = checkpoints.entry(e.key.output.partition).or_insert(e.key.output.offset);
+                *cp = (*cp).max(e.key.output.offset);
+            }
+            Ok(())
+        })?;
+    }
+    Ok(checkpoints)
+}
