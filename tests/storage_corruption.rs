@@ -291,8 +291,9 @@ fn verify_reports_a_missing_live_wal_file_data_without_a_manifest_and_a_segment_
 /// the checkpoint past them) and verify reports it.
 ///
 /// A sealed file removed with the files after it renumbered down (so no
-/// number is missing) is refused too: the next file's link names the
-/// removed one, not the file now before it.
+/// number is missing) is refused too: the renamed file's link names the
+/// removed one (checked for every file, the first live one included; see
+/// `check_own_link`'s test).
 #[test]
 fn a_sealed_wal_file_cut_at_a_frame_boundary_or_emptied_is_a_hard_error_and_verify_says_so() {
     for damage in ["emptied", "cut to its first batch", "removed, the later files renumbered"] {
@@ -316,7 +317,7 @@ fn a_sealed_wal_file_cut_at_a_frame_boundary_or_emptied_is_a_hard_error_and_veri
         let first_batch_end = 32 + 16 + header(32);
         assert!(first_batch_end < bytes.len(), "the middle file holds more than one batch");
         // The file open names as corrupt: the damaged one, or for a
-        // removal the one its successor's link no longer follows.
+        // removal the renamed file whose link names the removed one.
         let named = match damage {
             "emptied" | "cut to its first batch" => {
                 let len = if damage == "emptied" { 0 } else { first_batch_end };
@@ -328,7 +329,7 @@ fn a_sealed_wal_file_cut_at_a_frame_boundary_or_emptied_is_a_hard_error_and_veri
                 for pair in wal[1..].windows(2) {
                     std::fs::rename(&pair[1], &pair[0]).expect("renumber");
                 }
-                &wal[0]
+                middle
             }
         };
         let reopened = UsageStore::open(&usage, opts.clone(), Arc::new(NoopObserver));

@@ -604,6 +604,7 @@ impl UsageStore {
                 }
                 Ok(())
             })?;
+            reader::check_own_link(*seq, path, scan.link)?;
             if let Some(previous) = before {
                 reader::check_link(previous, scan.link)?;
             }

@@ -199,9 +199,10 @@ pub fn verify_on(fs: &dyn FileSystem, dir: &Path) -> Result<VerifyReport, Storag
                 }
                 before = Some((*seq, path.as_path(), scan.valid_len));
                 let detail = format!("{} frames, {events} events", scan.frames);
-                let status = match scan.torn {
-                    Some(_) => FileStatus::TornTail { offset: scan.valid_len },
-                    None => FileStatus::Ok,
+                let status = match (reader::check_own_link(*seq, path, scan.link), scan.torn) {
+                    (Err(e), _) => FileStatus::Corrupt { error: e.to_string() },
+                    (Ok(()), Some(_)) => FileStatus::TornTail { offset: scan.valid_len },
+                    (Ok(()), None) => FileStatus::Ok,
                 };
                 report.files.push(FileReport { path: path.clone(), kind: FileKind::Wal, status, detail });
             }

@@ -29,31 +29,43 @@ pub(crate) struct WalScan {
     pub link: Option<(u64, u64)>,
 }
 
+/// Checks a file's own link (`link`, as [`WalScan::link`]) against its
+/// number: a file is always created right after the one before it, so its
+/// link names `seq - 1`. Naming another means the file was renamed, the
+/// files after a removed one numbered down to close the gap (or a file of
+/// another store put in its place): the file it followed is gone with its
+/// events, which is mid-log corruption. A file without a link (a store's
+/// first, or written before links) is not checked.
+pub(crate) fn check_own_link(seq: u64, path: &Path, link: Option<(u64, u64)>) -> Result<(), StorageError> {
+    match link {
+        Some((linked_seq, _)) if linked_seq.checked_add(1) != Some(seq) => Err(StorageError::WalMidLogCorruption {
+            file: PathBuf::from(path),
+            offset: 0,
+            detail: format!(
+                "its link names file {linked_seq} as the one before it, but it is file {seq}: it was renamed, and \
+                 the WAL file it followed is gone, with its events"
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// Checks `previous` (seq, scanned length) against the link recorded by
 /// the file after it (`next`): a sealed file that no longer ends where the
-/// next one recorded lost frames, and a link naming another file means the
-/// file it names is gone (the files after it renumbered, or a file of
-/// another store put in its place). Either loss is mid-log corruption. A
-/// file without a link (written before links) is not checked.
+/// next one recorded lost frames, and that loss is mid-log corruption.
 pub(crate) fn check_link(previous: (u64, &Path, u64), next: Option<(u64, u64)>) -> Result<(), StorageError> {
     let (seq, path, len) = previous;
     match next {
-        Some((linked_seq, _)) if linked_seq != seq => Err(StorageError::WalMidLogCorruption {
-            file: PathBuf::from(path),
-            offset: len,
-            detail: format!(
-                "the next WAL file's link names file {linked_seq}, not this one ({seq}): the WAL file it follows \
-                 is gone, and its events with it"
-            ),
-        }),
-        Some((_, linked_len)) if linked_len != len => Err(StorageError::WalMidLogCorruption {
-            file: PathBuf::from(path),
-            offset: len.min(linked_len),
-            detail: format!(
-                "the file is {len} bytes, but the next WAL file recorded it as ending at {linked_len}: \
+        Some((linked_seq, linked_len)) if linked_seq == seq && linked_len != len => {
+            Err(StorageError::WalMidLogCorruption {
+                file: PathBuf::from(path),
+                offset: len.min(linked_len),
+                detail: format!(
+                    "the file is {len} bytes, but the next WAL file recorded it as ending at {linked_len}: \
                      frames of a sealed file are gone"
-            ),
-        }),
+                ),
+            })
+        }
         _ => Ok(()),
     }
 }
@@ -157,6 +169,23 @@ mod tests {
     use super::*;
     use crate::storage::codec::encode_event;
     use crate::storage::testutil::sample_event;
+
+    /// A file's link names the file created just before it; any other
+    /// number is a renamed file (the first live one included, whose
+    /// predecessor a flush removed), and no link is not checked.
+    #[test]
+    fn a_files_own_link_names_the_file_just_before_it() {
+        let path = Path::new("wal/00000000000000000005.wal");
+        assert!(check_own_link(5, path, Some((4, 100))).is_ok());
+        assert!(check_own_link(5, path, None).is_ok());
+        for linked in [5, 3, 6, u64::MAX] {
+            let e = check_own_link(5, path, Some((linked, 100)));
+            assert!(
+                matches!(&e, Err(StorageError::WalMidLogCorruption { file, .. }) if file == path),
+                "{linked}: {e:?}"
+            );
+        }
+    }
 
     /// Three frames of two events each; returns the file bytes and frame starts.
     fn three_frames() -> (Vec<u8>, Vec<usize>) {
