@@ -289,8 +289,10 @@ impl Default for EngineSettings {
             hot_capacity: 2_000_000,
             horizon: Duration::from_secs(35 * 86_400),
             keystore_max_bytes: None,
-            // The default max event age (see `Limits::default`).
-            keystore_window_floor: Duration::from_secs(35 * 86_400),
+            // The window the default limits need (`window_needed_ms`): the
+            // max event age, 35 days, plus the future skew, an hour, plus a
+            // millisecond (see `Limits::default`).
+            keystore_window_floor: Duration::from_millis(35 * 86_400_000 + 3_600_000 + 1),
             keystore_block_cache_bytes: 128 << 20,
             keystore_write_buffer_bytes: 64 << 20,
             keystore_background_jobs: 2,
@@ -325,17 +327,20 @@ pub struct PropertySource<'a> {
 pub fn merge_kafka_properties(sources: &[PropertySource<'_>]) -> Result<Vec<(String, String)>, String> {
     let mut merged: Vec<(String, String)> = Vec::new();
     for source in sources {
-        for entry in source.entries {
+        for (n, entry) in source.entries.iter().enumerate() {
             let (k, v) = entry.split_once('=').ok_or_else(|| {
-                // The entry may hold a secret: name its key part only.
-                // librdkafka names are letters, digits, `.`, `_` and `-`:
-                // what follows (`:hunter2`) may be the value.
-                let shown: String = entry
+                // The entry may hold a secret: name its key part only, and
+                // only when it looks like a property name (letters, digits,
+                // `_`, `-` and at least one `.`): what follows it
+                // (`:hunter2`) may be the value, and a line without a `.`
+                // may be a secret itself (a multi-line PEM's next line).
+                let name: String = entry
                     .chars()
                     .take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
-                    .take(40)
+                    .take(60)
                     .collect();
-                format!("{}: {shown:?}… is not key=value", source.name)
+                let shown = if name.contains('.') { format!(" ({name:?}…)") } else { String::new() };
+                format!("{}: entry {}{shown} is not key=value", source.name, n + 1)
             })?;
             let (k, v) = (k.trim(), v.trim());
             if k.is_empty() {
@@ -350,35 +355,45 @@ pub fn merge_kafka_properties(sources: &[PropertySource<'_>]) -> Result<Vec<(Str
     Ok(merged)
 }
 
-/// librdkafka properties dedupd sets itself because a guarantee rests on
-/// them, each with what it protects. A pass-through of one of these is
-/// refused before any I/O: applied last, as pass-throughs are, it would
-/// quietly turn the guarantee off (auto-committed input offsets run ahead
+/// librdkafka properties the worker and the router set themselves because
+/// a guarantee rests on them: each with the only value a pass-through may
+/// repeat (`None`: set by a flag, never passed through) and what it
+/// protects. Applied last, as pass-throughs are, another value would
+/// quietly turn the guarantee off: auto-committed input offsets run ahead
 /// of the publish, so a crash loses the events in between; a
-/// `read_uncommitted` consumer bills aborted records).
-const PROPERTIES_DEDUPD_OWNS: [(&str, &str); 9] = [
-    ("enable.auto.commit", "input offsets are committed by dedupd only, after the publish"),
-    ("enable.auto.offset.store", "input offsets are committed by dedupd only, after the publish"),
-    ("isolation.level", "input and repair read committed records only, so aborted ones are never billed"),
-    ("auto.offset.reset", "a new group reads its input from the start, and repair never skips output it lost"),
-    ("group.id", "set by --group"),
-    ("group.instance.id", "set by --instance-id"),
-    ("transactional.id", "derived per worker (--instance-id), so workers fence only their own zombies"),
-    ("enable.idempotence", "retried sends must not duplicate output"),
+/// `read_uncommitted` consumer bills aborted records; `latest` skips a new
+/// group's backlog.
+const PROPERTIES_DEDUPD_OWNS: [(&str, Option<&str>, &str); 9] = [
+    ("enable.auto.commit", Some("false"), "input offsets are committed by dedupd only, after the publish"),
+    ("enable.auto.offset.store", Some("false"), "input offsets are committed by dedupd only, after the publish"),
+    ("isolation.level", Some("read_committed"), "aborted records are never billed"),
+    ("auto.offset.reset", Some("earliest"), "a new group reads its input from the start"),
+    ("group.id", None, "set by --group"),
+    ("group.instance.id", None, "set by --instance-id"),
+    ("transactional.id", None, "derived per worker, so a worker fences only its own zombies"),
+    ("enable.idempotence", Some("true"), "retried sends must not duplicate output"),
     (
         "partition.assignment.strategy",
-        "a rebalance must move only the partitions that change owner (cooperative-sticky)",
+        Some("cooperative-sticky"),
+        "a rebalance must move only the partitions that change owner",
     ),
 ];
 
-/// Refuses a pass-through property that dedupd sets itself (see
-/// [`PROPERTIES_DEDUPD_OWNS`]), scoped (`consumer.`, `producer.`) or not;
-/// the error names the key and why it is dedupd's.
+/// Refuses, for `run`, `route` and `check-config`, a pass-through property
+/// the worker sets itself (see [`PROPERTIES_DEDUPD_OWNS`]) with another
+/// value than its own, scoped (`consumer.`, `producer.`) or not; the error
+/// names the key and why. Repeating dedupd's value (hardening checklists
+/// do) is allowed. The operator commands' readers (`usage`, `period`) take
+/// any: they force what they rely on and have no `--group` of their own.
 pub fn refuse_properties_dedupd_owns(properties: &[(String, String)]) -> Result<(), String> {
-    for (key, _) in properties {
+    for (key, value) in properties {
         let bare = key.strip_prefix("consumer.").or_else(|| key.strip_prefix("producer.")).unwrap_or(key);
-        if let Some((_, why)) = PROPERTIES_DEDUPD_OWNS.iter().find(|(owned, _)| *owned == bare) {
-            return Err(format!("`{key}` cannot be passed through: dedupd sets it ({why})"));
+        let Some((_, own, why)) = PROPERTIES_DEDUPD_OWNS.iter().find(|(owned, _, _)| *owned == bare) else {
+            continue;
+        };
+        if own.is_none_or(|own| !value.eq_ignore_ascii_case(own)) {
+            let only = own.map_or_else(String::new, |own| format!(", and only as {own}"));
+            return Err(format!("`{key}` cannot be passed through{only}: dedupd sets it ({why})"));
         }
     }
     Ok(())
@@ -652,10 +667,10 @@ impl EngineSettings {
             hot_capacity: usize::try_from(hot_capacity).map_err(|_| invalid("hot_capacity", "too large"))?,
             horizon,
             keystore_max_bytes,
-            // Unset, the floor is what the age check lets in: a window any
+            // Unset, the floor is the window the age check needs: any
             // shorter lets a retry of an older event through as new.
             keystore_window_floor: keystore_window_floor
-                .unwrap_or_else(|| Duration::from_millis(u64::try_from(limits.max_event_age_ms).unwrap_or(0))),
+                .unwrap_or_else(|| Duration::from_millis(u64::try_from(limits.window_needed_ms()).unwrap_or(0))),
             keystore_block_cache_bytes,
             keystore_write_buffer_bytes,
             keystore_background_jobs: u32::try_from(keystore_background_jobs)
@@ -730,33 +745,36 @@ impl EngineSettings {
             ));
         }
         // The floor guards what a size cap leaves of the window: with no
-        // cap the window is the horizon and the alert cannot fire, so a
-        // horizon shorter than the default floor needs no floor typed.
-        if self.keystore_max_bytes.is_some() && self.keystore_window_floor > self.horizon {
+        // cap the window is a key's lifetime and the alert cannot fire, so
+        // no floor typed is checked then.
+        let floor_ms = self.keystore_window_floor.as_millis();
+        if self.keystore_max_bytes.is_some() && floor_ms > self.key_lifetime_ms() as u128 {
             return Err(invalid(
                 "keystore_window_floor",
                 format!(
-                    "keystore_window_floor {} is longer than horizon {}: with keystore_max_bytes set the alert would \
-                     fire whenever the cap binds; set the floor to at most the horizon",
+                    "keystore_window_floor {} is longer than a key's lifetime {} (horizon plus max_future_skew): with \
+                     keystore_max_bytes set the alert would fire whenever the cap binds; set the floor to at most \
+                     that",
                     d(self.keystore_window_floor),
-                    d(self.horizon)
+                    ms_d(self.key_lifetime_ms())
                 ),
             ));
         }
-        // Below the oldest event the age check lets in, a window the cap
-        // shrank would let a retry of an older event through as new, billed
-        // twice, with no alert.
-        if self.keystore_max_bytes.is_some()
-            && self.keystore_window_floor.as_millis() < self.limits.max_event_age_ms as u128
-        {
+        // Below the window the age check needs, a window the cap shrank
+        // would let a retry of an older event through as new, billed twice,
+        // with no alert.
+        if self.keystore_max_bytes.is_some() && floor_ms < self.limits.window_needed_ms() as u128 {
             return Err(invalid(
                 "keystore_window_floor",
                 format!(
-                    "keystore_window_floor {} is shorter than max_event_age {}: with keystore_max_bytes set, a window \
-                     the cap shrank between the two would let retries of events that old be billed again with no \
-                     alert; leave the floor unset (it is max_event_age) or raise it",
+                    "keystore_window_floor {} is shorter than the window max_event_age {} and max_future_skew {} \
+                     need ({}): with keystore_max_bytes set, a window the cap shrank below that would let retries \
+                     of events that old be billed again with no alert; leave the floor unset (it is that window) or \
+                     raise it",
                     d(self.keystore_window_floor),
-                    ms_d(self.limits.max_event_age_ms)
+                    ms_d(self.limits.max_event_age_ms),
+                    ms_d(self.limits.max_future_skew_ms),
+                    ms_d(self.limits.window_needed_ms())
                 ),
             ));
         }
@@ -949,22 +967,31 @@ mod tests {
     }
 
     /// The window floor guards what a size cap leaves of the window: unset,
-    /// it is the max event age; beside a cap it lies between that age (a
-    /// shorter window bills old retries again with no alert) and the
-    /// horizon (a longer one alerts whenever the cap binds).
+    /// it is the window the age check needs (max event age plus future
+    /// skew plus a millisecond); beside a cap it lies between that window
+    /// (a shorter one bills old retries again with no alert) and a key's
+    /// lifetime (a longer one alerts whenever the cap binds).
     #[test]
-    fn the_window_floor_beside_a_size_cap_lies_between_the_max_event_age_and_the_horizon() {
+    fn the_window_floor_beside_a_size_cap_lies_between_the_window_retries_need_and_a_keys_lifetime() {
         let floor = |extra: &str| resolve(TuningArgs::default(), extra).map(|s| s.keystore_window_floor);
         let cap = "keystore_max_bytes = \"1GiB\"\n";
-        assert_eq!(floor("").expect("defaults"), Duration::from_secs(35 * 86_400));
+        let needed = |days: u64| Duration::from_millis(days * 86_400_000 + 3_600_000 + 1);
+        assert_eq!(floor("").expect("defaults"), needed(35));
+        assert_eq!(floor("").expect("defaults"), EngineSettings::default().keystore_window_floor);
+        assert_eq!(floor(cap).expect("a cap, the defaults"), needed(35));
         let short = "horizon = \"14d\"\nmax_event_age = \"14d\"\n";
-        assert_eq!(floor(&format!("{short}{cap}")).expect("unset: the age"), Duration::from_secs(14 * 86_400));
-        let below = format!("{cap}keystore_window_floor = \"30d\"\n");
-        let e = floor(&below).expect_err("below the max event age");
-        assert!(e.to_string().contains("`keystore_window_floor`") && e.to_string().contains("max_event_age"), "{e}");
-        floor("keystore_window_floor = \"30d\"\n").expect("no cap: the alert cannot fire");
-        let e = floor(&format!("{short}{cap}keystore_window_floor = \"20d\"\n")).expect_err("above the horizon");
-        assert!(e.to_string().contains("`keystore_window_floor`") && e.to_string().contains("horizon"), "{e}");
+        assert_eq!(floor(&format!("{short}{cap}")).expect("unset: the window needed"), needed(14));
+        for below in ["30d", "35d", "35d 59m"] {
+            let e = floor(&format!("{cap}keystore_window_floor = \"{below}\"\n")).expect_err("below the window needed");
+            assert!(
+                e.to_string().contains("`keystore_window_floor`") && e.to_string().contains("max_future_skew"),
+                "{e}"
+            );
+            floor(&format!("keystore_window_floor = \"{below}\"\n")).expect("no cap: the alert cannot fire");
+        }
+        let e = floor(&format!("{short}{cap}keystore_window_floor = \"20d\"\n")).expect_err("above a key's lifetime");
+        assert!(e.to_string().contains("`keystore_window_floor`") && e.to_string().contains("lifetime"), "{e}");
+        floor(&format!("{short}{cap}keystore_window_floor = \"14d 1h 1ms\"\n")).expect("the window needed itself");
     }
 
     #[test]
@@ -1016,6 +1043,12 @@ mod tests {
             .expect_err("not key=value");
         assert!(err.contains("--kafka-property") && !err.contains("and more"), "{err}");
         assert!(err.contains("sasl.password") && !err.contains("hunter2"), "the value was echoed: {err}");
+        // A multi-line PEM in DEDUPD_KAFKA_PROPERTIES: its next line is no
+        // property, and none of it is shown.
+        let pem = property_lines("ssl.key.pem=-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC\n");
+        let err = merge_kafka_properties(&[PropertySource { name: "DEDUPD_KAFKA_PROPERTIES", entries: &pem }])
+            .expect_err("a line without =");
+        assert!(err.contains("entry 2") && !err.contains("MIIE"), "a secret was echoed: {err}");
     }
 
     #[test]

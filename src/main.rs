@@ -231,8 +231,6 @@ fn kafka_properties(
         }
         secret_keys.push(k);
     }
-    dedupd::config::refuse_properties_dedupd_owns(&properties)
-        .map_err(|why| anyhow::anyhow!("invalid `kafka_properties`: {why}"))?;
     Ok((properties, secret_keys))
 }
 
@@ -466,6 +464,8 @@ impl RunArgs {
             (file.kafka_secrets.as_deref().unwrap_or_default(), &self.kafka_secrets),
             env,
         )?;
+        dedupd::config::refuse_properties_dedupd_owns(&s.kafka_properties)
+            .map_err(|why| anyhow::anyhow!("invalid `kafka_properties`: {why}"))?;
         if let Some(n) = self.batch_max_records.or(file.batch_max_records) {
             if n == 0 {
                 anyhow::bail!("invalid `batch_max_records` (flag --batch-max-records): must be at least 1");

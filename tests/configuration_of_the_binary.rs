@@ -142,8 +142,10 @@ fn check_config_refuses_a_bad_configuration_naming_the_key() {
 }
 
 /// A pass-through of a property a guarantee rests on (input offsets
-/// committed only after the publish, committed reads, fencing) is refused
-/// from any source, scoped or not, naming the key; others still pass.
+/// committed only after the publish, committed reads, fencing) with
+/// another value than dedupd's own is refused from any source, scoped or
+/// not, naming the key; dedupd's own value may be repeated, and other
+/// properties pass.
 #[test]
 fn kafka_properties_that_would_turn_a_guarantee_off_are_refused() {
     let dir = tempfile::tempdir().expect("tmp");
@@ -155,25 +157,27 @@ fn kafka_properties_that_would_turn_a_guarantee_off_are_refused() {
         }
         c.output().expect("check-config")
     };
-    for key in [
-        "consumer.enable.auto.commit",
-        "enable.auto.offset.store",
-        "consumer.isolation.level",
-        "auto.offset.reset",
-        "group.id",
-        "consumer.group.instance.id",
-        "producer.transactional.id",
-        "enable.idempotence",
-        "partition.assignment.strategy",
+    for (key, bad, own) in [
+        ("consumer.enable.auto.commit", "true", Some("false")),
+        ("enable.auto.offset.store", "true", Some("false")),
+        ("consumer.isolation.level", "read_uncommitted", Some("read_committed")),
+        ("auto.offset.reset", "latest", Some("earliest")),
+        ("group.id", "other", None),
+        ("consumer.group.instance.id", "w9", None),
+        ("producer.transactional.id", "shared", None),
+        ("enable.idempotence", "false", Some("true")),
+        ("partition.assignment.strategy", "range", Some("cooperative-sticky")),
     ] {
-        for (flags, env) in
-            [(vec!["--kafka-property".to_owned(), format!("{key}=x")], None), (vec![], Some(format!("{key}=x")))]
-        {
-            let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-            let out = check(&flags, env.as_deref());
+        let entry = format!("{key}={bad}");
+        for (flags, env) in [(vec!["--kafka-property", entry.as_str()], None), (vec![], Some(entry.as_str()))] {
+            let out = check(&flags, env);
             assert_eq!(out.status.code(), Some(2), "{key} via {flags:?} {env:?} was accepted");
             let stderr = String::from_utf8_lossy(&out.stderr);
             assert!(stderr.contains(&format!("`{key}`")) && stderr.contains("kafka_properties"), "{stderr}");
+        }
+        if let Some(own) = own {
+            let same = check(&["--kafka-property", &format!("{key}={own}")], None);
+            assert!(same.status.success(), "{key}={own}: {}", String::from_utf8_lossy(&same.stderr));
         }
     }
     let fine = check(&["--kafka-property", "consumer.session.timeout.ms=6000"], None);

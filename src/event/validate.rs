@@ -79,6 +79,17 @@ impl Default for Limits {
     }
 }
 
+impl Limits {
+    /// How long after an event's first arrival a retry of it can still
+    /// pass the age check: its stamp may be up to `max_future_skew_ms`
+    /// ahead of that arrival, and it is accepted until `max_event_age_ms`
+    /// after its stamp, inclusive (hence the millisecond). A dedupe window
+    /// any shorter lets such a retry through as new.
+    pub fn window_needed_ms(&self) -> i64 {
+        self.max_event_age_ms.saturating_add(self.max_future_skew_ms.max(0)).saturating_add(1)
+    }
+}
+
 /// A (tenant, calendar month UTC) closed for usage: invoices for it are final.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ClosedPeriod {

@@ -70,9 +70,10 @@ impl Default for KeyStoreOptions {
         KeyStoreOptions {
             horizon_ms: 35 * DAY_MS,
             max_bytes: None,
-            // The default max event age: a shorter window lets a retry of
-            // an event the age check accepts through as new.
-            window_floor_ms: 35 * DAY_MS,
+            // The window the default limits need (max event age 35 days,
+            // future skew an hour, a millisecond): a shorter window lets a
+            // retry of an event the age check accepts through as new.
+            window_floor_ms: 35 * DAY_MS + 3_600_000 + 1,
             block_cache_bytes: 128 << 20,
             write_buffer_bytes: 64 << 20,
             background_jobs: 2,
