@@ -94,10 +94,13 @@ pub enum OfflineError {
     )]
     StateNeedsOutputFile,
     #[error(
-        "output file {path} has {lines} lines but the state in {state_dir} has applied up to line {checkpoint}: \
-         the output file was truncated or replaced; restore it, or start over with an empty state directory"
+        "output file {path} has {lines} lines but the state in {state_dir} has applied up to line {checkpoint} \
+         (in {parts}): the output file was truncated or replaced, or that part of the state came from a later \
+         copy (or reached the disk before the output under --fsync interval when the machine lost power); \
+         restore the output file, or remove what is ahead ({parts} in the state directory: the next run rebuilds \
+         it from the output), or start over with an empty state directory"
     )]
-    StateAheadOfOutput { path: String, lines: u64, checkpoint: i64, state_dir: String },
+    StateAheadOfOutput { path: String, lines: u64, checkpoint: i64, state_dir: String, parts: String },
     #[error(
         "output file {path} is being written by another dedupd (a run with another state directory, or a second \
          run): an output file takes one writer, or its events would be published twice"
@@ -957,6 +960,7 @@ fn repair_from_output(
     // writes) holds events the output does not, and going on would skip the
     // next run's events at those offsets in that part.
     let (checkpoint, furthest) = (state.checkpoint(OFFLINE_PARTITION), state.furthest_checkpoint(OFFLINE_PARTITION));
+    let parts_before = state.checkpoints_by_part(OFFLINE_PARTITION);
     let mut reader = BufReader::with_capacity(1 << 16, (&f).take(whole.end));
     let mut line = Line::default();
     // Output lines were accepted under whatever limits were in force then;
@@ -1011,11 +1015,17 @@ fn repair_from_output(
             });
         }
         if c >= offset {
+            let ahead: Vec<&str> = parts_before
+                .iter()
+                .filter(|(_, cp)| cp.is_some_and(|cp| cp >= offset))
+                .map(|(part, _)| *part)
+                .collect();
             return Err(OfflineError::StateAheadOfOutput {
                 path: path.display().to_string(),
                 lines: offset as u64,
                 checkpoint: c + 1,
                 state_dir: state_dir.display().to_string(),
+                parts: ahead.join(", "),
             });
         }
     }

@@ -998,6 +998,21 @@ impl LocalState {
         }
     }
 
+    /// Each durable part's checkpoint of `partition`, by the directory
+    /// that holds it (`usage`, `keystore`, `ledger` when kept): what an
+    /// operator removes to have that part rebuilt from the output.
+    pub fn checkpoints_by_part(&self, partition: i32) -> Vec<(&'static str, Option<i64>)> {
+        let Some(d) = &self.durable else { return Vec::new() };
+        let mut parts = vec![
+            ("usage", locked(&d.usage).checkpoint(partition)),
+            ("keystore", d.keys.checkpoint(partition).ok().flatten()),
+        ];
+        if let Some(ledger) = &self.ledger {
+            parts.push(("ledger", ledger.checkpoint(partition).ok().flatten()));
+        }
+        parts
+    }
+
     fn long_horizon(&self) -> &dyn LongHorizon {
         match &self.durable {
             Some(d) => d.keys.as_ref(),
