@@ -281,8 +281,24 @@ impl Validator {
     ///
     /// [`validate`]: Validator::validate
     pub fn identity_of(&self, bytes: &[u8]) -> Result<(String, String), Rejection> {
+        self.check_record_size(bytes)?;
         let w = wire::decode(bytes, false).map_err(|e| Rejection::new(RejectReason::MalformedJson, e.0))?;
         self.identity_of_wire(&w)
+    }
+
+    /// `record_too_large` for an input record over `max_record_bytes`,
+    /// before any parsing. The router judges it too, whatever its identity:
+    /// the dedupe stage would reject it anyway, and a record near the
+    /// broker's limit that the router re-keyed could be refused by its
+    /// producer, stopping the router on that raw offset at every start.
+    fn check_record_size(&self, bytes: &[u8]) -> Result<(), Rejection> {
+        if bytes.len() > self.limits.max_record_bytes {
+            return Err(Rejection::new(
+                RejectReason::RecordTooLarge,
+                format!("{} bytes, limit {}", bytes.len(), self.limits.max_record_bytes),
+            ));
+        }
+        Ok(())
     }
 
     /// The `(tenant_id, event_id)` a record is placed by: its identity, or
@@ -293,6 +309,7 @@ impl Validator {
     ///
     /// [`validate`]: Validator::validate
     pub fn placement_of(&self, bytes: &[u8]) -> Result<(String, String), Rejection> {
+        self.check_record_size(bytes)?;
         let w = wire::decode(bytes, false).map_err(|e| Rejection::new(RejectReason::MalformedJson, e.0))?;
         let (tenant_id, event_id) = self.identity_of_wire(&w)?;
         let corrects = matches!(optional_str(&w.kind).and_then(EventKind::parse), Some(k) if k != EventKind::Usage);
@@ -340,11 +357,8 @@ impl Validator {
     fn validate_with(&self, bytes: &[u8], now_ms: i64, reading: Reading) -> Result<UsageEvent, Rejection> {
         use RejectReason::*;
         let input = reading == Reading::Input;
-        if input && bytes.len() > self.limits.max_record_bytes {
-            return Err(Rejection::new(
-                RecordTooLarge,
-                format!("{} bytes, limit {}", bytes.len(), self.limits.max_record_bytes),
-            ));
+        if input {
+            self.check_record_size(bytes)?;
         }
         let w = wire::decode(bytes, !input).map_err(|e| Rejection::new(MalformedJson, e.0))?;
         // Output records are dedupd's canonical form, which has no unknown
@@ -714,6 +728,31 @@ mod tests {
             r#"{{"event_id":"e","tenant_id":"{tenant}","customer_id":"c","meter":"m","quantity":1,"timestamp":"2026-10-15T00:00:00Z"}}"#
         )
         .into_bytes()
+    }
+
+    /// The router's identity reading judges a record's size as validation
+    /// does: a record over `max_record_bytes` with a readable identity is
+    /// `record_too_large`, never placed (re-keyed near the broker's limit,
+    /// its produce was refused and stopped the router at every start).
+    #[test]
+    fn a_record_over_the_size_limit_has_no_placement() {
+        let limits = Limits { max_record_bytes: 200, ..Limits::default() };
+        let v = Validator::sharing(limits, ClosedPeriods::default(), "salt");
+        let padded = |len: usize| {
+            let mut r = october("acme");
+            r.truncate(r.len() - 1);
+            let pad = len - r.len() - r#","source":""}"#.len();
+            r.extend_from_slice(format!(r#","source":"{}"}}"#, "x".repeat(pad)).as_bytes());
+            assert_eq!(r.len(), len);
+            r
+        };
+        assert!(v.placement_of(&padded(200)).is_ok() && v.identity_of(&padded(200)).is_ok());
+        for read in [Validator::placement_of, Validator::identity_of, |v: &Validator, b: &[u8]| {
+            v.validate(b, 1_793_000_000_000).map(|_| (String::new(), String::new()))
+        }] {
+            let r = read(&v, &padded(201)).expect_err("over the limit");
+            assert_eq!(r.reason, RejectReason::RecordTooLarge, "{r:?}");
+        }
     }
 
     #[test]
