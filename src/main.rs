@@ -895,6 +895,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             use dedupd::ledger::{Period, PeriodAction};
             let period = Period::parse(&period).map_err(|why| anyhow::anyhow!("--period: {why}"))?;
             check_format(&format)?;
+            if tenant.trim().is_empty() {
+                anyhow::bail!("--tenant is empty: a period is closed per tenant");
+            }
             let action = match action.as_str() {
                 "close" => PeriodAction::Close,
                 "reopen" => PeriodAction::Reopen,
@@ -914,6 +917,16 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 (Some(dir), ..) => dedupd::state::period(&dir, action, &tenant, period, now_ms)?,
                 _ => anyhow::bail!("give --state-dir, or --brokers, --periods-topic and --rollups-topic"),
             };
+            if action == PeriodAction::Close && report.lines.is_empty() {
+                // Closed all the same (a month with no usage is invoiced as
+                // nothing), but a mistyped tenant id looks just like that.
+                tracing::warn!(
+                    tenant = %tenant,
+                    %period,
+                    "closed a month in which this tenant has no usage at all: check the tenant id (ids are exact, \
+                     case included)"
+                );
+            }
             print_report(&format, || report.to_json(), || report.to_table())?;
             Ok(ExitCode::SUCCESS)
         }

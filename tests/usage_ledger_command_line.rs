@@ -416,6 +416,22 @@ fn a_closed_month_is_frozen_refuses_usage_and_shows_corrections_as_pending() {
     let again = period_cmd(d, "reopen", &month);
     assert!(String::from_utf8_lossy(&again.stderr).contains("not closed"), "{again:?}");
 
+    // An empty tenant is refused; a tenant with no usage in the month is
+    // closed (invoiced as nothing), with a warning that a typo looks so.
+    let empty = dedupd()
+        .args(["period", "close", "--tenant", " ", "--period", &month, "--state-dir"])
+        .arg(d.join("state"))
+        .output()
+        .expect("run");
+    assert!(!empty.status.success() && String::from_utf8_lossy(&empty.stderr).contains("--tenant"), "{empty:?}");
+    let typo = dedupd()
+        .args(["period", "close", "--tenant", "Acme", "--period", &month, "--state-dir"])
+        .arg(d.join("state"))
+        .output()
+        .expect("run");
+    assert!(typo.status.success(), "{typo:?}");
+    assert!(String::from_utf8_lossy(&typo.stderr).contains("no usage at all"), "{typo:?}");
+
     // A period that is not YYYY-MM is refused, naming the flag.
     let bad = period_cmd(d, "close", "2026-1");
     assert!(!bad.status.success());
