@@ -255,6 +255,25 @@ impl WorkerContext {
         // may start in between (see `crate::kafka::standby`).
         let mut following = block_outside_runtime(|| self.shared.standbys.lock());
         let new: Vec<i32> = partitions.iter().copied().filter(|p| !self.tasks().contains_key(p)).collect();
+        // Each new partition's queue is split off first, before the slow
+        // part below (a hand-over, and loading hot caches can take
+        // seconds): what librdkafka fetches for it until the split goes to
+        // the main queue, and the main task forwards those strays to the
+        // partition's task, which takes them before its own queue. Split at
+        // once, there are next to none, so a task cannot finish its repair
+        // and read its own queue before a stray sent long before has been
+        // forwarded (it would commit past it).
+        let mut queues = std::collections::BTreeMap::new();
+        for &p in &new {
+            match consumer.split_partition_queue(topic, p) {
+                Some(queue) => {
+                    queues.insert(p, queue);
+                }
+                None => self
+                    .shared
+                    .fail(KafkaError::Task { detail: format!("cannot split the queue of input partition {p}") }),
+            }
+        }
         block_outside_runtime(|| following.hand_over(&self.shared, &new));
         // Every new partition's hot cache from one pass over the stored keys
         // (each task's repair would otherwise read them all once per
@@ -263,11 +282,7 @@ impl WorkerContext {
         if let Err(e) = block_outside_runtime(|| write_engine(&self.shared.engine).assign_all(&new, now)) {
             tracing::warn!(error = %e, "loading the assigned partitions' state together failed; each loads its own");
         }
-        for p in new {
-            let Some(queue) = consumer.split_partition_queue(topic, p) else {
-                self.shared.fail(KafkaError::Task { detail: format!("cannot split the queue of input partition {p}") });
-                continue;
-            };
+        for (p, queue) in queues {
             let (stop, stop_rx) = watch::channel(false);
             let (done_tx, done) = std::sync::mpsc::channel();
             let (strays, strays_rx) = mpsc::unbounded_channel();
