@@ -470,6 +470,9 @@ impl PartitionLife {
             (Phase::FlushingRollups { next_input }, Event::Published) => {
                 self.publish_backoff_ms = self.settings.publish_backoff_ms;
                 self.held = None;
+                if self.lost {
+                    return self.release();
+                }
                 self.phase = Phase::Committing { next_input };
                 Step::CommitInput { next_input }
             }
@@ -555,6 +558,12 @@ impl PartitionLife {
     /// `flushed_rollups`).
     fn batch_done(&mut self, next_input: i64, flushed_rollups: bool, now_ms: i64) -> Step {
         self.batches += 1;
+        // Lost while the batch was in flight: it is published and applied,
+        // and nothing more is sent (its input offsets are the next owner's
+        // to commit; its replays find the batch in the output).
+        if self.lost {
+            return self.release();
+        }
         let at_least_once = self.settings.delivery == DeliveryMode::AtLeastOnce;
         if flushed_rollups {
             self.held = None;
@@ -971,6 +980,24 @@ mod tests {
         let failure = BatchFailure { reason: "timeout", detail: "x".into() };
         life.on(Event::PublishFailed(failure), 0);
         assert_eq!(life.revoke(true), Some(Step::Release { commit_first: None }), "no retry of a lost batch");
+    }
+
+    /// A partition lost while its batch is published finishes the batch
+    /// (it may have reached the output) and then sends nothing more: no
+    /// input commit, which is the next owner's to make.
+    #[test]
+    fn a_partition_lost_while_its_batch_is_published_commits_nothing_more() {
+        for delivery in [DeliveryMode::AtLeastOnce, DeliveryMode::ExactlyOnce] {
+            let mut life = repaired(delivery, None, 0);
+            life.on(Event::Collected { next_input: 5 }, 0);
+            assert!(matches!(life.on(Event::Classified, 0), Step::Publish { .. }));
+            assert_eq!(life.revoke(true), None, "a publish in flight is not interrupted");
+            let mut step = life.on(Event::Published, 0);
+            if step == Step::Apply {
+                step = life.on(Event::Applied, 0);
+            }
+            assert_eq!(step, Step::Release { commit_first: None }, "{delivery:?}");
+        }
     }
 
     #[test]
