@@ -102,6 +102,10 @@ pub struct RunSettings {
 /// The longest `--rollups-interval`: a crash replays up to this much input.
 pub const MAX_ROLLUPS_INTERVAL: Duration = Duration::from_secs(60);
 
+/// Kafka's default `transaction.abort.timed.out.transaction.cleanup.interval.ms`:
+/// how often a broker aborts transactions past their timeout.
+pub const BROKER_TRANSACTION_ABORT_CHECK: Duration = Duration::from_secs(10);
+
 impl RunSettings {
     /// Settings with dedupd's defaults for everything but the essentials.
     pub fn new(brokers: impl Into<String>, group: impl Into<String>, topics: Topics) -> RunSettings {
@@ -244,12 +248,53 @@ impl RunSettings {
         self.transaction_timeout() + self.operation_timeout
     }
 
+    /// How long repair waits for a dead peer's open transaction before it
+    /// gives up and stops the worker: [`repair_settle_timeout`], plus the
+    /// interval at which a Kafka broker looks for timed-out transactions to
+    /// abort (`transaction.abort.timed.out.transaction.cleanup.interval.ms`,
+    /// 10 s by default): a transaction is aborted up to that long after its
+    /// timeout. Without it, an `--operation-timeout` under about 10 s made
+    /// repair give up before the broker's abort, and the worker restarted
+    /// until the abort came.
+    ///
+    /// [`repair_settle_timeout`]: Self::repair_settle_timeout
+    pub fn repair_open_transaction_wait(&self) -> Duration {
+        self.repair_settle_timeout() + BROKER_TRANSACTION_ABORT_CHECK
+    }
+
     /// The transactional id: stable for a static member, otherwise unique per
     /// process (fencing then rests on the consumer group generation, KIP-447).
     pub fn transactional_id(&self, process_nonce: u64) -> String {
         match &self.instance_id {
             Some(i) => format!("dedupd-{}-{}", self.group, i),
             None => format!("dedupd-{}-{:016x}", self.group, process_nonce),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Repair waits for a dead peer's transaction past the moment a broker
+    /// aborts it: its timeout plus the broker's abort check, plus one call.
+    /// With a 5 s operation timeout (transaction timeout 10 s) the broker
+    /// may abort at 20 s; the wait was 15 s.
+    #[test]
+    fn repair_outwaits_the_brokers_abort_of_a_dead_peers_transaction() {
+        let topics = Topics {
+            input: "i".into(),
+            output: "o".into(),
+            conflicts: "c".into(),
+            rejected: "r".into(),
+            rollups: None,
+            periods: None,
+        };
+        let mut s = RunSettings::new("b", "g", topics);
+        for secs in [5, 30] {
+            s.operation_timeout = Duration::from_secs(secs);
+            let aborted_by = s.transaction_timeout() + BROKER_TRANSACTION_ABORT_CHECK;
+            assert!(s.repair_open_transaction_wait() >= aborted_by + s.operation_timeout, "{secs}s");
         }
     }
 }

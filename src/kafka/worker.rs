@@ -769,7 +769,7 @@ pub async fn run(
         engine: engine.clone(),
         clock: clock.clone(),
         stall_timeout: settings.operation_timeout,
-        settle_timeout: settings.repair_settle_timeout(),
+        settle_timeout: settings.repair_open_transaction_wait(),
         uncommitted_config: clients::watermark_probe_config(&settings),
         on_output_gap: settings.on_output_gap,
         metrics: metrics.clone(),
