@@ -11,6 +11,10 @@ use crate::sim::disk::SimKeyStore;
 
 const HOUR: i64 = 3_600_000;
 const HORIZON_MS: i64 = 10 * HOUR;
+/// A key's lifetime: the RocksDB store keeps keys an hour past it (as
+/// `dedupd` does, see `state::KEY_STORE_AGE_OUT_SLACK_MS`); the model's
+/// horizon is the lifetime itself.
+const LIFETIME_MS: i64 = 9 * HOUR;
 
 fn key(n: u64, partition: i32, first_seen_ms: i64, offset: i64) -> SeenKey {
     let h = blake3::hash(&n.to_le_bytes());
@@ -68,16 +72,30 @@ fn holds_the_contract(store: &dyn KeyTier) {
     store.apply_batch(1, &[c], 7).expect("rebuild");
     assert_eq!(get(store, 1, &c), Some(c));
 
+    // A key past its lifetime when the same id comes again (the store
+    // keeps keys a while longer, but the classifier no longer counts it
+    // and accepts the id as new) is replaced by the new key, not kept as
+    // the first delivery: its retries must find the new one.
+    let lives = key(5, 0, t, 9);
+    store.apply_batch(0, &[lives], 9).expect("apply");
+    let again =
+        SeenKey { payload_hash: PayloadHash([7; 16]), output: Position::new(0, 10), ..key(5, 0, t + LIFETIME_MS, 10) };
+    store.apply_batch(0, &[again], 10).expect("apply");
+    assert_eq!(get(store, 0, &lives), Some(again), "a key past its lifetime was kept over the id's new acceptance");
+    let within = SeenKey { output: Position::new(0, 11), ..key(5, 0, t + LIFETIME_MS + 1, 11) };
+    store.apply_batch(0, &[within], 11).expect("apply");
+    assert_eq!(get(store, 0, &lives), Some(again), "within its lifetime the first delivery wins");
+
     // Ageing out hides keys first seen at or before now - horizon; an id
     // past the floor is remembered again with its new value.
     store.age_out(t + HORIZON_MS + 1).expect("age out");
     assert_eq!(get(store, 0, &a), None);
-    let renewed = key(1, 0, t + HORIZON_MS + 5, 8);
-    store.apply_batch(0, &[renewed], 8).expect("apply");
+    let renewed = key(1, 0, t + HORIZON_MS + 5, 12);
+    store.apply_batch(0, &[renewed], 12).expect("apply");
     assert_eq!(get(store, 0, &renewed), Some(renewed));
     assert!(!store.window_below_floor(t + HORIZON_MS + 1).expect("window"), "no size cap here");
     store.flush().expect("flush");
-    assert_eq!(store.checkpoint(0).expect("checkpoint"), Some(8));
+    assert_eq!(store.checkpoint(0).expect("checkpoint"), Some(12));
 }
 
 #[test]
@@ -85,6 +103,7 @@ fn rocksdb_key_store_holds_the_contract() {
     let dir = tempfile::tempdir().expect("tempdir");
     let opts = KeyStoreOptions {
         horizon_ms: HORIZON_MS,
+        lifetime_ms: LIFETIME_MS,
         histogram_bucket_ms: HOUR,
         block_cache_bytes: 4 << 20,
         write_buffer_bytes: 4 << 20,
@@ -95,7 +114,7 @@ fn rocksdb_key_store_holds_the_contract() {
 
 #[test]
 fn the_simulators_key_store_model_holds_the_contract() {
-    holds_the_contract(&SimKeyStore::new(HORIZON_MS, 7));
+    holds_the_contract(&SimKeyStore::new(LIFETIME_MS, 7));
 }
 
 /// A power loss keeps a prefix of the batches since the last flush, each

@@ -22,6 +22,13 @@ const DAY_MS: i64 = 86_400_000;
 pub struct KeyStoreOptions {
     /// Dedupe horizon (`--horizon`), counted from `first_seen_ms` (ingest time).
     pub horizon_ms: i64,
+    /// How long the classifier counts a key as remembered (a key's
+    /// lifetime), at most `horizon_ms`: the store may keep keys a while
+    /// longer, and an id the classifier accepted again once its key's
+    /// lifetime was over replaces that key when applied, rather than being
+    /// dropped as "remembered already" (its retries would find the old key,
+    /// which the classifier no longer counts, and be billed again).
+    pub lifetime_ms: i64,
     /// Size cap (`--keystore-max-bytes`); oldest keys go first when it binds.
     pub max_bytes: Option<u64>,
     /// When the size cap shortens the window below this, `age_out` logs an
@@ -69,6 +76,7 @@ impl Default for KeyStoreOptions {
     fn default() -> KeyStoreOptions {
         KeyStoreOptions {
             horizon_ms: 35 * DAY_MS,
+            lifetime_ms: 35 * DAY_MS,
             max_bytes: None,
             // The window the default limits need (max event age 35 days,
             // future skew an hour, a millisecond): a shorter window lets a

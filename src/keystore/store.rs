@@ -424,11 +424,14 @@ impl KeyStore {
         let mut values: Vec<u8> = Vec::with_capacity(fresh.len() * 48);
         let mut spans = Vec::with_capacity(fresh.len());
         let mut added: Vec<SeenKey> = Vec::with_capacity(fresh.len());
+        let lifetime_ms = self.opts.lifetime_ms.min(self.opts.horizon_ms);
         for (k, remembered) in fresh.iter().zip(existing) {
             // First delivery wins, unless it is already past the floor
-            // (then this id was legitimately accepted again as new: the
-            // lookup does not answer keys at or below the floor).
-            if remembered.is_some() {
+            // (the lookup does not answer keys at or below it) or past its
+            // lifetime when this one was first seen: then this id was
+            // legitimately accepted again as new, and its new key replaces
+            // the old one the store still keeps.
+            if remembered.is_some_and(|r| r.first_seen_ms.saturating_add(lifetime_ms) > k.first_seen_ms) {
                 continue;
             }
             let start = values.len();

@@ -608,7 +608,11 @@ impl KeyTier for SimKeyStore {
             if fresh.iter().any(|f| f.id_hash == k.id_hash) {
                 continue;
             }
-            let remembered = m.live.keys.get(&(partition, k.id_hash)).is_some_and(|old| old.first_seen_ms > floor);
+            // Past its lifetime (the model's horizon) when this key was
+            // first seen, the old key is replaced, as the store does.
+            let remembered = m.live.keys.get(&(partition, k.id_hash)).is_some_and(|old| {
+                old.first_seen_ms > floor && old.first_seen_ms.saturating_add(m.horizon_ms) > k.first_seen_ms
+            });
             if !remembered {
                 fresh.push(*k);
             }

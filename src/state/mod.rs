@@ -545,6 +545,7 @@ pub const KEY_STORE_AGE_OUT_SLACK_MS: i64 = 3_600_000;
 pub fn keystore_options(settings: &EngineSettings) -> KeyStoreOptions {
     KeyStoreOptions {
         horizon_ms: settings.key_lifetime_ms().saturating_add(KEY_STORE_AGE_OUT_SLACK_MS),
+        lifetime_ms: settings.key_lifetime_ms(),
         max_bytes: settings.keystore_max_bytes,
         window_floor_ms: i64::try_from(settings.keystore_window_floor.as_millis()).unwrap_or(i64::MAX),
         block_cache_bytes: usize::try_from(settings.keystore_block_cache_bytes).unwrap_or(usize::MAX),
