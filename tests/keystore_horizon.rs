@@ -142,6 +142,11 @@ fn the_size_cap_keeps_the_newest_keys_and_raises_the_window_alert() -> TestResul
     assert!(r.keys_aged_out >= 4 * per_hour && r.keys_aged_out <= 8 * per_hour, "{r:?}");
     assert!(r.below_window_floor, "an 8h floor with a <6h window must alert: {r:?}");
     assert!(ks.window_below_floor(now)?);
+    // A minute later the cut keys fit under the cap, and the window is as
+    // short: the alert holds (it cleared once the round found no cut to
+    // make).
+    let later = ks.age_out(now + 60_000)?;
+    assert!(later.below_window_floor && ks.window_below_floor(now + 60_000)?, "{later:?}");
     assert_eq!(present(&ks, 0, per_hour)?, 0, "the oldest hour must be gone");
     assert_eq!(present(&ks, 9, per_hour)?, per_hour as usize, "the newest hour must be kept");
     for h in 0..10 {
@@ -151,6 +156,39 @@ fn the_size_cap_keeps_the_newest_keys_and_raises_the_window_alert() -> TestResul
     }
     ks.compact()?;
     assert!(ks.disk_bytes() < full_bytes * 3 / 4, "{} of {full_bytes}", ks.disk_bytes());
+    Ok(())
+}
+
+/// A cap too small for even the current hour's keys: the floor stays
+/// below that hour (it never lies ahead of now, hiding every key applied
+/// until then), so a key applied after the cut is remembered; and the
+/// alert holds in every later round while the cut keeps the window short
+/// (it cleared in the next round, once the histogram fit again).
+#[test]
+fn a_cap_below_one_hour_of_keys_keeps_remembering_and_keeps_alerting() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let per_hour = 3000;
+    let full_bytes = {
+        let ks = KeyStore::open(dir.path(), opts())?;
+        fill(&ks, 10, per_hour)?;
+        ks.compact()?;
+        ks.disk_bytes()
+    };
+    let capped = KeyStoreOptions { max_bytes: Some(full_bytes / 50), ..opts() };
+    let ks = KeyStore::open(dir.path(), capped)?;
+    // Half past the newest hour (9), whose keys alone are over the cap.
+    let now = 9 * HOUR + HOUR / 2;
+    let r = ks.age_out(now)?;
+    assert!(r.floor_ms < 9 * HOUR, "the floor lies in the current hour or ahead of now: {r:?}");
+    assert!(r.below_window_floor, "{r:?}");
+    let late = key(1_000_000, now + 1);
+    ks.apply_batch(0, &[late], 1_000_000)?;
+    assert_eq!(ks.get(0, &late.id_hash)?, Some(late), "a key applied after the cut was not remembered");
+    for minute in 1..4 {
+        let r = ks.age_out(now + minute * 60_000)?;
+        assert!(r.below_window_floor && ks.window_below_floor(now + minute * 60_000)?, "round {minute}: {r:?}");
+    }
+    assert_eq!(ks.get(0, &late.id_hash)?, Some(late));
     Ok(())
 }
 

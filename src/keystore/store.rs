@@ -586,7 +586,16 @@ impl KeyStore {
                     let per_key = keys_sst as f64 / physical as f64;
                     let overhead = disk_bytes.saturating_sub(keys_sst) as f64;
                     let budget = (max as f64 * SIZE_CAP_FILL - overhead).max(0.0);
-                    st.histogram.floor_for_capacity((budget / per_key) as u64)
+                    // Never into the bucket now falls in: its last
+                    // millisecond lies ahead, and a floor there would hide
+                    // every key applied until then (they would not even be
+                    // written). A cap that cannot hold one bucket keeps it,
+                    // over the cap, with the alert on.
+                    let current_bucket_start = Histogram::bucket_of_ms(self.opts.histogram_bucket_ms, now_ms)
+                        .saturating_mul(self.opts.histogram_bucket_ms);
+                    st.histogram
+                        .floor_for_capacity((budget / per_key) as u64)
+                        .map(|f| f.min(current_bucket_start.saturating_sub(1)))
                 }
             }
         };
@@ -604,7 +613,12 @@ impl KeyStore {
             self.db.write_opt(batch, &self.write_opts).map_err(KeystoreError::rocks("write floor"))?;
             self.floor.raise_to(floor_ms);
         }
-        st.size_limited = size_floor_ms.is_some_and(|s| s > horizon_floor_ms);
+        // Limited for as long as a cut of the cap holds the floor above the
+        // horizon's, not only in the round that made it: once cut, the
+        // histogram fits again and this round's size floor is none, while
+        // the window stays as short until the horizon catches up. (Read
+        // from the persisted floor, so it holds across a restart too.)
+        st.size_limited = floor_ms > horizon_floor_ms;
         let oldest_first_seen_ms = st.histogram.oldest_above(floor_ms);
         let window_ms = oldest_first_seen_ms.map(|o| now_ms.saturating_sub(o));
         let below_window_floor = Self::below_floor(st.size_limited, window_ms, self.opts.window_floor_ms);
