@@ -53,8 +53,9 @@ pub struct TuningArgs {
     #[arg(long, env = "DEDUPD_KEYSTORE_MAX_BYTES", value_name = "BYTES")]
     pub keystore_max_bytes: Option<String>,
     /// Alert (log an error, set the gauge) when the size cap shrinks the
-    /// key store's window below this; with a cap, at least `--max-event-age`
-    /// [default: `--max-event-age`].
+    /// key store's window below this; with a cap, between the window the
+    /// age check needs and a key's lifetime [default: `--max-event-age` +
+    /// `--max-future-skew` + 1 ms].
     #[arg(long, env = "DEDUPD_KEYSTORE_WINDOW_FLOOR", value_name = "DURATION")]
     pub keystore_window_floor: Option<String>,
     /// RocksDB block cache size, an upper bound: blocks read before a write

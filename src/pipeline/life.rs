@@ -998,6 +998,13 @@ mod tests {
             }
             assert_eq!(step, Step::Release { commit_first: None }, "{delivery:?}");
         }
+        // Lost while an idle partition's held rollups are published: the
+        // flush finishes, and commits nothing either.
+        let mut life = holding(DeliveryMode::AtLeastOnce);
+        assert_eq!(one_batch(&mut life, 10, 100), (false, Step::Collect));
+        assert_eq!(life.on(Event::Idle { committed: None }, 350), Step::PublishRollups);
+        assert_eq!(life.revoke(true), None, "a publish in flight is not interrupted");
+        assert_eq!(life.on(Event::Published, 400), Step::Release { commit_first: None });
     }
 
     #[test]
