@@ -283,6 +283,58 @@ fn verify_reports_a_missing_live_wal_file_data_without_a_manifest_and_a_segment_
     problem(&usage, FileKind::Segment, false);
 }
 
+/// The first live WAL file removed (files before it gone with a flush)
+/// and the next renamed down to its number: one live file is left, no
+/// number missing and no file before it to check against; its own link
+/// still names the removed file, and open and verify refuse it.
+#[test]
+fn the_first_live_wal_file_removed_and_the_next_renamed_down_is_refused() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let usage = tmp.path().join("usage");
+    let opts = StoreOptions { wal_rotate_bytes: 1024, ..StoreOptions::default() };
+    let (mut store, _) = UsageStore::open(&usage, opts.clone(), Arc::new(NoopObserver)).expect("open");
+    let events = all_events();
+    // Two flushes: the files the manifest before the last one named are
+    // kept for it, and go with the second.
+    let quarters: Vec<&[StoredEvent]> = events.chunks(events.len().div_ceil(4)).collect();
+    for (i, quarter) in quarters.iter().enumerate() {
+        for chunk in quarter.chunks(5) {
+            store.append(chunk).expect("append");
+        }
+        if i < 2 {
+            store.flush().expect("flush");
+        }
+    }
+    drop(store);
+    let list = |usage: &Path| -> Vec<PathBuf> {
+        let mut wal: Vec<PathBuf> =
+            std::fs::read_dir(usage.join("wal")).expect("ls").map(|e| e.expect("entry").path()).collect();
+        wal.sort();
+        wal
+    };
+    let seq = |p: &Path| -> u64 { p.file_stem().and_then(|s| s.to_str()).and_then(|s| s.parse().ok()).expect("seq") };
+    // Where the live files start, as the newest manifest says (verify
+    // prints it); the files below it are kept for the manifest before.
+    let report = verify(&usage).expect("verify");
+    let newest = report.files.iter().find(|f| f.kind == FileKind::Manifest).expect("a manifest");
+    let wal_start: u64 =
+        newest.detail.rsplit("wal_start ").next().and_then(|n| n.trim().parse().ok()).expect("wal_start");
+    let wal: Vec<PathBuf> = list(&usage).into_iter().filter(|p| seq(p) >= wal_start).collect();
+    assert!(wal_start > 1 && wal.len() >= 2, "two live files after the flushes, the first ones gone: {wal:?}");
+    std::fs::remove_file(&wal[0]).expect("remove the first live file");
+    for pair in wal.windows(2) {
+        std::fs::rename(&pair[1], &pair[0]).expect("renumber");
+    }
+    let reopened = UsageStore::open(&usage, opts, Arc::new(NoopObserver));
+    assert!(
+        matches!(&reopened, Err(StorageError::WalMidLogCorruption { file, .. }) if file == &wal[0]),
+        "{:?}",
+        reopened.map(|_| ())
+    );
+    let report = verify(&usage).expect("verify");
+    assert!(report.problems().any(|f| f.path == wal[0]), "{report}");
+}
+
 /// A sealed WAL file is never written again, and each newer file opens
 /// with a link frame recording where the one before it ended. A sealed
 /// file cut at a frame boundary, or emptied, holds only valid frames, so
