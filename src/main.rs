@@ -486,11 +486,20 @@ impl RunArgs {
         if let Some(d) = duration("batch_max_wait", &self.batch_max_wait, &file.batch_max_wait)? {
             s.batch.max_wait = d;
         }
+        // Zero is no timeout a broker call can meet: every call would time
+        // out, and a zero revoke timeout aborts the process at any rebalance
+        // with a batch in flight.
+        let positive = |key: &str, d: Duration| -> anyhow::Result<Duration> {
+            if d.is_zero() {
+                anyhow::bail!("invalid `{key}` (flag --{}): must be longer than zero", key.replace('_', "-"));
+            }
+            Ok(d)
+        };
         if let Some(d) = duration("operation_timeout", &self.operation_timeout, &file.operation_timeout)? {
-            s.operation_timeout = d;
+            s.operation_timeout = positive("operation_timeout", d)?;
         }
         if let Some(d) = duration("revoke_timeout", &self.revoke_timeout, &file.revoke_timeout)? {
-            s.revoke_timeout = d;
+            s.revoke_timeout = positive("revoke_timeout", d)?;
         }
         if let Some(d) = duration("stall_timeout", &self.stall_timeout, &file.stall_timeout)? {
             s.stall_timeout = d;

@@ -201,6 +201,14 @@ fn run_refuses_contradicting_settings_before_making_its_state_directory() {
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("stall_timeout"), "{out:?}");
     assert!(!state.exists(), "run made its state directory before refusing its settings");
+
+    // Zero timeouts no broker call can meet are refused, naming the key.
+    for key in ["operation-timeout", "revoke-timeout"] {
+        let out = dedupd().arg("check-config").args(setup(dir.path())).args([&format!("--{key}"), "0s"]).output();
+        let out = out.expect("check-config");
+        assert_eq!(out.status.code(), Some(2), "{key} 0s: {out:?}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains(&key.replace('-', "_")), "{out:?}");
+    }
 }
 
 /// `--standby-replicas` from the flag or the file reaches the settings; a
