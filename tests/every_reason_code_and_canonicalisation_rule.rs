@@ -161,6 +161,24 @@ fn field_too_long_for_ids_and_texts() {
     accept(&with(&format!(r#""event_id":"{}""#, "x".repeat(256))));
 }
 
+/// A NUL inside an identifier is refused: record keys (rollups, late
+/// adjustments, routing) join identifiers with NUL, so `a\0b`/`m` and
+/// `a`/`b\0m` made one rollups key, and compaction kept one counter.
+#[test]
+fn an_identifier_holding_a_nul_is_refused() {
+    for (field, base_value) in
+        [("event_id", None), ("tenant_id", Some("acme")), ("customer_id", Some("cus_42")), ("meter", Some("api_calls"))]
+    {
+        let bad = match base_value {
+            None => with(&format!(r#""{field}":"a\u0000b""#)),
+            Some(v) => with("").replace(&format!(r#""{field}":"{v}""#), &format!(r#""{field}":"a\u0000b""#)),
+        };
+        assert!(bad.contains("u0000"), "{bad}");
+        assert_eq!(reason(&bad), RejectReason::InvalidIdentifier, "{field}");
+    }
+    accept(&with(r#""unit":"a\u0000b""#));
+}
+
 #[test]
 fn too_many_dimensions_above_the_limit() {
     let dims = |n: usize| (0..n).map(|i| format!(r#""d{i}":"v""#)).collect::<Vec<_>>().join(",");
@@ -294,7 +312,9 @@ fn every_reason_code_has_its_exact_string() {
             // Issue #13: `--on-misrouted reject` (README's list).
             "misrouted",
             // Issue #12: a correction of an event dedupd does not know.
-            "unknown_original"
+            "unknown_original",
+            // An identifier with a NUL, which record keys use as separator.
+            "invalid_identifier"
         ]
     );
 }

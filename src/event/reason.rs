@@ -27,11 +27,17 @@ pub enum RejectReason {
     /// its horizon (never accepted, or forgotten): billing it would adjust
     /// usage that was never billed, or was billed under another id.
     UnknownOriginal,
+    /// An identifier (`tenant_id`, `event_id`, `customer_id`, `meter`,
+    /// `resource_id`, `correction_ref.original_event_id`) holding a NUL
+    /// character: the keys of dedupd's records join identifiers with NUL,
+    /// so two counters (or adjustments) could share one key and the
+    /// compacted topic keep only one of them.
+    InvalidIdentifier,
 }
 
 impl RejectReason {
     /// Every reason, for metrics pre-registration and documentation tests.
-    pub const ALL: [RejectReason; 16] = [
+    pub const ALL: [RejectReason; 17] = [
         RejectReason::MalformedJson,
         RejectReason::UnknownField,
         RejectReason::MissingField,
@@ -48,6 +54,7 @@ impl RejectReason {
         RejectReason::RecordTooLarge,
         RejectReason::Misrouted,
         RejectReason::UnknownOriginal,
+        RejectReason::InvalidIdentifier,
     ];
 
     /// The exact reason code.
@@ -69,6 +76,7 @@ impl RejectReason {
             RejectReason::RecordTooLarge => "record_too_large",
             RejectReason::Misrouted => "misrouted",
             RejectReason::UnknownOriginal => "unknown_original",
+            RejectReason::InvalidIdentifier => "invalid_identifier",
         }
     }
 }

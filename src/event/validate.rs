@@ -429,6 +429,17 @@ impl Validator {
 
         if input {
             self.check_sizes(&ids, &texts, dims)?;
+            // Input only: output accepted before this check must stay
+            // readable.
+            if let Some((name, _)) = ids.iter().find(|(_, v)| v.is_some_and(|v| v.contains('\0'))) {
+                return Err(Rejection::new(
+                    InvalidIdentifier,
+                    format!(
+                        "`{name}` holds a NUL character: dedupd's record keys join identifiers with NUL, so two \
+                         different ids could share one key"
+                    ),
+                ));
+            }
         }
         if input && dims.len() > self.limits.max_dimensions {
             return Err(Rejection::new(
