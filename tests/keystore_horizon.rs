@@ -101,6 +101,14 @@ fn the_floor_never_moves_back_and_survives_reopen() -> TestResult {
     assert_eq!(present(&ks, 4, 20)?, 0);
     assert_eq!(present(&ks, 5, 20)?, 20);
     assert_eq!(ks.oldest_first_seen_ms()?, Some(5 * HOUR + 1));
+    drop(ks);
+    // A floor above the horizon's (a clock behind it, a longer horizon
+    // after a restart) with no size cap is not the cap's doing: no alert,
+    // whatever the window floor.
+    let ks = KeyStore::open(dir.path(), KeyStoreOptions { window_floor_ms: 1000 * HOUR, ..opts() })?;
+    let r = ks.age_out(HORIZON)?;
+    assert!(r.floor_ms > r.horizon_floor_ms && !r.below_window_floor, "{r:?}");
+    assert!(!ks.window_below_floor(HORIZON)?);
     Ok(())
 }
 

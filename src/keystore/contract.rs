@@ -85,17 +85,23 @@ fn holds_the_contract(store: &dyn KeyTier) {
     let within = SeenKey { output: Position::new(0, 11), ..key(5, 0, t + LIFETIME_MS + 1, 11) };
     store.apply_batch(0, &[within], 11).expect("apply");
     assert_eq!(get(store, 0, &lives), Some(again), "within its lifetime the first delivery wins");
+    // The same within one batch (repair can read both into one).
+    let first = key(6, 0, t, 12);
+    let renewed_in_batch = SeenKey { payload_hash: PayloadHash([5; 16]), ..key(6, 0, t + LIFETIME_MS, 13) };
+    let retry = SeenKey { output: Position::new(0, 14), ..key(6, 0, t + LIFETIME_MS + 1, 14) };
+    store.apply_batch(0, &[first, renewed_in_batch, retry], 14).expect("apply");
+    assert_eq!(get(store, 0, &first), Some(renewed_in_batch), "within one batch the later acceptance was dropped");
 
     // Ageing out hides keys first seen at or before now - horizon; an id
     // past the floor is remembered again with its new value.
     store.age_out(t + HORIZON_MS + 1).expect("age out");
     assert_eq!(get(store, 0, &a), None);
-    let renewed = key(1, 0, t + HORIZON_MS + 5, 12);
-    store.apply_batch(0, &[renewed], 12).expect("apply");
+    let renewed = key(1, 0, t + HORIZON_MS + 5, 15);
+    store.apply_batch(0, &[renewed], 15).expect("apply");
     assert_eq!(get(store, 0, &renewed), Some(renewed));
     assert!(!store.window_below_floor(t + HORIZON_MS + 1).expect("window"), "no size cap here");
     store.flush().expect("flush");
-    assert_eq!(store.checkpoint(0).expect("checkpoint"), Some(12));
+    assert_eq!(store.checkpoint(0).expect("checkpoint"), Some(15));
 }
 
 #[test]

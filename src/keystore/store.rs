@@ -5,7 +5,6 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::thread::JoinHandle;
 
-use hashbrown::HashSet;
 use rocksdb::{
     BottommostLevelCompaction, Cache, ColumnFamily, ColumnFamilyDescriptor, CompactOptions, FlushOptions,
     IngestExternalFileOptions, SstFileWriter, WriteBatch, WriteOptions, DB,
@@ -385,17 +384,27 @@ impl KeyStore {
             return Ok(());
         }
         let floor = self.floor.get();
-        let mut seen_in_batch: HashSet<IdHash, IdBuildHasher> =
-            HashSet::with_capacity_and_hasher(keys.len(), IdBuildHasher);
-        let fresh: Vec<&SeenKey> = keys
-            .iter()
-            .filter(|k| stored.is_none_or(|c| k.output.offset > c))
-            .filter(|k| k.first_seen_ms > floor)
-            .filter(|k| seen_in_batch.insert(k.id_hash))
-            .collect();
+        let lifetime_ms = self.opts.lifetime_ms.min(self.opts.horizon_ms);
+        // One key per id, in output order: the first, unless a later copy
+        // was first seen once the held one's lifetime was over (repair can
+        // read an id's old acceptance and its re-acceptance into one
+        // batch): the later replaces it, as across batches below.
+        let mut held_at: hashbrown::HashMap<IdHash, usize, IdBuildHasher> =
+            hashbrown::HashMap::with_capacity_and_hasher(keys.len(), IdBuildHasher);
+        let mut fresh: Vec<&SeenKey> = Vec::with_capacity(keys.len());
+        for k in keys.iter().filter(|k| stored.is_none_or(|c| k.output.offset > c)).filter(|k| k.first_seen_ms > floor)
+        {
+            match held_at.get(&k.id_hash) {
+                None => {
+                    held_at.insert(k.id_hash, fresh.len());
+                    fresh.push(k);
+                }
+                Some(&at) if fresh[at].first_seen_ms.saturating_add(lifetime_ms) <= k.first_seen_ms => fresh[at] = k,
+                Some(_) => {}
+            }
+        }
         // Key order: the write batch goes out in key order, and each part
         // of the lookup below reads neighbouring keys.
-        let mut fresh = fresh;
         fresh.sort_unstable_by_key(|k| k.id_hash);
         // Which of them are remembered above the floor already. The ids the
         // batch's own classification found absent, with nothing written to
@@ -424,7 +433,6 @@ impl KeyStore {
         let mut values: Vec<u8> = Vec::with_capacity(fresh.len() * 48);
         let mut spans = Vec::with_capacity(fresh.len());
         let mut added: Vec<SeenKey> = Vec::with_capacity(fresh.len());
-        let lifetime_ms = self.opts.lifetime_ms.min(self.opts.horizon_ms);
         for (k, remembered) in fresh.iter().zip(existing) {
             // First delivery wins, unless it is already past the floor
             // (the lookup does not answer keys at or below it) or past its
@@ -591,8 +599,14 @@ impl KeyStore {
                     // every key applied until then (they would not even be
                     // written). A cap that cannot hold one bucket keeps it,
                     // over the cap, with the alert on.
-                    let current_bucket_start = Histogram::bucket_of_ms(self.opts.histogram_bucket_ms, now_ms)
-                        .saturating_mul(self.opts.histogram_bucket_ms);
+                    // (The bucket of `now` less the store's margin past a
+                    // key's lifetime: a batch that classified by an earlier
+                    // clock and applies after this round finds its keys
+                    // written.)
+                    let lag_ms = self.opts.horizon_ms.saturating_sub(self.opts.lifetime_ms).max(0);
+                    let current_bucket_start =
+                        Histogram::bucket_of_ms(self.opts.histogram_bucket_ms, now_ms.saturating_sub(lag_ms))
+                            .saturating_mul(self.opts.histogram_bucket_ms);
                     st.histogram
                         .floor_for_capacity((budget / per_key) as u64)
                         .map(|f| f.min(current_bucket_start.saturating_sub(1)))
@@ -618,7 +632,7 @@ impl KeyStore {
         // histogram fits again and this round's size floor is none, while
         // the window stays as short until the horizon catches up. (Read
         // from the persisted floor, so it holds across a restart too.)
-        st.size_limited = floor_ms > horizon_floor_ms;
+        st.size_limited = self.opts.max_bytes.is_some() && floor_ms > horizon_floor_ms;
         let oldest_first_seen_ms = st.histogram.oldest_above(floor_ms);
         let window_ms = oldest_first_seen_ms.map(|o| now_ms.saturating_sub(o));
         let below_window_floor = Self::below_floor(st.size_limited, window_ms, self.opts.window_floor_ms);

@@ -605,7 +605,12 @@ impl KeyTier for SimKeyStore {
             if stored.is_some_and(|c| k.output.offset <= c) || k.first_seen_ms <= floor {
                 continue;
             }
-            if fresh.iter().any(|f| f.id_hash == k.id_hash) {
+            // A repeat in the batch replaces the held copy only once the
+            // held one's lifetime was over when it was first seen.
+            if let Some(held) = fresh.iter_mut().find(|f| f.id_hash == k.id_hash) {
+                if held.first_seen_ms.saturating_add(m.horizon_ms) <= k.first_seen_ms {
+                    *held = *k;
+                }
                 continue;
             }
             // Past its lifetime (the model's horizon) when this key was
