@@ -14,15 +14,7 @@ fn required(budget: Duration) -> Duration {
 }
 
 fn default_budget() -> Duration {
-    let topics = Topics {
-        input: "i".into(),
-        output: "o".into(),
-        conflicts: "c".into(),
-        rejected: "r".into(),
-        rollups: None,
-        periods: None,
-    };
-    RunSettings::new("b", "g", topics).shutdown_budget()
+    RunSettings::new("b", "g", Topics::of("i", "o", "c", "r")).shutdown_budget()
 }
 
 /// The value of the first line `key: N<unit>` in a deployment file.

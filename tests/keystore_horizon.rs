@@ -129,19 +129,29 @@ fn compaction_drops_aged_out_keys_from_disk_without_tombstones() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn the_size_cap_keeps_the_newest_keys_and_raises_the_window_alert() -> TestResult {
-    let dir = tempfile::tempdir()?;
-    let per_hour = 3000;
+/// Ten hours of `per_hour` keys written and compacted, then the store
+/// opened again with a cap of `1 / fraction` of their bytes; and the bytes.
+fn ten_hours_under_a_cap(
+    dir: &std::path::Path,
+    per_hour: u64,
+    fraction: u64,
+) -> Result<(KeyStore, u64), Box<dyn std::error::Error>> {
     let full_bytes = {
-        let ks = KeyStore::open(dir.path(), opts())?;
+        let ks = KeyStore::open(dir, opts())?;
         fill(&ks, 10, per_hour)?;
         ks.compact()?;
         ks.disk_bytes()
     };
+    let capped = KeyStoreOptions { max_bytes: Some(full_bytes / fraction), ..opts() };
+    Ok((KeyStore::open(dir, capped)?, full_bytes))
+}
+
+#[test]
+fn the_size_cap_keeps_the_newest_keys_and_raises_the_window_alert() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let per_hour = 3000;
     // Room for about half of the keys: the newest hours must stay.
-    let capped = KeyStoreOptions { max_bytes: Some(full_bytes / 2), ..opts() };
-    let ks = KeyStore::open(dir.path(), capped)?;
+    let (ks, full_bytes) = ten_hours_under_a_cap(dir.path(), per_hour, 2)?;
     let now = 10 * HOUR;
     let r = ks.age_out(now)?;
     let size_floor = r.size_floor_ms.ok_or("the size cap should bind")?;
@@ -175,15 +185,7 @@ fn the_size_cap_keeps_the_newest_keys_and_raises_the_window_alert() -> TestResul
 #[test]
 fn a_cap_below_one_hour_of_keys_keeps_remembering_and_keeps_alerting() -> TestResult {
     let dir = tempfile::tempdir()?;
-    let per_hour = 3000;
-    let full_bytes = {
-        let ks = KeyStore::open(dir.path(), opts())?;
-        fill(&ks, 10, per_hour)?;
-        ks.compact()?;
-        ks.disk_bytes()
-    };
-    let capped = KeyStoreOptions { max_bytes: Some(full_bytes / 50), ..opts() };
-    let ks = KeyStore::open(dir.path(), capped)?;
+    let (ks, _) = ten_hours_under_a_cap(dir.path(), 3000, 50)?;
     // Half past the newest hour (9), whose keys alone are over the cap.
     let now = 9 * HOUR + HOUR / 2;
     let r = ks.age_out(now)?;

@@ -273,18 +273,7 @@ mod tests {
 
     #[test]
     fn scoped_properties_reach_only_their_client_kind() {
-        let mut s = RunSettings::new(
-            "127.0.0.1:9",
-            "g",
-            crate::kafka::Topics {
-                input: "i".into(),
-                output: "o".into(),
-                conflicts: "c".into(),
-                rejected: "r".into(),
-                rollups: None,
-                periods: None,
-            },
-        );
+        let mut s = RunSettings::new("127.0.0.1:9", "g", crate::kafka::Topics::of("i", "o", "c", "r"));
         s.kafka_properties = vec![
             ("consumer.fetch.wait.max.ms".into(), "77".into()),
             ("producer.linger.ms".into(), "9".into()),

@@ -25,6 +25,25 @@ pub struct Topics {
     pub periods: Option<String>,
 }
 
+impl Topics {
+    /// The four topics, with no rollups or periods topic.
+    pub fn of(
+        input: impl Into<String>,
+        output: impl Into<String>,
+        conflicts: impl Into<String>,
+        rejected: impl Into<String>,
+    ) -> Topics {
+        Topics {
+            input: input.into(),
+            output: output.into(),
+            conflicts: conflicts.into(),
+            rejected: rejected.into(),
+            rollups: None,
+            periods: None,
+        }
+    }
+}
+
 /// Bounds on one batch of one partition.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchLimits {
@@ -282,15 +301,7 @@ mod tests {
     /// may abort at 20 s; the wait was 15 s.
     #[test]
     fn repair_outwaits_the_brokers_abort_of_a_dead_peers_transaction() {
-        let topics = Topics {
-            input: "i".into(),
-            output: "o".into(),
-            conflicts: "c".into(),
-            rejected: "r".into(),
-            rollups: None,
-            periods: None,
-        };
-        let mut s = RunSettings::new("b", "g", topics);
+        let mut s = RunSettings::new("b", "g", Topics::of("i", "o", "c", "r"));
         for secs in [5, 30] {
             s.operation_timeout = Duration::from_secs(secs);
             let aborted_by = s.transaction_timeout() + BROKER_TRANSACTION_ABORT_CHECK;
