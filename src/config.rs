@@ -746,8 +746,9 @@ impl EngineSettings {
             ));
         }
         // The floor guards what a size cap leaves of the window: with no
-        // cap the window is a key's lifetime and the alert cannot fire, so
-        // no floor typed is checked then.
+        // cap the window is a key's lifetime and the alert fires only for a
+        // while after the horizon grew (or the clock stepped back), so no
+        // floor typed is checked then.
         let floor_ms = self.keystore_window_floor.as_millis();
         if self.keystore_max_bytes.is_some() && floor_ms > self.key_lifetime_ms() as u128 {
             return Err(invalid(

@@ -490,8 +490,9 @@ impl RunArgs {
         // out, and a zero revoke timeout aborts the process at any rebalance
         // with a batch in flight.
         let positive = |key: &str, d: Duration| -> anyhow::Result<Duration> {
-            if d.is_zero() {
-                anyhow::bail!("invalid `{key}` (flag --{}): must be longer than zero", key.replace('_', "-"));
+            // Milliseconds: librdkafka takes them, and 0 ms is no timeout.
+            if d.as_millis() == 0 {
+                anyhow::bail!("invalid `{key}` (flag --{}): must be at least 1ms", key.replace('_', "-"));
             }
             Ok(d)
         };

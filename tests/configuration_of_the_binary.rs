@@ -203,10 +203,10 @@ fn run_refuses_contradicting_settings_before_making_its_state_directory() {
     assert!(!state.exists(), "run made its state directory before refusing its settings");
 
     // Zero timeouts no broker call can meet are refused, naming the key.
-    for key in ["operation-timeout", "revoke-timeout"] {
-        let out = dedupd().arg("check-config").args(setup(dir.path())).args([&format!("--{key}"), "0s"]).output();
+    for (key, zero) in [("operation-timeout", "0s"), ("revoke-timeout", "0s"), ("operation-timeout", "500us")] {
+        let out = dedupd().arg("check-config").args(setup(dir.path())).args([&format!("--{key}"), zero]).output();
         let out = out.expect("check-config");
-        assert_eq!(out.status.code(), Some(2), "{key} 0s: {out:?}");
+        assert_eq!(out.status.code(), Some(2), "{key} {zero}: {out:?}");
         assert!(String::from_utf8_lossy(&out.stderr).contains(&key.replace('-', "_")), "{out:?}");
     }
 }

@@ -177,6 +177,9 @@ fn an_identifier_holding_a_nul_is_refused() {
         assert_eq!(reason(&bad), RejectReason::InvalidIdentifier, "{field}");
     }
     accept(&with(r#""unit":"a\u0000b""#));
+    // In the README's order: before the quantity's rules.
+    let both = with("").replace(r#""meter":"api_calls""#, r#""meter":"a\u0000b""#).replace(r#""12.5""#, r#""-5""#);
+    assert_eq!(reason(&both), RejectReason::InvalidIdentifier, "{both}");
 }
 
 #[test]

@@ -627,12 +627,14 @@ impl KeyStore {
             self.db.write_opt(batch, &self.write_opts).map_err(KeystoreError::rocks("write floor"))?;
             self.floor.raise_to(floor_ms);
         }
-        // Limited for as long as a cut of the cap holds the floor above the
-        // horizon's, not only in the round that made it: once cut, the
-        // histogram fits again and this round's size floor is none, while
-        // the window stays as short until the horizon catches up. (Read
-        // from the persisted floor, so it holds across a restart too.)
-        st.size_limited = self.opts.max_bytes.is_some() && floor_ms > horizon_floor_ms;
+        // Cut short for as long as the persisted floor lies above the
+        // horizon's, whatever raised it, not only in the round that did:
+        // once the cap cut, the histogram fits again and this round's size
+        // floor is none while the window stays as short until the horizon
+        // catches up; a cap cut and then removed, a horizon grown since a
+        // restart, or a clock behind the floor leave the window as short
+        // too, and retries older than it are accepted again all the same.
+        st.size_limited = floor_ms > horizon_floor_ms;
         let oldest_first_seen_ms = st.histogram.oldest_above(floor_ms);
         let window_ms = oldest_first_seen_ms.map(|o| now_ms.saturating_sub(o));
         let below_window_floor = Self::below_floor(st.size_limited, window_ms, self.opts.window_floor_ms);
@@ -642,8 +644,10 @@ impl KeyStore {
                 window_floor_ms = self.opts.window_floor_ms,
                 max_bytes = self.opts.max_bytes,
                 disk_bytes,
-                "keystore size cap pushed the dedupe window below its floor: retries older than the window will be \
-                 accepted again; raise --keystore-max-bytes"
+                "the key store's dedupe window is below its floor: retries older than the window will be accepted \
+                 again. The size cap cut it (raise --keystore-max-bytes), or did before it was raised or removed, \
+                 or the horizon grew since a restart, or the clock is behind the store's floor; it heals as the \
+                 horizon catches up"
             );
         }
         let buckets_dropped = dropped.len();
