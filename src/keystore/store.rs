@@ -51,7 +51,8 @@ pub struct AgeOutReport {
     pub oldest_first_seen_ms: Option<i64>,
     /// `now - oldest_first_seen_ms`: the value of `dedupd_dedupe_window_seconds{tier="keystore"}`.
     pub window_ms: Option<i64>,
-    /// The size cap pushed the window below `window_floor_ms`: page someone.
+    /// The floor lies above the horizon's (the size cap cut, now or before)
+    /// and the window is below `window_floor_ms`: page someone.
     pub below_window_floor: bool,
     pub disk_bytes: u64,
 }
