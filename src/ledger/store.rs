@@ -486,6 +486,24 @@ impl LedgerStore {
     /// id at its last write: from there on, the usage store holds every
     /// event folded after that write. Partitions last written by a version
     /// that did not record it have none.
+    /// Every partition's written checkpoint, in partition order (what a
+    /// reader opening the store sees: `verify` compares them with the usage
+    /// store's).
+    pub fn written_checkpoints(&self) -> Result<BTreeMap<i32, i64>, LedgerError> {
+        let mut checkpoints = BTreeMap::new();
+        for item in self.db.iterator(IteratorMode::From(b"C", Direction::Forward)) {
+            let (k, v) = item.map_err(self.rocks())?;
+            if k.first() != Some(&b'C') {
+                break;
+            }
+            let mut key = Reader { bytes: k.get(1..).unwrap_or_default(), what: "checkpoint key" };
+            let partition = key.i32()?;
+            key.end()?;
+            checkpoints.insert(partition, read_i64(&v, "checkpoint")?);
+        }
+        Ok(checkpoints)
+    }
+
     pub fn written_usage_segments(&self) -> Result<BTreeMap<i32, u64>, LedgerError> {
         let mut marks = BTreeMap::new();
         for item in self.db.iterator(IteratorMode::From(b"S", Direction::Forward)) {

@@ -75,9 +75,12 @@ pub fn verify_state_dir(state_dir: &Path) -> Result<(String, bool), StateError> 
     }
     let ledger_dir = state_dir.join("ledger");
     if ledger_dir.exists() {
-        match LedgerStore::open_read_only(&ledger_dir).and_then(|l| l.verify()) {
-            Ok(n) => {
+        match LedgerStore::open_read_only(&ledger_dir).and_then(|l| l.verify().map(|n| (l, n))) {
+            Ok((ledger, n)) => {
                 let _ = writeln!(out, "ledger {}: {n} entries decoded, checksums ok", ledger_dir.display());
+                if usage_dir.exists() {
+                    notes_of_a_usage_store_behind_its_ledger(&usage_dir, &ledger, &mut out)?;
+                }
             }
             Err(e) => {
                 let _ = writeln!(out, "ledger {}: CORRUPT: {e}", ledger_dir.display());
@@ -89,6 +92,36 @@ pub fn verify_state_dir(state_dir: &Path) -> Result<(String, bool), StateError> 
     }
     let _ = writeln!(out, "{}", if clean { "verify: ok" } else { "verify: CORRUPTION FOUND" });
     Ok((out, clean))
+}
+
+/// Notes, not corruption: partitions whose usage store holds fewer accepted
+/// events than the ledger folded (its checkpoint behind the ledger's).
+/// After a crash that is expected (a batch's usage-store append is made
+/// beside the next batch, and the ledger writes behind), and the next start
+/// repairs the usage store from the output; but it is also what a lost
+/// newest WAL file looks like, which checksums alone cannot show.
+fn notes_of_a_usage_store_behind_its_ledger(
+    usage_dir: &Path,
+    ledger: &LedgerStore,
+    out: &mut String,
+) -> Result<(), StateError> {
+    let Ok(stored) = crate::storage::stored_checkpoints(usage_dir) else {
+        // Unreadable WAL files are reported above, with their cause.
+        return Ok(());
+    };
+    for (p, folded) in ledger.written_checkpoints()? {
+        let held = stored.get(&p).copied();
+        if held.is_none_or(|h| h < folded) {
+            let held = held.map_or_else(|| "none".to_owned(), |h| h.to_string());
+            let _ = writeln!(
+                out,
+                "  note: partition {p}: the usage store holds accepted events through output offset {held}, the \
+                 ledger folded them through {folded}: expected after a crash (the next start repairs the usage \
+                 store from the output); otherwise usage-store files were lost"
+            );
+        }
+    }
+    Ok(())
 }
 
 /// `dedupd inspect`: whether an event is known, where and when it was first
