@@ -374,13 +374,49 @@ pub(crate) fn spawn(
     })
 }
 
+/// Where a follower of an output partition starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FollowStart {
+    /// Read from this offset on.
+    From(i64),
+    /// Retention deleted output from `from` on that state never applied.
+    Gap { from: i64 },
+    /// State holds an offset the output does not (`furthest` at or past
+    /// its end): the topic was recreated or truncated. Reading on from the
+    /// checkpoint would skip the new log's first records for good, and a
+    /// promotion's repair would find state level with the output.
+    Ahead { furthest: i64 },
+}
+
+/// Where to follow from: after the lowest tier's `checkpoint` (or the
+/// horizon's first offset, `first_in_horizon`, with none), unless state is
+/// ahead of the output's `end` by its furthest tier or retention passed
+/// the start (`log_start`).
+fn follow_start(
+    checkpoint: Option<i64>,
+    furthest: Option<i64>,
+    log_start: i64,
+    end: i64,
+    first_in_horizon: impl FnOnce() -> i64,
+) -> FollowStart {
+    if let Some(furthest) = furthest.filter(|f| *f >= end) {
+        return FollowStart::Ahead { furthest };
+    }
+    let from = checkpoint.map_or_else(first_in_horizon, |c| c + 1);
+    if from < log_start {
+        FollowStart::Gap { from }
+    } else {
+        FollowStart::From(from)
+    }
+}
+
 /// Follows output `partition` into local state until `stop` flips.
 fn follow(shared: &Shared, partition: i32, stop: &AtomicBool) -> Result<(), KafkaError> {
     let r = &shared.repairer;
-    let checkpoint = {
+    let (checkpoint, furthest) = {
         let mut engine = write_engine(&r.engine);
         engine.assign(partition, r.clock.now_ms())?;
-        engine.checkpoint(partition)
+        (engine.checkpoint(partition), engine.furthest_checkpoint(partition))
     };
     let mut config = r.config.clone();
     // A follower sits at the head: no busy fetching while nothing arrives,
@@ -403,23 +439,39 @@ fn follow(shared: &Shared, partition: i32, stop: &AtomicBool) -> Result<(), Kafk
     if stop.load(Ordering::SeqCst) {
         return Ok(());
     }
-    let from = match checkpoint {
-        Some(c) => c + 1,
-        None => r.first_offset_within_horizon(&consumer, partition, log_start, end, START_STEP_TIMEOUT),
+    let start = follow_start(checkpoint, furthest, log_start, end, || {
+        r.first_offset_within_horizon(&consumer, partition, log_start, end, START_STEP_TIMEOUT)
+    });
+    let from = match start {
+        FollowStart::From(from) => Some(from),
+        FollowStart::Gap { from } => {
+            tracing::warn!(
+                partition,
+                from,
+                log_start,
+                "retention deleted output this standby never applied; not following it (the next owner's repair \
+                 decides, as --on-output-gap says)"
+            );
+            None
+        }
+        FollowStart::Ahead { furthest } => {
+            tracing::error!(
+                partition,
+                furthest,
+                end,
+                "local state holds output offsets this output partition does not (the topic was recreated or \
+                 truncated, or the state came from elsewhere); not following it (the next owner's repair refuses \
+                 it)"
+            );
+            None
+        }
     };
-    if from < log_start {
-        tracing::warn!(
-            partition,
-            from,
-            log_start,
-            "retention deleted output this standby never applied; not following it (the next owner's repair \
-             decides, as --on-output-gap says)"
-        );
+    let Some(from) = from else {
         while !stop.load(Ordering::SeqCst) {
             std::thread::sleep(Duration::from_millis(200));
         }
         return Ok(());
-    }
+    };
     let mut tpl = TopicPartitionList::new();
     tpl.add_partition_offset(&r.output_topic, partition, Offset::Offset(from))
         .map_err(KafkaError::client("assigning an output partition to a standby"))?;
@@ -498,4 +550,26 @@ fn apply(
     shared.standbys.applied.fetch_add(fresh as u64, Ordering::Relaxed);
     chunk.clear();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A follower reads on after its checkpoint, or from the horizon; it
+    /// does not follow across a retention gap, nor when state holds
+    /// offsets past the output's end (a recreated topic: reading on from
+    /// the old checkpoint skipped the new log's first records for good).
+    #[test]
+    fn a_follower_starts_after_its_checkpoint_unless_state_is_ahead_or_retention_passed_it() {
+        let never = || panic!("no horizon lookup with a checkpoint");
+        assert_eq!(follow_start(Some(99), Some(99), 0, 150, never), FollowStart::From(100));
+        assert_eq!(follow_start(None, None, 10, 150, || 40), FollowStart::From(40));
+        assert_eq!(follow_start(Some(5), Some(5), 10, 150, never), FollowStart::Gap { from: 6 });
+        // The topic recreated: 100 records applied, the new log 60 long.
+        assert_eq!(follow_start(Some(99), Some(99), 0, 60, never), FollowStart::Ahead { furthest: 99 });
+        assert_eq!(follow_start(Some(99), Some(99), 0, 99, never), FollowStart::Ahead { furthest: 99 });
+        // One tier ahead is enough.
+        assert_eq!(follow_start(Some(40), Some(99), 0, 60, never), FollowStart::Ahead { furthest: 99 });
+    }
 }

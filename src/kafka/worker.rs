@@ -251,12 +251,10 @@ impl WorkerContext {
         let Some(consumer) = self.shared.consumer() else { return };
         let topic = &self.shared.settings.topics.input;
         let mut started = Vec::new();
-        // Held until every task has started: no standby of these partitions
-        // may start in between (see `crate::kafka::standby`).
-        let mut following = block_outside_runtime(|| self.shared.standbys.lock());
         let new: Vec<i32> = partitions.iter().copied().filter(|p| !self.tasks().contains_key(p)).collect();
         // Each new partition's queue is split off first, before the slow
-        // part below (a hand-over, and loading hot caches can take
+        // part below (the followers' lock, which a standby's reconcile may
+        // hold for seconds, a hand-over, and loading hot caches can take
         // seconds): what librdkafka fetches for it until the split goes to
         // the main queue, and the main task forwards those strays to the
         // partition's task, which takes them before its own queue. Split at
@@ -274,6 +272,9 @@ impl WorkerContext {
                     .fail(KafkaError::Task { detail: format!("cannot split the queue of input partition {p}") }),
             }
         }
+        // Held until every task has started: no standby of these partitions
+        // may start in between (see `crate::kafka::standby`).
+        let mut following = block_outside_runtime(|| self.shared.standbys.lock());
         block_outside_runtime(|| following.hand_over(&self.shared, &new));
         // Every new partition's hot cache from one pass over the stored keys
         // (each task's repair would otherwise read them all once per
