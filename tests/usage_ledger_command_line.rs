@@ -515,9 +515,26 @@ fn closes_made_at_once_all_stay_closed() {
                     .expect("spawn")
             })
             .collect();
-        for child in children {
-            let out = child.wait_with_output().expect("wait");
-            assert!(out.status.success(), "round {round}: {}", String::from_utf8_lossy(&out.stderr));
+        // Each close takes milliseconds; a deadline, not a timing, so a
+        // close that never got the book's lock fails the test, not CI.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        for mut child in children {
+            let status = loop {
+                if let Some(status) = child.try_wait().expect("wait") {
+                    break status;
+                }
+                if std::time::Instant::now() > deadline {
+                    let _ = child.kill();
+                    panic!("round {round}: a close did not end within two minutes");
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            };
+            let mut stderr = String::new();
+            if let Some(mut e) = child.stderr.take() {
+                use std::io::Read;
+                let _ = e.read_to_string(&mut stderr);
+            }
+            assert!(status.success(), "round {round}: {stderr}");
         }
         for tenant in &tenants {
             let out = dedupd()

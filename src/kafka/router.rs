@@ -66,15 +66,8 @@ impl RouteSettings {
         rejected_topic: impl Into<String>,
     ) -> RouteSettings {
         let rejected = rejected_topic.into();
-        let topics = Topics {
-            input: raw_topic.into(),
-            output: input_topic.into(),
-            // Never written: the router has no conflicts.
-            conflicts: rejected.clone(),
-            rejected,
-            rollups: None,
-            periods: None,
-        };
+        // Conflicts are never written: the router has none.
+        let topics = Topics::of(raw_topic, input_topic, rejected.clone(), rejected);
         RouteSettings { run: RunSettings::new(brokers, group, topics) }
     }
 

@@ -482,39 +482,50 @@ impl LedgerStore {
         self.db.delete(encoded(|out| push_segment_key(out, partition))).map_err(self.rocks())
     }
 
-    /// For each partition written with one, the usage store's next segment
-    /// id at its last write: from there on, the usage store holds every
-    /// event folded after that write. Partitions last written by a version
-    /// that did not record it have none.
     /// Every partition's written checkpoint, in partition order (what a
     /// reader opening the store sees: `verify` compares them with the usage
     /// store's).
     pub fn written_checkpoints(&self) -> Result<BTreeMap<i32, i64>, LedgerError> {
         let mut checkpoints = BTreeMap::new();
-        for item in self.db.iterator(IteratorMode::From(b"C", Direction::Forward)) {
-            let (k, v) = item.map_err(self.rocks())?;
-            if k.first() != Some(&b'C') {
-                break;
-            }
+        self.each_of_kind(b'C', |k, v| {
             let mut key = Reader { bytes: k.get(1..).unwrap_or_default(), what: "checkpoint key" };
             let partition = key.i32()?;
             key.end()?;
-            checkpoints.insert(partition, read_i64(&v, "checkpoint")?);
-        }
+            checkpoints.insert(partition, read_i64(v, "checkpoint")?);
+            Ok(())
+        })?;
         Ok(checkpoints)
     }
 
+    /// For each partition written with one, the usage store's next segment
+    /// id at its last write: from there on, the usage store holds every
+    /// event folded after that write. Partitions last written by a version
+    /// that did not record it have none.
     pub fn written_usage_segments(&self) -> Result<BTreeMap<i32, u64>, LedgerError> {
         let mut marks = BTreeMap::new();
-        for item in self.db.iterator(IteratorMode::From(b"S", Direction::Forward)) {
+        self.each_of_kind(b'S', |k, v| {
+            let (partition, segment) = decode_segment_entry(k, v)?;
+            marks.insert(partition, segment);
+            Ok(())
+        })?;
+        Ok(marks)
+    }
+
+    /// Calls `f` with every key of one kind (its first byte) and its value,
+    /// in key order.
+    fn each_of_kind(
+        &self,
+        kind: u8,
+        mut f: impl FnMut(&[u8], &[u8]) -> Result<(), LedgerError>,
+    ) -> Result<(), LedgerError> {
+        for item in self.db.iterator(IteratorMode::From(&[kind], Direction::Forward)) {
             let (k, v) = item.map_err(self.rocks())?;
-            if k.first() != Some(&b'S') {
+            if k.first() != Some(&kind) {
                 break;
             }
-            let (partition, segment) = decode_segment_entry(&k, &v)?;
-            marks.insert(partition, segment);
+            f(&k, &v)?;
         }
-        Ok(marks)
+        Ok(())
     }
 
     fn checkpoint_of(&self, partition: i32, cache: &Cache) -> Result<Option<i64>, LedgerError> {
