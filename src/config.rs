@@ -290,10 +290,11 @@ impl Default for EngineSettings {
             hot_capacity: 2_000_000,
             horizon: Duration::from_secs(35 * 86_400),
             keystore_max_bytes: None,
-            // The window the default limits need (`window_needed_ms`): the
-            // max event age, 35 days, plus the future skew, an hour, plus a
-            // millisecond (see `Limits::default`).
-            keystore_window_floor: Duration::from_millis(35 * 86_400_000 + 3_600_000 + 1),
+            // The window the default limits need (max event age 35 days,
+            // future skew an hour, a millisecond).
+            keystore_window_floor: Duration::from_millis(
+                u64::try_from(Limits::default().window_needed_ms()).unwrap_or(0),
+            ),
             keystore_block_cache_bytes: 128 << 20,
             keystore_write_buffer_bytes: 64 << 20,
             keystore_background_jobs: 2,

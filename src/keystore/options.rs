@@ -81,7 +81,7 @@ impl Default for KeyStoreOptions {
             // The window the default limits need (max event age 35 days,
             // future skew an hour, a millisecond): a shorter window lets a
             // retry of an event the age check accepts through as new.
-            window_floor_ms: 35 * DAY_MS + 3_600_000 + 1,
+            window_floor_ms: crate::event::Limits::default().window_needed_ms(),
             block_cache_bytes: 128 << 20,
             write_buffer_bytes: 64 << 20,
             background_jobs: 2,
